@@ -1,0 +1,286 @@
+"""The configuration: one dataclass tree, loaded from TOML, overridden from the command line.
+
+Precedence: dataclass defaults < the TOML file < `--section.key=value` arguments. Every field is
+documented where it is defined. An unknown section or key, or a value of the wrong type, is a
+one-line `ConfigError` naming the key; `validate()` checks the cross-field rules before any
+process group exists. The resolved tree is written to `<out_dir>/config.toml`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data import DEFAULT_TEMPLATE
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line and names the key."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/tiny"      # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
+    seed: int = 0                   # seeds data order, sampling and the tiny model
+    steps: int = 20                 # optimizer steps (= weight versions) to run
+    log_samples: int = 2            # decoded responses per step appended to samples.jsonl
+    save_every: int = 0             # checkpoint every N steps (0: only at the end if keep_last > 0)
+    keep_last: int = 2              # complete checkpoints kept; 0 disables checkpointing
+    eval_every: int = 0             # greedy evaluation every N steps (0: off)
+    eval_size: int = 16             # evaluation problems (from the validation split)
+
+
+@dataclass
+class ClusterConfig:
+    gen_ranks: int = 1              # the LAST gen_ranks ranks of the world generate; the others train
+    timeout_s: float = 300.0        # every collective and the engine: a dead peer ends the job after this
+    nnodes: int = 1                 # for --dry-run only: the nodes the rank plan is drawn for
+    nproc_per_node: int = 3         # for --dry-run only: processes per node
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"              # HF folder or hub id; "tiny" builds a random tiny Qwen2.5-VL in the run folder
+    dtype: str = "float32"          # the engines' weights and the sync transport: float32 | bfloat16
+    min_pixels: int = 56 * 56       # image pixel bounds, shared by the trainer's processor and every engine
+    max_pixels: int = 112 * 112
+    mixed_precision: bool = False   # trainer: FSDP2 bf16 compute with fp32 master weights
+    activation_checkpointing: bool = False  # trainer: recompute activations in backward
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"       # "synthetic", a local Geometry3K-layout folder, or a hub id
+    n_synthetic: int = 256          # problems per synthetic split
+    image_size: int = 112           # synthetic diagrams are image_size x image_size
+    template: str = DEFAULT_TEMPLATE  # user-turn text; must contain {problem}
+    max_prompt_len: int = 1024      # prompts longer than this (image tokens counted) are skipped
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"              # "hf" (transformers, any device) or "vllm"
+    prompts_per_step: int = 4       # prompts per step, split evenly over the generation ranks
+    group_size: int = 4             # G: samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0              # 1.0 = off; see model.py for why off is the on-policy choice
+    top_k: int = 0                  # 0 = off
+    max_new_tokens: int = 16
+    max_staleness: int = 0          # 0: synchronous; 1: generate step k+1 while training step k
+    gpu_memory_utilization: float = 0.85  # vllm: fraction of device memory for the engine
+    max_model_len: int = 4096       # vllm: prompt + response tokens
+    enforce_eager: bool = True      # vllm: no graph capture (start here on NPU)
+    tensor_parallel_size: int = 1   # vllm: devices per engine (1 in the supported layouts)
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_steps: int = 0           # linear warm-up, then constant
+    grad_clip: float = 1.0          # max global gradient norm
+    micro_batch_size: int = 8       # sequences per trainer forward/backward
+    max_skipped_steps: int = 3      # consecutive non-finite steps before the run stops
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2           # PPO clip: rho >= 1 - clip_low
+    clip_high: float = 0.28         # rho <= 1 + clip_high (DAPO's clip-higher)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    scale_by_std: bool = True       # False: Dr. GRPO advantages r - mean
+    kl_coef: float = 0.0            # > 0 builds a frozen reference policy
+    kl_estimator: str = "k3"        # k3 | k1
+    tis_cap: float = 0.0            # > 0: truncated importance sampling against the engine's logprobs
+    drop_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    exclude_truncated: bool = False  # leave responses cut at max_new_tokens out of the loss
+
+
+@dataclass
+class RewardConfig:
+    # Reward functions summed with their weights: [{name, weight, **params}]; names in rewards/.
+    functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
+    timeout_s: float = 5.0          # a reward function running longer scores 0 and counts an error
+
+
+@dataclass
+class SyncConfig:
+    enabled: bool = True            # False: engines keep the initial weights (the control experiment)
+    bucket_mb: float = 256.0        # bucket size of the broadcast
+    verify: bool = False            # after every sync compare engine and trainer weights bitwise (tests)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp) or tp
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is list and isinstance(value, list):
+        return value
+    if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    if isinstance(tp, types.UnionType):
+        for t in typing.get_args(tp):
+            try:
+                return _check_type(key, value, t)
+            except ConfigError:
+                pass
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"{key}: expected {name}, got {value!r}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    sub = getattr(cfg, section, None)
+    if sub is None or not dataclasses.is_dataclass(sub):
+        raise ConfigError(f"unknown config section [{section}] (known: "
+                          f"{', '.join(f.name for f in dataclasses.fields(Config))})")
+    hints = typing.get_type_hints(type(sub))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {section}.{key}")
+    setattr(sub, key, _check_type(f"{section}.{key}", value, hints[key]))
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value: a TOML value if it parses as one, else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load(path: str | None, overrides: list[str] = ()) -> Config:
+    """Defaults < TOML at `path` < `--section.key=value` overrides; then `validate`."""
+    cfg = Config()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--config: no such file {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{section}: expected a [section] table, got {table!r}")
+            for key, value in table.items():
+                _apply(cfg, section, key, value)
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r}: expected --section.key=value")
+        dotted, text = item[2:].split("=", 1)
+        section, key = dotted.split(".", 1)
+        _apply(cfg, section, key, _parse_value(text))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Cross-field rules; each failure is a one-line ConfigError naming the key."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    r, c, ro, t, lo = cfg.run, cfg.cluster, cfg.rollout, cfg.train, cfg.loss
+    need(r.steps >= 0, f"run.steps must be >= 0, got {r.steps}")
+    need(c.gen_ranks >= 1, f"cluster.gen_ranks must be >= 1, got {c.gen_ranks}")
+    need(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
+    need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb must be > 0, got {cfg.sync.bucket_mb}")
+    need(cfg.model.dtype in ("float32", "bfloat16"),
+         f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
+    need(0 < cfg.model.min_pixels <= cfg.model.max_pixels,
+         f"model.min_pixels ({cfg.model.min_pixels}) must be > 0 and <= model.max_pixels "
+         f"({cfg.model.max_pixels})")
+    need(ro.engine in ("hf", "vllm"), f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
+    need(ro.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares samples), got {ro.group_size}")
+    need(ro.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {ro.prompts_per_step}")
+    need(ro.temperature > 0, f"rollout.temperature must be > 0, got {ro.temperature}")
+    need(0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1], got {ro.top_p}")
+    need(ro.top_k >= 0, f"rollout.top_k must be >= 0, got {ro.top_k}")
+    need(ro.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {ro.max_new_tokens}")
+    need(ro.max_staleness in (0, 1), f"rollout.max_staleness must be 0 or 1, got {ro.max_staleness}")
+    need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(lo.aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+         f"loss.aggregation: unknown {lo.aggregation!r}")
+    need(lo.kl_estimator in ("k1", "k3"), f"loss.kl_estimator: unknown {lo.kl_estimator!r}")
+    need(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
+    need("{problem}" in cfg.data.template, "data.template must contain {problem}")
+    for i, spec in enumerate(cfg.reward.functions):
+        need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
+             f"reward.functions[{i}]: expected a table with a 'name', got {spec!r}")
+        import rewards
+        need(spec["name"] in rewards.names(),
+             f"reward.functions[{i}].name: unknown reward {spec['name']!r} (known: {rewards.names()})")
+    if cfg.model.path != "tiny" and "/" in cfg.model.path and cfg.model.path.startswith(("/", ".")):
+        need(Path(cfg.model.path).exists(), f"model.path: no such folder {cfg.model.path}")
+    if cfg.data.source not in ("synthetic",) and cfg.data.source.startswith(("/", ".")):
+        need(Path(cfg.data.source).exists(), f"data.source: no such folder {cfg.data.source}")
+    if world_size is not None:
+        validate_world(cfg, world_size)
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Rules that depend on the launch: how many ranks train and generate."""
+    c, ro = cfg.cluster, cfg.rollout
+    if world_size == 1:
+        n_train, n_gen = 1, 1  # one process plays both roles
+    else:
+        if c.gen_ranks >= world_size:
+            raise ConfigError(f"cluster.gen_ranks={c.gen_ranks} leaves no trainer rank in a world "
+                              f"of {world_size}")
+        n_train, n_gen = world_size - c.gen_ranks, c.gen_ranks
+    if ro.prompts_per_step % n_gen:
+        raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide evenly over "
+                          f"{n_gen} generation ranks")
+    n = ro.prompts_per_step * ro.group_size
+    if n % n_train:
+        raise ConfigError(f"rollout.prompts_per_step * rollout.group_size = {n} must divide evenly "
+                          f"over {n_train} trainer ranks")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written into the run folder)."""
+    lines = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")

@@ -1,0 +1,303 @@
+"""The policy model: loading Qwen2.5-VL, building the tiny random one, prompts, logprobs, FSDP2.
+
+Owns everything that touches the model's structure, so that train.py, rollout.py and sync.py
+stay free of Qwen2.5-VL details:
+- `build_tiny(dir)`: a randomly initialised Qwen2.5-VL (about 0.3M parameters) with a locally
+  made byte-level tokenizer and an image-processor config, written as an ordinary Hugging Face
+  folder. The CPU demo and every test use it; nothing is downloaded.
+- `Tokens`: the token ids the engines and the trainer must agree on (image placeholder, eos,
+  the ids sampling must never produce).
+- `prompt_ids` / `expand_images`: the chat prompt as token ids, with ONE unexpanded image
+  placeholder per image (what vLLM wants) or expanded to the image's patch count (what
+  transformers wants).
+- `sequence_logprobs`: the trainer's forward pass, with the same multimodal (mRoPE) positions
+  the engine used.
+- `apply_fsdp`: FSDP2 over the trainer-only mesh, one function.
+
+Logprob convention (engine and trainer alike): log softmax of `logits / temperature` over the
+full vocabulary with the suppressed ids removed, i.e. the policy that sampling draws from before
+top-p / top-k truncation (as verl does). Top-p / top-k therefore make the engine sample from a
+slightly different distribution than the one the loss sees; keep them off (the defaults) for
+exact on-policy training.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IMAGE_PAD = "<|image_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+SYSTEM_PROMPT = "You are a helpful assistant."
+TINY = "tiny"  # `[model] path = "tiny"` builds the random model under the run folder
+
+
+# ----------------------------------------------------------------------------- tiny model
+def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """Write a random tiny Qwen2.5-VL, its tokenizer and image processor to `out_dir`.
+
+    Deterministic in `seed`. The tokenizer is byte-level (256 byte tokens, no merges) plus the
+    Qwen chat / vision special tokens and `<think>`, `</think>`, `<answer>`, `</answer>` as single
+    tokens, so a tiny policy can learn the answer format. Returns the folder.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration)
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END,
+                IMAGE_PAD, "<|video_pad|>"]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False)
+                    for s in ["<think>", "</think>", "<answer>", "</answer>"]])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.save_pretrained(tmp)
+
+    head_dim = 16
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in specials}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
+            num_key_value_heads=max(1, hidden // head_dim // 2), max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
+            tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+            fullatt_block_indexes=[1], out_hidden_size=hidden),  # out = text hidden size
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=False)
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    # transformers' default init (std 0.02) gives a nearly uniform policy; a larger init makes
+    # the tiny random model's samples varied enough for GRPO groups to disagree.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(tmp, safe_serialization=True)
+    model.generation_config.save_pretrained(tmp)
+    _image_processor_cls()(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(tmp)
+    (tmp / "README.md").write_text("Random tiny Qwen2.5-VL built by model.build_tiny "
+                                   f"(seed {seed}); for tests and the CPU demo only.\n")
+    try:
+        tmp.rename(out)  # atomic: a half-written folder is never seen as the model
+    except OSError:  # another process won the race; theirs is identical
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_path(path: str, run_dir: Path, seed: int) -> str:
+    """`"tiny"` -> build (once) the tiny random model under the run folder; else `path`."""
+    if path == TINY:
+        return str(build_tiny(run_dir / "tiny-model", seed=seed))
+    return path
+
+
+# ----------------------------------------------------------------------------- processors
+def _image_processor_cls():
+    # The torchvision-backed Qwen2-VL image processor cannot import beside the CPU torch build;
+    # the PIL one computes the same pixels and is what runs on every device here.
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_image_processor(path: str, min_pixels: int, max_pixels: int):
+    """The model's image processor with the run's pixel bounds (shared with every engine)."""
+    return _image_processor_cls().from_pretrained(path, min_pixels=min_pixels,
+                                                  max_pixels=max_pixels)
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype,
+                                                               attn_implementation="sdpa")
+    return model.to(device)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids both engines and the trainer agree on."""
+    image_pad: int
+    vision_start: int
+    vision_end: int
+    eos: int
+    pad: int
+    vocab_size: int                 # the model's output width (may exceed the tokenizer's)
+    suppressed: tuple[int, ...]     # never sampled: special tokens other than eos, unused rows
+
+    @staticmethod
+    def of(tokenizer, vocab_size: int) -> "Tokens":
+        conv = tokenizer.convert_tokens_to_ids
+        eos = conv("<|im_end|>")
+        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        # A random model samples vision placeholders and chat markers; the trainer's re-encoding
+        # would then see image tokens without images. Suppress them on both sides (TRL does).
+        suppressed = sorted((special - {eos}) | set(range(len(tokenizer), vocab_size)))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        return Tokens(conv(IMAGE_PAD), conv(VISION_START), conv(VISION_END), eos, pad,
+                      vocab_size, tuple(suppressed))
+
+
+def prompt_ids(tokenizer, user_text: str, n_images: int, tokens: Tokens) -> list[int]:
+    """Qwen2.5-VL chat prompt with ONE unexpanded image placeholder per image."""
+    def enc(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False)
+    image = [tokens.vision_start, tokens.image_pad, tokens.vision_end] * n_images
+    return (enc(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n") + image
+            + enc(f"{user_text}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+def image_inputs(image_processor, images: list) -> dict[str, torch.Tensor]:
+    """pixel_values [sum patches, C*T*P*P] and image_grid_thw [n_images, 3] for PIL images."""
+    out = image_processor(images=images, return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def n_image_tokens(grid_thw: torch.Tensor, merge_size: int = 2) -> list[int]:
+    return [int(g.prod()) // merge_size ** 2 for g in grid_thw]
+
+
+def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
+    """Repeat the i-th image placeholder counts[i] times (transformers' expanded form)."""
+    out: list[int] = []
+    it = iter(counts)
+    for t in ids:
+        out.extend([t] * next(it) if t == image_pad else [t])
+    if next(it, None) is not None:
+        raise ValueError("more images than image placeholders in the prompt")
+    return out
+
+
+def vocab_size(path: str) -> int:
+    """The model's output width, read from its config without loading weights."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(path)
+    return getattr(cfg, "text_config", cfg).vocab_size
+
+
+def collate(episodes, images: list, image_processor, tokens: Tokens,
+            device: torch.device) -> dict[str, torch.Tensor]:
+    """Trainer batch: prompt + response per episode, right-padded, images expanded.
+
+    Keys: input_ids, attention_mask, response_mask, engine_logprobs (all [B, L], aligned so that
+    column t is token t), pixel_values, image_grid_thw. One image per episode.
+    """
+    mm = image_inputs(image_processor, images)
+    counts = n_image_tokens(mm["image_grid_thw"])
+    prompts = [expand_images(e.prompt_ids, [c], tokens.image_pad) for e, c in zip(episodes, counts)]
+    width = max(len(p) + len(e.response_ids) for p, e in zip(prompts, episodes))
+    B = len(episodes)
+    ids = torch.full((B, width), tokens.pad, dtype=torch.long)
+    attn = torch.zeros(B, width, dtype=torch.long)
+    resp = torch.zeros(B, width, dtype=torch.long)
+    engine_lp = torch.zeros(B, width, dtype=torch.float32)
+    for i, (p, e) in enumerate(zip(prompts, episodes)):
+        n, r = len(p), len(e.response_ids)
+        ids[i, :n + r] = torch.tensor(p + e.response_ids)
+        attn[i, :n + r] = 1
+        resp[i, n:n + r] = 1
+        engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
+    out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
+               pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"])
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- logprobs
+def masked_logits(logits: torch.Tensor, tokens: Tokens, temperature: float) -> torch.Tensor:
+    """The policy's logits as the engines sample them: suppressed ids removed, tempered."""
+    logits = logits.float()
+    if tokens.suppressed:
+        logits = logits.index_fill(-1, torch.tensor(tokens.suppressed, device=logits.device),
+                                   float("-inf"))
+    return logits / temperature
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens: Tokens,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each target token, entropy) under the convention in the module docstring."""
+    lp = torch.log_softmax(masked_logits(logits, tokens, temperature), dim=-1)
+    picked = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    p = lp.exp()
+    entropy = -(p * lp.nan_to_num(neginf=0.0)).sum(-1)
+    return picked, entropy
+
+
+def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer forward: logprobs and entropies of the response tokens.
+
+    `batch`: input_ids [B, L] (prompt + response, right-padded), attention_mask [B, L],
+    response_mask [B, L] (1 on response tokens), pixel_values, image_grid_thw. Returns two
+    [B, L] tensors aligned with input_ids (position t holds the logprob of token t given the
+    tokens before it; zero where response_mask is 0).
+    """
+    ids = batch["input_ids"]
+    # mm_token_type_ids marks the image tokens; without it transformers silently falls back to
+    # text-only positions and the logprobs no longer match generation (mRoPE).
+    out = model(input_ids=ids, attention_mask=batch["attention_mask"],
+                pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                mm_token_type_ids=(ids == tokens.image_pad).int(), use_cache=False)
+    logits = out.logits[:, :-1]                                  # [B, L-1, V]: predicts t+1
+    mask = batch["response_mask"][:, 1:].bool()
+    # Prompt and pad positions may hold suppressed ids (logprob -inf): score eos there instead,
+    # and zero them with `where` (-inf * 0 would be nan).
+    targets = torch.where(mask, ids[:, 1:], tokens.eos)
+    lp, ent = token_logprobs(logits, targets, tokens, temperature)
+    lp, ent = torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0)
+    zero = lp.new_zeros(ids.shape[0], 1)
+    return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
+
+
+# ----------------------------------------------------------------------------- FSDP2
+def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool = False):
+    """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh).
+
+    Each decoder layer and vision block is its own unit so that only one layer's full weights
+    live at a time; the root unit then takes the embeddings, norms and lm_head. Order matters:
+    children first, root last (fully_shard on the root skips already-sharded children).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kw = {"mesh": mesh}
+    if mixed_precision:  # bf16 compute, fp32 master weights and gradient reduction
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for block in list(model.model.visual.blocks) + list(model.model.language_model.layers):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)

@@ -1,0 +1,134 @@
+"""Rollout: the `Episode` record and the inference engines that produce it.
+
+`Episode` is the only thing that crosses from generation to training. An engine turns prompts
+(token ids with one unexpanded image placeholder per image, plus PIL images) into G sampled
+responses each, with the generation-time logprob of every sampled token (convention in
+model.py). `rollout()` runs an engine on a step's problems and scores the responses with the
+reward functions: the trainer never calls a reward function.
+
+Engines:
+- `HFEngine`: transformers `generate`, any device; what the CPU tests and demo use.
+- `VLLMEngine`: vLLM / vllm-ascend in vLLM's own spawned engine process (see its docstring).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import model as M
+import rewards
+
+
+@dataclass
+class Episode:
+    index: int                  # dataset index of the problem; its image is looked up by it
+    group: int                  # prompt number within the step; the G samples of a prompt share it
+    prompt_ids: list[int]       # chat prompt, ONE unexpanded placeholder per image
+    response_ids: list[int]     # sampled tokens, eos included when sampled
+    logprobs: list[float]       # engine's logprob of each response token
+    reward: float               # weighted total of the reward functions
+    parts: dict[str, float]     # each reward part (accuracy, format, errors, ...)
+    version: int                # weight version the engine generated with
+    truncated: bool             # stopped by max_new_tokens, not by eos
+    text: str = ""              # decoded response, for samples.jsonl and debugging
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling knobs, always passed explicitly (transformers otherwise defaults top_k to 50)."""
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+
+
+Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
+
+
+class HFEngine:
+    """transformers generation on this rank's device, with its own copy of the weights."""
+
+    def __init__(self, path: str, dtype: torch.dtype, tokens: M.Tokens, image_processor,
+                 device: torch.device):
+        self.model = M.load_model(path, dtype=dtype, device=device).eval()
+        self.tokens, self.image_processor, self.device = tokens, image_processor, device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
+        tk = self.tokens
+        images = [im for _, ims in prompts for im in ims]
+        mm = M.image_inputs(self.image_processor, images)
+        counts = iter(M.n_image_tokens(mm["image_grid_thw"]))
+        rows = [M.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
+        width = max(map(len, rows))
+        # Left padding: every row's last prompt token sits at the same column, so generated
+        # tokens line up; transformers derives positions (mRoPE) from the attention mask.
+        ids = torch.tensor([[tk.pad] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        knobs = (dict(do_sample=False) if sp.greedy else
+                 dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask,
+                pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
+                image_grid_thw=mm["image_grid_thw"].to(self.device),
+                mm_token_type_ids=(ids == tk.image_pad).int(),
+                num_return_sequences=1 if sp.greedy else sp.n, max_new_tokens=sp.max_new_tokens,
+                suppress_tokens=list(tk.suppressed), eos_token_id=tk.eos, pad_token_id=tk.pad,
+                output_logits=True, return_dict_in_generate=True, **knobs)
+        resp = out.sequences[:, width:]                                   # [P*n, T]
+        logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
+        temp = 1.0 if sp.greedy else sp.temperature
+        lp, _ = M.token_logprobs(logits, resp, tk, temp)
+        per_prompt = 1 if sp.greedy else sp.n
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for row in range(resp.shape[0]):
+            r = resp[row].tolist()
+            n = r.index(tk.eos) + 1 if tk.eos in r else len(r)
+            result[row // per_prompt].append(
+                Completion(r[:n], lp[row, :n].tolist(), truncated=tk.eos not in r[:n]))
+        return result
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, t in named:
+            params[name].copy_(t)
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+
+def rollout(engine, problems: list, tokenizer, tokens: M.Tokens, sp: Sampling, template: str,
+            reward_functions: list[dict], reward_timeout_s: float, version: int,
+            group_offset: int, seed: int) -> tuple[list[Episode], dict[str, float]]:
+    """Generate sp.n responses for each problem and score them. Returns (episodes, timings)."""
+    from data import user_text
+    prompts = [(M.prompt_ids(tokenizer, user_text(p, template), 1, tokens), [p.image])
+               for p in problems]
+    t0 = time.perf_counter()
+    completions = engine.generate(prompts, sp, seed) if prompts else []
+    t_gen = time.perf_counter() - t0
+    episodes = []
+    for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
+        for c in comps:
+            text = tokenizer.decode(c.ids, skip_special_tokens=True)
+            sample = {"answer": p.answer, "index": p.index, "response_len": len(c.ids),
+                      "truncated": c.truncated, "max_new_tokens": sp.max_new_tokens}
+            parts = rewards.score(text, sample, reward_functions, reward_timeout_s)
+            total = parts.pop("reward")
+            episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total,
+                                    parts, version, c.truncated, text))
+    return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen}

@@ -1,0 +1,212 @@
+"""Weight transport from the trainers to the engines, in buckets, with version numbers.
+
+Protocol, per sync (after every optimizer step):
+1. Every trainer rank walks the policy's parameters in one fixed order (`named_parameters`) and
+   calls `full_tensor()` on each: FSDP2 shards are all-gathered on the trainer group, so all
+   trainer ranks must make the same calls in the same order.
+2. Trainer rank 0 casts each full tensor to the transport dtype and packs it into a byte bucket
+   (`bucket_mb`); a full bucket is broadcast over the dedicated sync group {trainer 0, every
+   generation rank} while the next one is packed (two buffers, asynchronous broadcast).
+3. Metadata (names, shapes, dtypes as strings, offsets) travels once, on the first sync; every
+   later sync sends one small control tensor (version, bucket count) and then the buckets.
+4. The generation rank unpacks each bucket into views of its receive buffer (reused across
+   syncs) and hands `(name, tensor)` pairs to its engine's `load_weights`.
+
+The vLLM engine receives inside its own worker process over a communicator of its own; its
+side of the same plan lives in `rollout.VLLMWorkerExtension`, which uses `plan_buckets` /
+`unpack` from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 64  # byte alignment of each tensor inside a bucket (dtype views need aligned offsets)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def clean_name(name: str) -> str:
+    """The HF parameter name, without wrapper prefixes that checkpointing/compile insert."""
+    for p in _WRAPPER_PREFIXES:
+        name = name.replace(p, "")
+    return name
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in a bucket. Plain values only: it crosses RPCs and pickles."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[list[Slot]]:
+    """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes` bytes.
+
+    A tensor larger than a bucket gets a bucket of its own.
+    """
+    buckets: list[list[Slot]] = [[]]
+    used = 0
+    for name, shape, dt in specs:
+        nbytes = _numel(shape) * DTYPES[dt].itemsize
+        size = -(-nbytes // ALIGN) * ALIGN
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(Slot(name, tuple(shape), dt, used, nbytes))
+        used += size
+    return [b for b in buckets if b]
+
+
+def bucket_size(bucket: list[Slot]) -> int:
+    last = bucket[-1]
+    return last.offset + -(-last.nbytes // ALIGN) * ALIGN
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """The tensor `slot` describes, as a view into the uint8 buffer `buf` (no copy)."""
+    return buf[slot.offset:slot.offset + slot.nbytes].view(DTYPES[slot.dtype]).view(slot.shape)
+
+
+def unpack(buf: torch.Tensor, bucket: list[Slot]) -> list[tuple[str, torch.Tensor]]:
+    return [(s.name, view(buf, s)) for s in bucket]
+
+
+def pack(tensors: list[torch.Tensor], bucket: list[Slot], buf: torch.Tensor) -> None:
+    for t, s in zip(tensors, bucket, strict=True):
+        view(buf, s).copy_(t)
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every trainer rank (a collective for FSDP2's DTensor shards)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def param_specs(model, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(clean_name(n), tuple(p.shape), dtype) for n, p in model.named_parameters()]
+
+
+class Sender:
+    """Trainer side. Every trainer rank builds one and calls `send` after every step."""
+
+    def __init__(self, model, dtype: str, bucket_mb: float, *, group=None, src: int = 0,
+                 is_root: bool = True, device: torch.device = torch.device("cpu")):
+        self.model, self.dtype, self.group, self.src, self.is_root = model, dtype, group, src, is_root
+        self.plan = plan_buckets(param_specs(model, dtype), int(bucket_mb * 2**20))
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+        self._plan_sent = False
+
+    def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
+        """Gather, pack and broadcast all parameters. Returns the bytes sent (root only).
+
+        `sink` (world of 1): instead of broadcasting, hand each packed bucket's unpacked tensors
+        straight to the in-process engine, through the same pack/unpack path.
+        """
+        params = iter(self.model.named_parameters())
+        if self.is_root and self.group is not None:
+            self._send_control(version)
+        pending: list = []
+        sent = 0
+        for i, bucket in enumerate(self.plan):
+            full = [_full(next(params)[1]) for _ in bucket]  # collective on every trainer rank
+            if not self.is_root:
+                continue
+            buf = self._buffer(i % 2, bucket_size(bucket))
+            if len(pending) == 2:      # this buffer's previous broadcast must finish first
+                pending.pop(0).wait()
+            pack([t.detach().to(self.device, DTYPES[self.dtype]) for t in full], bucket, buf)
+            if sink is not None:
+                sink(unpack(buf, bucket))
+            else:
+                pending.append(dist.broadcast(buf[:bucket_size(bucket)], self.src,
+                                              group=self.group, async_op=True))
+            sent += bucket_size(bucket)
+        for work in pending:
+            work.wait()
+        return sent
+
+    def _send_control(self, version: int) -> None:
+        if not self._plan_sent:  # metadata once, as plain Python values
+            dist.broadcast_object_list([self.plan], self.src, group=self.group)
+            self._plan_sent = True
+        ctrl = torch.tensor([version, len(self.plan)], dtype=torch.int64, device=self.device)
+        dist.broadcast(ctrl, self.src, group=self.group)
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self._bufs) <= i:
+            self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._bufs[i].numel() < size:
+            self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._bufs[i]
+
+
+class Receiver:
+    """Generation-rank side for in-process engines (the HF engine)."""
+
+    def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):
+        self.group, self.src, self.device = group, src, device
+        self.plan: list[list[Slot]] | None = None
+        self._bufs: list[torch.Tensor] = []
+
+    def receive(self) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
+        """(version, buckets): iterate the buckets to receive them, in order, each once.
+
+        The yielded tensors are views of a reused buffer: load (copy) them before the next one.
+        """
+        if self.plan is None:
+            obj = [None]
+            dist.broadcast_object_list(obj, self.src, group=self.group)
+            self.plan = obj[0]
+            self._bufs = [torch.empty(max(bucket_size(b) for b in self.plan), dtype=torch.uint8,
+                                      device=self.device) for _ in range(2)]
+        ctrl = torch.zeros(2, dtype=torch.int64, device=self.device)
+        dist.broadcast(ctrl, self.src, group=self.group)
+        version, n = int(ctrl[0]), int(ctrl[1])
+        if n != len(self.plan):
+            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver planned {len(self.plan)}")
+        return version, self._buckets()
+
+    def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        # Post the next bucket's receive before handing out the current one, so loading overlaps
+        # with the transfer (the sender keeps two broadcasts in flight).
+        works = {}
+
+        def post(i):
+            buf = self._bufs[i % 2][:bucket_size(self.plan[i])]
+            works[i] = dist.broadcast(buf, self.src, group=self.group, async_op=True)
+
+        post(0)
+        for i, bucket in enumerate(self.plan):
+            works.pop(i).wait()
+            if i + 1 < len(self.plan):  # other buffer: its previous bucket was consumed
+                post(i + 1)
+            yield unpack(self._bufs[i % 2], bucket)
+
+
+def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Bitwise fingerprint per tensor (sha1 of the raw bytes), for parity tests."""
+    import hashlib
+    out = {}
+    for name, t in named:
+        b = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        out[clean_name(name)] = hashlib.sha1(b).hexdigest()
+    return out

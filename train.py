@@ -1,0 +1,402 @@
+"""GRPO for vision-language models (Qwen2.5-VL), one torchrun launch, no Ray.
+
+The world is split statically: the first ranks train (FSDP2 over a trainer-only mesh), the last
+`cluster.gen_ranks` ranks each own one inference engine. One step:
+
+    generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes ---+
+    trainer ranks:    logprobs (+ reference) -> advantages -> loss -> step  <-----+
+    trainer rank 0 -- bucketed broadcast over the sync group --> every engine (version + 1)
+
+A world of 1 plays both roles in one process.
+
+Launch:
+    CPU demo:  torchrun --standalone --nproc_per_node 3 train.py --config configs/tiny.toml
+    one proc:  python train.py --config configs/tiny.toml
+    GPU / NPU: see launch/ (the same command with configs/vl3b.toml)
+Overrides: --section.key=value (e.g. --run.steps=5). `--dry-run` prints the rank plan.
+
+Deliberately left out: more than one optimizer step per batch (PPO epochs / mini-batches),
+sequence packing across samples, tensor/pipeline parallel trainers, and multi-turn rollouts.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import config as C
+import data
+import device as D
+import loss as L
+import model as M
+import rollout as R
+import sync as S
+
+
+# ----------------------------------------------------------------------------- distributed setup
+def setup_distributed(cfg: C.Config, dev: D.Device) -> dict:
+    """One world, every group created on every rank in the same order. Returns plain values."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    timeout = datetime.timedelta(seconds=cfg.cluster.timeout_s)
+    world = int(os.environ["WORLD_SIZE"])
+    C.validate_world(cfg, world)  # before any process group exists
+    dist.init_process_group(backend=dev.backend, timeout=timeout)
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    n_gen = cfg.cluster.gen_ranks if world > 1 else 1
+    trainers = list(range(world - n_gen)) if world > 1 else [0]
+    gens = list(range(world - n_gen, world)) if world > 1 else [0]
+    # Object exchange (episodes, metrics, checksums) always on gloo: CPU objects.
+    ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    train_group = dist.new_group(trainers, timeout=timeout) if world > 1 else dist.group.WORLD
+    sync_group = dist.new_group([0] + gens, timeout=timeout) if world > 1 else None
+    return dict(rank=rank, world=world, local_rank=local_rank, trainers=trainers, gens=gens,
+                is_trainer=rank in trainers, is_gen=rank in gens, ctrl=ctrl,
+                train_group=train_group, sync_group=sync_group)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_plan(cfg: C.Config, nnodes: int, nproc: int) -> list[dict]:
+    """Which global rank trains or generates, and on which node/device (for --dry-run)."""
+    world = nnodes * nproc
+    C.validate_world(cfg, world)
+    n_gen = cfg.cluster.gen_ranks if world > 1 else 1
+    plan = []
+    for r in range(world):
+        role = "trainer" if r < world - n_gen or world == 1 else "generation"
+        plan.append({"rank": r, "node": r // nproc, "local_rank": r % nproc, "role": role,
+                     "device": f"{{dev}}:{r % nproc}"})
+    return plan
+
+
+# ----------------------------------------------------------------------------- data
+def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:
+    """The problems of `step`: an endless stream of per-epoch shuffles, seeded."""
+    out = []
+    for i in range(step * per_step, (step + 1) * per_step):
+        epoch, pos = divmod(i, len(problems))
+        order = list(range(len(problems)))
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+        out.append(problems[order[pos]])
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+def train_on(policy, ref, opt, sched, episodes: list[R.Episode], mine: slice, by_index: dict,
+             ctx: dict, cfg: C.Config) -> dict[str, float]:
+    """One optimizer step on this trainer's share of the step's episodes."""
+    lc, ro = cfg.loss, cfg.rollout
+    G = ro.group_size
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    adv = L.group_advantages(rewards, G, scale_by_std=lc.scale_by_std).float()      # [N]
+    keep = torch.ones(len(episodes), dtype=torch.bool)
+    n_dropped = 0
+    if lc.drop_zero_variance:
+        zero = L.zero_variance_groups(rewards, G)                                     # [N/G]
+        n_dropped = int(zero.sum())
+        keep &= ~zero.repeat_interleave(G)
+    if lc.exclude_truncated:
+        keep &= torch.tensor([not e.truncated for e in episodes])
+    # Dropped episodes stay in the micro-batches with a zero mask, so every trainer rank runs
+    # the same number of forward/backward passes (FSDP collectives) and the loss is unchanged.
+    n_tokens = sum(len(e.response_ids) for e, k in zip(episodes, keep) if k)
+    denom = {"token-mean": n_tokens, "seq-mean-token-mean": int(keep.sum()),
+             "seq-mean-token-sum-norm": len(episodes) * ro.max_new_tokens}[lc.aggregation]
+    denom = max(1, denom)
+    n_train = len(ctx["trainers"])
+    sums = {k: 0.0 for k in ("loss", "kl", "entropy", "clip_frac_low", "clip_frac_high",
+                             "ratio_mean", "tis_weight_mean", "approx_kl", "tokens")}
+    lp_diff = 0.0
+    idx = list(range(len(episodes)))[mine]
+    mbs = cfg.train.micro_batch_size
+    for start in range(0, len(idx), mbs):
+        chunk = idx[start:start + mbs]
+        eps = [episodes[i] for i in chunk]
+        batch = M.collate(eps, [by_index[e.index].image for e in eps], ctx["image_processor"],
+                          ctx["tokens"], ctx["device"])
+        mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(ctx["device"])
+        lp, ent = M.sequence_logprobs(policy, batch, ctx["tokens"], ro.temperature)
+        ref_lp = None
+        if lc.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp, _ = M.sequence_logprobs(ref, batch, ctx["tokens"], ro.temperature)
+        behaviour = batch["engine_logprobs"]
+        loss, m = L.policy_loss(
+            lp, lp.detach(), adv[chunk].to(lp.device), mask, clip_low=lc.clip_low,
+            clip_high=lc.clip_high, aggregation=lc.aggregation, kl_coef=lc.kl_coef,
+            ref_logprobs=ref_lp, kl_estimator=lc.kl_estimator, max_response_len=ro.max_new_tokens,
+            tis_cap=lc.tis_cap or None, behaviour_logprobs=behaviour if lc.tis_cap else None,
+            loss_denominator=float(denom))
+        # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
+        # global denominator, so undo the average to get exactly the full-batch gradient.
+        (loss * n_train).backward()
+        rmask = batch["response_mask"].bool()
+        sums["loss"] += float(loss.detach())
+        ntok = float(rmask.sum())
+        for k in ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
+            sums[k] += float(m[k]) * ntok
+        sums["entropy"] += float(ent.detach()[rmask].sum())
+        sums["tokens"] += ntok
+        if rmask.any():
+            lp_diff = max(lp_diff, float((lp.detach() - behaviour)[rmask].abs().max()))
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    # All trainer ranks see the same global norm, so they agree on skipping a non-finite step.
+    skipped = not (grad_norm == grad_norm and abs(grad_norm) != float("inf"))
+    if not skipped:
+        opt.step()
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    # One reduction for all sums, one for the max.
+    keys = list(sums)
+    vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(vec, group=ctx["train_group"])
+    tot = dict(zip(keys, vec.tolist()))
+    mx = torch.tensor([lp_diff], dtype=torch.float64)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=ctx["train_group"])
+    ntok = max(1.0, tot["tokens"])
+    out = {"loss": tot["loss"], "grad_norm": grad_norm, "kl": tot["kl"] / ntok,
+           "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
+           "train/skipped": float(skipped), "train/dropped_groups": float(n_dropped),
+           "train/lr": sched.get_last_lr()[0]}
+    for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
+        out[f"train/{k}"] = tot[k] / ntok
+    out["advantage/mean"] = float(adv.mean())
+    out["advantage/abs_mean"] = float(adv.abs().mean())
+    return out
+
+
+def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) -> dict[str, float]:
+    n = max(1, len(episodes))
+    out = {"reward/mean": sum(e.reward for e in episodes) / n,
+           "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
+           "response/truncated_frac": sum(e.truncated for e in episodes) / n,
+           "rollout/staleness": max((version - e.version for e in episodes), default=0),
+           # generation ranks run in parallel: the step waits for the slowest
+           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0)}
+    parts = sorted({k for e in episodes for k in e.parts})
+    for k in parts:
+        out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
+    out.setdefault("reward/accuracy", 0.0)
+    out.setdefault("reward/format", 0.0)
+    out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path, flags, overrides = None, set(), []
+    it = iter(argv)
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a in ("--dry-run",):
+            flags.add(a)
+        else:
+            overrides.append(a)
+    try:
+        cfg = C.load(path, overrides)
+        if "--dry-run" in flags:
+            return dry_run(cfg)
+        return run(cfg)
+    except C.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+def dry_run(cfg: C.Config) -> int:
+    print(C.dump_toml(cfg))
+    dev = os.environ.get("GRPO_DEVICE", "cuda|npu")
+    for row in rank_plan(cfg, cfg.cluster.nnodes, cfg.cluster.nproc_per_node):
+        row["device"] = row["device"].format(dev=dev)
+        print(json.dumps(row))
+    return 0
+
+
+def run(cfg: C.Config) -> int:
+    dev = D.detect()
+    ctx = setup_distributed(cfg, dev)
+    rank, is_root = ctx["rank"], ctx["rank"] == 0
+    ctx["device"] = D.torch_device(dev, ctx["local_rank"])
+    out_dir = Path(cfg.run.out_dir)
+    if is_root:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.toml").write_text(C.dump_toml(cfg))
+        M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)  # builds the tiny model once
+    dist.barrier(group=ctx["ctrl"])
+    model_path = M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+    D.manual_seed_all(cfg.run.seed)
+
+    tokenizer = M.load_tokenizer(model_path)
+    ctx["image_processor"] = M.load_image_processor(model_path, cfg.model.min_pixels,
+                                                    cfg.model.max_pixels)
+    problems, skipped = data.load_split(cfg.data.source, "train", seed=cfg.run.seed,
+                                        n_synthetic=cfg.data.n_synthetic,
+                                        image_size=cfg.data.image_size)
+    by_index = {p.index: p for p in problems}
+    engine_dtype = S.DTYPES[cfg.model.dtype]
+    ro = cfg.rollout
+    ctx["tokens"] = M.Tokens.of(tokenizer, M.vocab_size(model_path))
+
+    policy = ref = opt = sched = sender = engine = receiver = None
+    if ctx["is_trainer"]:
+        policy = M.load_model(model_path, dtype=torch.float32, device=ctx["device"])
+        mesh = _mesh(ctx, dev)
+        M.apply_fsdp(policy, mesh, mixed_precision=cfg.model.mixed_precision,
+                     checkpointing=cfg.model.activation_checkpointing)
+        if cfg.loss.kl_coef > 0:  # frozen reference, sharded like the policy
+            ref = M.apply_fsdp(M.load_model(model_path, torch.float32, ctx["device"]).eval(),
+                               mesh, mixed_precision=cfg.model.mixed_precision)
+            ref.requires_grad_(False)
+        tc = cfg.train
+        opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                                weight_decay=tc.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
+        sender = S.Sender(policy, cfg.model.dtype, cfg.sync.bucket_mb, group=ctx["sync_group"],
+                          src=0, is_root=is_root, device=ctx["device"])
+    if ctx["is_gen"]:
+        if ro.engine != "hf":
+            raise C.ConfigError(f"rollout.engine={ro.engine!r} is not available in this build")
+        engine = R.HFEngine(model_path, engine_dtype, ctx["tokens"], ctx["image_processor"],
+                            ctx["device"])
+        if ctx["world"] > 1:
+            receiver = S.Receiver(ctx["sync_group"], src=0, device=ctx["device"])
+
+    n_gen = len(ctx["gens"])
+    per_gen = ro.prompts_per_step // n_gen
+    gen_index = ctx["gens"].index(rank) if ctx["is_gen"] else -1
+    per_trainer = ro.prompts_per_step * ro.group_size // len(ctx["trainers"])
+    t_index = ctx["trainers"].index(rank) if ctx["is_trainer"] else -1
+    sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
+                          top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
+    logger = Logger(out_dir, cfg.run.log_samples) if is_root else None
+    version = 0  # the weights the engines hold
+    skipped_in_row = 0
+    for step in range(cfg.run.steps):
+        t_step = time.perf_counter()
+        # 1. rollout on the generation ranks
+        local: tuple[list, dict] = ([], {})
+        if ctx["is_gen"]:
+            mine = step_problems(problems, step, ro.prompts_per_step, cfg.run.seed)
+            mine = mine[gen_index * per_gen:(gen_index + 1) * per_gen]
+            local = R.rollout(engine, mine, tokenizer, ctx["tokens"], sampling, cfg.data.template,
+                              cfg.reward.functions, cfg.reward.timeout_s, version,
+                              group_offset=gen_index * per_gen,
+                              seed=cfg.run.seed * 1_000_003 + step * 1009 + gen_index)
+        # 2. episodes to every rank (gloo object exchange)
+        gathered: list = [None] * ctx["world"]
+        dist.all_gather_object(gathered, local, group=ctx["ctrl"])
+        episodes = sorted((e for eps, _ in gathered for e in eps), key=lambda e: e.group)
+        stats = [s for eps, s in gathered if s]
+        metrics: dict[str, float] = {"step": step, "weight_version": version}
+        metrics.update(rollout_metrics(episodes, stats, version))
+        # 3. train
+        t0 = time.perf_counter()
+        if ctx["is_trainer"]:
+            mine_slice = slice(t_index * per_trainer, (t_index + 1) * per_trainer)
+            metrics.update(train_on(policy, ref, opt, sched, episodes, mine_slice, by_index, ctx, cfg))
+            skipped_in_row = skipped_in_row + 1 if metrics["train/skipped"] else 0
+        metrics["time/train_s"] = time.perf_counter() - t0
+        # 4. weight sync: trainers -> every engine
+        t0 = time.perf_counter()
+        metrics["sync/bytes"] = 0.0
+        if cfg.sync.enabled:
+            metrics["sync/bytes"] = float(sync_weights(ctx, sender, receiver, engine, version + 1))
+            version += 1
+            if cfg.sync.verify:
+                metrics["sync/checksum_ok"] = float(verify_sync(ctx, policy, engine, cfg.model.dtype))
+        metrics["time/sync_s"] = time.perf_counter() - t0
+        metrics["time/step_s"] = time.perf_counter() - t_step
+        if logger:
+            logger.log(metrics, episodes, tokenizer)
+        stop = torch.tensor([skipped_in_row >= cfg.train.max_skipped_steps], dtype=torch.int64)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx["ctrl"])
+        if stop.item():
+            if is_root:
+                print(f"error: {cfg.train.max_skipped_steps} consecutive steps had a non-finite "
+                      f"loss or gradient norm (train.max_skipped_steps); stopping", file=sys.stderr)
+            dist.destroy_process_group()
+            return 3
+    dist.barrier(group=ctx["ctrl"])
+    dist.destroy_process_group()
+    return 0
+
+
+def _mesh(ctx: dict, dev: D.Device):
+    from torch.distributed.device_mesh import DeviceMesh
+    # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
+    return DeviceMesh.from_group(ctx["train_group"], dev.kind)
+
+
+def sync_weights(ctx: dict, sender, receiver, engine, version: int) -> int:
+    """Trainers send, engines receive. Returns the bytes sent (root)."""
+    if ctx["world"] == 1:
+        return sender.send(version, sink=engine.load_weights)
+    if ctx["is_trainer"]:
+        return sender.send(version)
+    got, buckets = receiver.receive()
+    if got != version:
+        raise RuntimeError(f"weight sync: rank {ctx['rank']} expected version {version}, got {got}")
+    for named in buckets:
+        engine.load_weights(named)
+    return 0
+
+
+def verify_sync(ctx: dict, policy, engine, dtype: str) -> bool:
+    """Bitwise: every engine's weights == the trainer's full weights cast to the sync dtype."""
+    ref = None
+    if ctx["is_trainer"]:
+        full = [(n, S._full(p).detach().to(S.DTYPES[dtype])) for n, p in policy.named_parameters()]
+        ref = S.checksum(full) if ctx["rank"] == 0 else None
+    mine = S.checksum(list(engine.named_parameters())) if ctx["is_gen"] else None
+    got: list = [None] * ctx["world"]
+    dist.all_gather_object(got, (ref, mine), group=ctx["ctrl"])
+    ref = got[0][0]
+    return all(g[1] == ref for g in got if g[1] is not None)
+
+
+class Logger:
+    """metrics.jsonl (one object per step), samples.jsonl, one readable stdout line per step."""
+
+    def __init__(self, out_dir: Path, n_samples: int):
+        self.metrics = open(out_dir / "metrics.jsonl", "a")
+        self.samples = open(out_dir / "samples.jsonl", "a")
+        self.n_samples = n_samples
+
+    def log(self, m: dict, episodes: list[R.Episode], tokenizer) -> None:
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+        for e in episodes[:self.n_samples]:
+            self.samples.write(json.dumps({"step": m["step"], "index": e.index, "reward": e.reward,
+                                           "parts": e.parts, "response": e.text}) + "\n")
+        self.samples.flush()
+        print(f"step {m['step']:4d} | v{m['weight_version']} | reward {m['reward/mean']:.3f} "
+              f"acc {m['reward/accuracy']:.3f} fmt {m['reward/format']:.3f} | "
+              f"len {m['response_len/mean']:.1f} | loss {m.get('loss', 0):+.4f} "
+              f"gnorm {m.get('grad_norm', 0):.3f} ent {m.get('entropy', 0):.2f} "
+              f"lpdiff {m.get('logprob_diff/max', 0):.1e} | gen {m['time/generate_s']:.2f}s "
+              f"train {m['time/train_s']:.2f}s sync {m['time/sync_s']:.2f}s "
+              f"step {m['time/step_s']:.2f}s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
