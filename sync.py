@@ -108,10 +108,14 @@ class Sender:
     """Trainer side. Every trainer rank builds one and calls `send` after every step."""
 
     def __init__(self, model, dtype: str, bucket_mb: float, *, group=None, src: int = 0,
-                 is_root: bool = True, device: torch.device = torch.device("cpu")):
+                 is_root: bool = True, device: torch.device = torch.device("cpu"),
+                 channel: "Channel | None" = None):
         self.model, self.dtype, self.group, self.src, self.is_root = model, dtype, group, src, is_root
         self.plan = plan_buckets(param_specs(model, dtype), int(bucket_mb * 2**20))
         self.device = device
+        # Control messages always go over `group` (torch world, gloo); bucket data goes over
+        # `group` too (HF engines) or over `channel`, the communicator shared with vLLM workers.
+        self.channel = channel or TorchChannel(group, src)
         self._bufs: list[torch.Tensor] = []
         self._plan_sent = False
 
@@ -137,8 +141,7 @@ class Sender:
             if sink is not None:
                 sink(unpack(buf, bucket))
             else:
-                pending.append(dist.broadcast(buf[:bucket_size(bucket)], self.src,
-                                              group=self.group, async_op=True))
+                pending.append(self.channel.broadcast(buf[:bucket_size(bucket)]))
             sent += bucket_size(bucket)
         for work in pending:
             work.wait()
@@ -148,7 +151,7 @@ class Sender:
         if not self._plan_sent:  # metadata once, as plain Python values
             dist.broadcast_object_list([self.plan], self.src, group=self.group)
             self._plan_sent = True
-        ctrl = torch.tensor([version, len(self.plan)], dtype=torch.int64, device=self.device)
+        ctrl = torch.tensor([version, len(self.plan)], dtype=torch.int64)  # CPU: gloo
         dist.broadcast(ctrl, self.src, group=self.group)
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
@@ -159,30 +162,49 @@ class Sender:
         return self._bufs[i]
 
 
+class TorchChannel:
+    """Bucket data over a torch.distributed group (the HF engine's path)."""
+
+    def __init__(self, group, src: int):
+        self.group, self.src = group, src
+
+    def broadcast(self, buf: torch.Tensor):
+        return dist.broadcast(buf, self.src, group=self.group, async_op=True)
+
+
+Channel = TorchChannel  # anything with .broadcast(uint8 tensor) -> work with .wait(); sender is its rank 0
+
+
 class Receiver:
-    """Generation-rank side for in-process engines (the HF engine)."""
+    """Generation-rank side: control messages, and bucket data for in-process engines."""
 
     def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):
         self.group, self.src, self.device = group, src, device
         self.plan: list[list[Slot]] | None = None
         self._bufs: list[torch.Tensor] = []
 
+    def receive_control(self) -> tuple[int, list[list[Slot]]]:
+        """(version, plan) of the sync that starts now; the plan itself travels only once."""
+        if self.plan is None:
+            obj = [None]
+            dist.broadcast_object_list(obj, self.src, group=self.group)
+            self.plan = obj[0]
+        ctrl = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(ctrl, self.src, group=self.group)
+        version, n = int(ctrl[0]), int(ctrl[1])
+        if n != len(self.plan):
+            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver planned {len(self.plan)}")
+        return version, self.plan
+
     def receive(self) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
         """(version, buckets): iterate the buckets to receive them, in order, each once.
 
         The yielded tensors are views of a reused buffer: load (copy) them before the next one.
         """
-        if self.plan is None:
-            obj = [None]
-            dist.broadcast_object_list(obj, self.src, group=self.group)
-            self.plan = obj[0]
-            self._bufs = [torch.empty(max(bucket_size(b) for b in self.plan), dtype=torch.uint8,
+        version, plan = self.receive_control()
+        if not self._bufs:
+            self._bufs = [torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8,
                                       device=self.device) for _ in range(2)]
-        ctrl = torch.zeros(2, dtype=torch.int64, device=self.device)
-        dist.broadcast(ctrl, self.src, group=self.group)
-        version, n = int(ctrl[0]), int(ctrl[1])
-        if n != len(self.plan):
-            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver planned {len(self.plan)}")
         return version, self._buckets()
 
     def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -291,6 +291,7 @@ def run(cfg: C.Config) -> int:
     logger = Logger(out_dir, cfg.run.log_samples) if is_root else None
     version = 0  # the weights the engines hold
     skipped_in_row = 0
+    dist.barrier(group=ctx["ctrl"])  # start-up skew must not count as step 0's time
     for step in range(cfg.run.steps):
         t_step = time.perf_counter()
         # 1. rollout on the generation ranks
@@ -322,9 +323,9 @@ def run(cfg: C.Config) -> int:
         if cfg.sync.enabled:
             metrics["sync/bytes"] = float(sync_weights(ctx, sender, receiver, engine, version + 1))
             version += 1
-            if cfg.sync.verify:
-                metrics["sync/checksum_ok"] = float(verify_sync(ctx, policy, engine, cfg.model.dtype))
         metrics["time/sync_s"] = time.perf_counter() - t0
+        if cfg.sync.enabled and cfg.sync.verify:
+            metrics["sync/checksum_ok"] = float(verify_sync(ctx, policy, engine, cfg.model.dtype))
         metrics["time/step_s"] = time.perf_counter() - t_step
         if logger:
             logger.log(metrics, episodes, tokenizer)

