@@ -186,12 +186,12 @@ def n_image_tokens(grid_thw: torch.Tensor, merge_size: int = 2) -> list[int]:
 
 def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
     """Repeat the i-th image placeholder counts[i] times (transformers' expanded form)."""
+    if ids.count(image_pad) != len(counts):
+        raise ValueError(f"{ids.count(image_pad)} image placeholders for {len(counts)} images")
     out: list[int] = []
     it = iter(counts)
     for t in ids:
         out.extend([t] * next(it) if t == image_pad else [t])
-    if next(it, None) is not None:
-        raise ValueError("more images than image placeholders in the prompt")
     return out
 
 

@@ -1,0 +1,86 @@
+"""Config: TOML + overrides, one-line errors naming the key, resolved config round trip."""
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+import config as C
+from tests.util import ROOT
+
+TINY = str(ROOT / "configs" / "tiny.toml")
+
+
+def test_defaults_toml_and_overrides_precedence(tmp_path):
+    cfg = C.load(TINY)
+    assert cfg.rollout.group_size == 4 and cfg.run.out_dir == "runs/tiny"
+    cfg = C.load(TINY, ["--rollout.group_size=8", "--run.out_dir=/x/y", "--train.lr=1",
+                        "--sync.enabled=false", "--model.path=tiny"])
+    assert cfg.rollout.group_size == 8 and cfg.run.out_dir == "/x/y"
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # int accepted for float
+    assert cfg.sync.enabled is False
+    assert C.load(None).loss.clip_high == 0.28  # dataclass defaults without a file
+
+
+def test_list_of_tables_override():
+    cfg = C.load(TINY, ['--reward.functions=[{name="target_fraction", weight=2.0}]'])
+    assert cfg.reward.functions == [{"name": "target_fraction", "weight": 2.0}]
+
+
+@pytest.mark.parametrize("override, key", [
+    (["--rollout.nope=1"], "rollout.nope"),
+    (["--nosection.x=1"], "[nosection]"),
+    (["--rollout.group_size=abc"], "rollout.group_size"),
+    (["--rollout.group_size=1.5"], "rollout.group_size"),
+    (["--sync.enabled=3"], "sync.enabled"),
+    (["--rollout.group_size=1"], "rollout.group_size"),
+    (["--sync.bucket_mb=0"], "sync.bucket_mb"),
+    (["--rollout.engine=sglang"], "rollout.engine"),
+    (["--loss.aggregation=mean"], "loss.aggregation"),
+    (["--model.min_pixels=20000", "--model.max_pixels=10000"], "model.min_pixels"),
+    (["--model.dtype=fp8"], "model.dtype"),
+    (["--model.path=/no/such/model"], "model.path"),
+    (["--data.source=/no/such/data"], "data.source"),
+    (['--reward.functions=[{name="nope"}]'], "reward.functions[0].name"),
+    (["--data.template=no placeholder"], "data.template"),
+    (["rollout.group_size=3"], "--section.key=value"),
+])
+def test_bad_values_are_one_line_errors_naming_the_key(override, key):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(TINY, override)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_unknown_key_in_toml(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[train]\nlearning_rate = 0.1\n")
+    with pytest.raises(C.ConfigError, match="train.learning_rate"):
+        C.load(str(p))
+    p.write_text("[train\n")
+    with pytest.raises(C.ConfigError, match="invalid TOML"):
+        C.load(str(p))
+
+
+@pytest.mark.parametrize("world, over, key", [
+    (3, ["--cluster.gen_ranks=3"], "cluster.gen_ranks"),
+    (4, ["--cluster.gen_ranks=3"], "rollout.prompts_per_step"),  # 4 prompts over 3 engines
+    (4, ["--cluster.gen_ranks=1"], "rollout.prompts_per_step * rollout.group_size"),  # 16 over 3
+])
+def test_world_rules(world, over, key):
+    cfg = C.load(TINY, over)
+    with pytest.raises(C.ConfigError, match=key.replace("*", r"\*")):
+        C.validate_world(cfg, world)
+
+
+def test_world_of_one_is_valid_whatever_gen_ranks():
+    C.validate_world(C.load(TINY, ["--cluster.gen_ranks=5"]), 1)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = C.load(TINY, ["--run.steps=7", '--data.template=Q: {problem} "quoted" \\boxed{}'])
+    text = C.dump_toml(cfg)
+    tomllib.loads(text)  # valid TOML
+    p = tmp_path / "resolved.toml"
+    p.write_text(text)
+    assert C.to_dict(C.load(str(p))) == C.to_dict(cfg)

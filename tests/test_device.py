@@ -1,0 +1,44 @@
+"""The device table, and that device differences stay in device.py."""
+from __future__ import annotations
+
+import subprocess
+
+import device as D
+from tests.util import ROOT
+
+
+def test_table_rows():
+    assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo")
+    assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl")
+    assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl")
+
+
+def test_detect_on_this_machine_and_forced(monkeypatch):
+    monkeypatch.setenv("GRPO_DEVICE", "npu")
+    assert D.detect().kind == "npu"
+    monkeypatch.delenv("GRPO_DEVICE")
+    assert D.detect().kind == "cpu"  # no accelerator here; torch_npu absent
+
+
+def test_narrow_visible(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    D.narrow_visible(D.TABLE["cuda"], 2)
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    D.narrow_visible(D.TABLE["npu"], 3)
+    assert __import__("os").environ["ASCEND_RT_VISIBLE_DEVICES"] == "3"
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
+
+
+def test_no_accelerator_calls_outside_device_py():
+    out = subprocess.run(["git", "grep", "-n", "-E", r"torch\.(cuda|npu)\.|import torch_npu",
+                          "--", "*.py", ":!device.py", ":!tests/*", ":!bench/*"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout == "", out.stdout
+
+
+def test_accelerator_packages_are_not_imported_at_module_level():
+    code = ("import sys, train, rollout, sync, model, device, data, loss, config; "
+            "bad = [m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run(["python", "-c", code], cwd=ROOT, check=True)
