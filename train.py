@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import checkpoint as ckpt
 import config as C
 import data
 import device as D
@@ -201,22 +202,24 @@ def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    path, flags, overrides = None, set(), []
+    path, flags, overrides = None, {}, []
     it = iter(argv)
     for a in it:
-        if a == "--config":
-            path = next(it, None)
-        elif a.startswith("--config="):
-            path = a.split("=", 1)[1]
-        elif a in ("--dry-run",):
-            flags.add(a)
+        key, eq, val = a.partition("=")
+        if key in ("--config", "--resume", "--checkpoint"):
+            flags[key] = val if eq else next(it, None)
+        elif a in ("--dry-run", "--eval-only"):
+            flags[a] = True
         else:
             overrides.append(a)
     try:
-        cfg = C.load(path, overrides)
-        if "--dry-run" in flags:
+        cfg = C.load(flags.get("--config"), overrides)
+        if flags.get("--dry-run"):
             return dry_run(cfg)
-        return run(cfg)
+        if flags.get("--eval-only") and not flags.get("--checkpoint"):
+            raise C.ConfigError("--eval-only needs --checkpoint DIR")
+        return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
+                   if flags.get("--eval-only") else None)
     except C.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -231,7 +234,53 @@ def dry_run(cfg: C.Config) -> int:
     return 0
 
 
-def run(cfg: C.Config) -> int:
+def build_trainer(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str) -> dict:
+    """Policy (FSDP2), optional frozen reference, AdamW, LR schedule, weight sender."""
+    policy = M.load_model(model_path, dtype=torch.float32, device=ctx["device"])
+    mesh = _mesh(ctx, dev)
+    M.apply_fsdp(policy, mesh, mixed_precision=cfg.model.mixed_precision,
+                 checkpointing=cfg.model.activation_checkpointing)
+    ref = None
+    if cfg.loss.kl_coef > 0:  # frozen reference, sharded like the policy; only when used
+        ref = M.apply_fsdp(M.load_model(model_path, torch.float32, ctx["device"]).eval(), mesh,
+                           mixed_precision=cfg.model.mixed_precision)
+        ref.requires_grad_(False)
+    tc = cfg.train
+    opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                            weight_decay=tc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
+    sender = S.Sender(policy, cfg.model.dtype, cfg.sync.bucket_mb, group=ctx["sync_group"],
+                      src=0, is_root=ctx["rank"] == 0, device=ctx["device"])
+    return dict(policy=policy, ref=ref, opt=opt, sched=sched, sender=sender)
+
+
+def build_engine(cfg: C.Config, ctx: dict, model_path: str):
+    if cfg.rollout.engine != "hf":
+        raise C.ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not available in this build")
+    return R.HFEngine(model_path, S.DTYPES[cfg.model.dtype], ctx["tokens"],
+                      ctx["image_processor"], ctx["device"])
+
+
+def load_data(cfg: C.Config, split: str, tokenizer, ctx: dict) -> tuple[list, int]:
+    """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
+    rows, skipped = data.load_split(cfg.data.source, split, seed=cfg.run.seed,
+                                    n_synthetic=cfg.data.n_synthetic, image_size=cfg.data.image_size)
+    ip, tk = ctx["image_processor"], ctx["tokens"]
+
+    def too_long(p) -> bool:  # never truncate a prompt: image tokens would be cut
+        n_img = ip.get_number_of_image_patches(p.image.height, p.image.width, {}) // ip.merge_size ** 2
+        text = M.prompt_ids(tokenizer, data.user_text(p, cfg.data.template), 1, tk)
+        return len(text) - 1 + n_img > cfg.data.max_prompt_len
+
+    rows, more = data.skip_bad_rows(rows, is_too_long=too_long)
+    if not rows:
+        raise C.ConfigError(f"data.source: no usable rows in split {split!r} of {cfg.data.source} "
+                            f"({len(skipped) + len(more)} skipped; see data.max_prompt_len)")
+    return rows, len(skipped) + len(more)
+
+
+def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None) -> int:
     dev = D.detect()
     ctx = setup_distributed(cfg, dev)
     rank, is_root = ctx["rank"], ctx["rank"] == 0
@@ -243,43 +292,55 @@ def run(cfg: C.Config) -> int:
         M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)  # builds the tiny model once
     dist.barrier(group=ctx["ctrl"])
     model_path = M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+    if eval_checkpoint:  # evaluate a saved HF export with the engines, nothing else
+        hf = Path(eval_checkpoint) / "hf"
+        model_path = str(hf if hf.is_dir() else eval_checkpoint)
     D.manual_seed_all(cfg.run.seed)
-
     tokenizer = M.load_tokenizer(model_path)
     ctx["image_processor"] = M.load_image_processor(model_path, cfg.model.min_pixels,
                                                     cfg.model.max_pixels)
-    problems, skipped = data.load_split(cfg.data.source, "train", seed=cfg.run.seed,
-                                        n_synthetic=cfg.data.n_synthetic,
-                                        image_size=cfg.data.image_size)
-    by_index = {p.index: p for p in problems}
-    engine_dtype = S.DTYPES[cfg.model.dtype]
-    ro = cfg.rollout
     ctx["tokens"] = M.Tokens.of(tokenizer, M.vocab_size(model_path))
+    ro = cfg.rollout
+    eval_set = None
+    if cfg.run.eval_every or eval_checkpoint:
+        eval_set = load_data(cfg, "validation", tokenizer, ctx)[0][:cfg.run.eval_size]
+    engine = build_engine(cfg, ctx, model_path) if ctx["is_gen"] else None
+    if eval_checkpoint:
+        m = evaluate(ctx, engine, eval_set, tokenizer, cfg, version=-1)
+        if is_root:
+            print(json.dumps(m))
+            with open(out_dir / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"checkpoint": str(eval_checkpoint), **m}) + "\n")
+        dist.destroy_process_group()
+        return 0
 
-    policy = ref = opt = sched = sender = engine = receiver = None
-    if ctx["is_trainer"]:
-        policy = M.load_model(model_path, dtype=torch.float32, device=ctx["device"])
-        mesh = _mesh(ctx, dev)
-        M.apply_fsdp(policy, mesh, mixed_precision=cfg.model.mixed_precision,
-                     checkpointing=cfg.model.activation_checkpointing)
-        if cfg.loss.kl_coef > 0:  # frozen reference, sharded like the policy
-            ref = M.apply_fsdp(M.load_model(model_path, torch.float32, ctx["device"]).eval(),
-                               mesh, mixed_precision=cfg.model.mixed_precision)
-            ref.requires_grad_(False)
-        tc = cfg.train
-        opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                                weight_decay=tc.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
-        sender = S.Sender(policy, cfg.model.dtype, cfg.sync.bucket_mb, group=ctx["sync_group"],
-                          src=0, is_root=is_root, device=ctx["device"])
-    if ctx["is_gen"]:
-        if ro.engine != "hf":
-            raise C.ConfigError(f"rollout.engine={ro.engine!r} is not available in this build")
-        engine = R.HFEngine(model_path, engine_dtype, ctx["tokens"], ctx["image_processor"],
-                            ctx["device"])
-        if ctx["world"] > 1:
-            receiver = S.Receiver(ctx["sync_group"], src=0, device=ctx["device"])
+    problems, n_skipped = load_data(cfg, "train", tokenizer, ctx)
+    by_index = {p.index: p for p in problems}
+    tr = build_trainer(cfg, ctx, dev, model_path) if ctx["is_trainer"] else {}
+    receiver = (S.Receiver(ctx["sync_group"], src=0, device=ctx["device"])
+                if ctx["is_gen"] and ctx["world"] > 1 else None)
+
+    # Resume: rank 0 picks the checkpoint, every rank learns the step and version.
+    start, version, skipped_in_row = 0, 0, 0
+    pick = [None]
+    if is_root:
+        ck = Path(resume) if resume else ckpt.latest(out_dir)
+        pick = [str(ck) if ck else None]
+    dist.broadcast_object_list(pick, 0, group=ctx["ctrl"])
+    if pick[0]:
+        if ctx["is_trainer"]:
+            meta = ckpt.load(Path(pick[0]), policy=tr["policy"], opt=tr["opt"], sched=tr["sched"],
+                             train_group=ctx["train_group"],
+                             rank_in_group=ctx["trainers"].index(rank))
+            D.set_rng_state(dev, meta["rng"])
+        meta_obj = [ckpt.read_meta(Path(pick[0])) if is_root else None]
+        dist.broadcast_object_list(meta_obj, 0, group=ctx["ctrl"])
+        start, version = meta_obj[0]["step"], meta_obj[0]["version"]
+        skipped_in_row = meta_obj[0]["skipped_in_row"]
+        if cfg.sync.enabled:  # the engines start from the resumed weights
+            sync_weights(ctx, tr.get("sender"), receiver, engine, version)
+        if is_root:
+            print(f"resumed from {pick[0]} at step {start} (weight version {version})", flush=True)
 
     n_gen = len(ctx["gens"])
     per_gen = ro.prompts_per_step // n_gen
@@ -288,11 +349,9 @@ def run(cfg: C.Config) -> int:
     t_index = ctx["trainers"].index(rank) if ctx["is_trainer"] else -1
     sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    logger = Logger(out_dir, cfg.run.log_samples) if is_root else None
-    version = 0  # the weights the engines hold
-    skipped_in_row = 0
+    logger = Logger(out_dir, cfg.run.log_samples, start) if is_root else None
     dist.barrier(group=ctx["ctrl"])  # start-up skew must not count as step 0's time
-    for step in range(cfg.run.steps):
+    for step in range(start, cfg.run.steps):
         t_step = time.perf_counter()
         # 1. rollout on the generation ranks
         local: tuple[list, dict] = ([], {})
@@ -308,27 +367,44 @@ def run(cfg: C.Config) -> int:
         dist.all_gather_object(gathered, local, group=ctx["ctrl"])
         episodes = sorted((e for eps, _ in gathered for e in eps), key=lambda e: e.group)
         stats = [s for eps, s in gathered if s]
-        metrics: dict[str, float] = {"step": step, "weight_version": version}
+        metrics: dict[str, float] = {"step": step, "weight_version": version,
+                                     "data/skipped": n_skipped}
         metrics.update(rollout_metrics(episodes, stats, version))
         # 3. train
         t0 = time.perf_counter()
         if ctx["is_trainer"]:
             mine_slice = slice(t_index * per_trainer, (t_index + 1) * per_trainer)
-            metrics.update(train_on(policy, ref, opt, sched, episodes, mine_slice, by_index, ctx, cfg))
+            metrics.update(train_on(tr["policy"], tr["ref"], tr["opt"], tr["sched"], episodes,
+                                    mine_slice, by_index, ctx, cfg))
             skipped_in_row = skipped_in_row + 1 if metrics["train/skipped"] else 0
         metrics["time/train_s"] = time.perf_counter() - t0
         # 4. weight sync: trainers -> every engine
         t0 = time.perf_counter()
         metrics["sync/bytes"] = 0.0
         if cfg.sync.enabled:
-            metrics["sync/bytes"] = float(sync_weights(ctx, sender, receiver, engine, version + 1))
+            metrics["sync/bytes"] = float(sync_weights(ctx, tr.get("sender"), receiver, engine,
+                                                       version + 1))
             version += 1
         metrics["time/sync_s"] = time.perf_counter() - t0
         if cfg.sync.enabled and cfg.sync.verify:
-            metrics["sync/checksum_ok"] = float(verify_sync(ctx, policy, engine, cfg.model.dtype))
+            metrics["sync/checksum_ok"] = float(verify_sync(ctx, tr.get("policy"), engine,
+                                                            cfg.model.dtype))
         metrics["time/step_s"] = time.perf_counter() - t_step
+        done = step + 1
+        # 5. evaluation and checkpoint
+        if eval_set and (done % max(1, cfg.run.eval_every) == 0 or done == cfg.run.steps):
+            metrics.update(evaluate(ctx, engine, eval_set, tokenizer, cfg, version))
+        if cfg.run.keep_last > 0 and ((cfg.run.save_every and done % cfg.run.save_every == 0)
+                                      or done == cfg.run.steps):
+            if ctx["is_trainer"]:
+                ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr["policy"],
+                          opt=tr["opt"], sched=tr["sched"], rng=D.rng_state(dev),
+                          meta={"step": done, "version": version, "skipped_in_row": skipped_in_row},
+                          tokenizer=tokenizer, image_processor=ctx["image_processor"],
+                          dtype=S.DTYPES[cfg.model.dtype], train_group=ctx["train_group"],
+                          is_root=is_root, keep_last=cfg.run.keep_last)
         if logger:
-            logger.log(metrics, episodes, tokenizer)
+            logger.log(metrics, episodes)
         stop = torch.tensor([skipped_in_row >= cfg.train.max_skipped_steps], dtype=torch.int64)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx["ctrl"])
         if stop.item():
@@ -340,6 +416,26 @@ def run(cfg: C.Config) -> int:
     dist.barrier(group=ctx["ctrl"])
     dist.destroy_process_group()
     return 0
+
+
+def evaluate(ctx: dict, engine, problems: list, tokenizer, cfg: C.Config, version: int) -> dict:
+    """Greedy decoding of the evaluation split on the generation ranks, geometry-graded."""
+    ro = cfg.rollout
+    local = ([], {})
+    if ctx["is_gen"]:
+        n_gen, j = len(ctx["gens"]), ctx["gens"].index(ctx["rank"])
+        sp = R.Sampling(n=1, greedy=True, max_new_tokens=ro.max_new_tokens)
+        local = R.rollout(engine, problems[j::n_gen], tokenizer, ctx["tokens"], sp,
+                          cfg.data.template, [{"name": "geometry", "weight": 1.0}],
+                          cfg.reward.timeout_s, version, group_offset=0, seed=0)
+    got: list = [None] * ctx["world"]
+    dist.all_gather_object(got, local, group=ctx["ctrl"])
+    eps = [e for g, _ in got for e in g]
+    n = max(1, len(eps))
+    return {"eval/accuracy": sum(e.parts.get("accuracy", 0.0) for e in eps) / n,
+            "eval/format": sum(e.parts.get("format", 0.0) for e in eps) / n,
+            "eval/response_len": sum(len(e.response_ids) for e in eps) / n,
+            "eval/n": len(eps)}
 
 
 def _mesh(ctx: dict, dev: D.Device):
@@ -378,12 +474,18 @@ def verify_sync(ctx: dict, policy, engine, dtype: str) -> bool:
 class Logger:
     """metrics.jsonl (one object per step), samples.jsonl, one readable stdout line per step."""
 
-    def __init__(self, out_dir: Path, n_samples: int):
+    def __init__(self, out_dir: Path, n_samples: int, start: int):
+        # A resumed run drops what a crashed run logged after its last checkpoint.
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            p = out_dir / name
+            if p.exists():
+                keep = [ln for ln in p.read_text().splitlines() if json.loads(ln)["step"] < start]
+                p.write_text("".join(ln + "\n" for ln in keep))
         self.metrics = open(out_dir / "metrics.jsonl", "a")
         self.samples = open(out_dir / "samples.jsonl", "a")
         self.n_samples = n_samples
 
-    def log(self, m: dict, episodes: list[R.Episode], tokenizer) -> None:
+    def log(self, m: dict, episodes: list[R.Episode]) -> None:
         self.metrics.write(json.dumps(m) + "\n")
         self.metrics.flush()
         for e in episodes[:self.n_samples]:
@@ -396,7 +498,8 @@ class Logger:
               f"gnorm {m.get('grad_norm', 0):.3f} ent {m.get('entropy', 0):.2f} "
               f"lpdiff {m.get('logprob_diff/max', 0):.1e} | gen {m['time/generate_s']:.2f}s "
               f"train {m['time/train_s']:.2f}s sync {m['time/sync_s']:.2f}s "
-              f"step {m['time/step_s']:.2f}s", flush=True)
+              f"step {m['time/step_s']:.2f}s"
+              + (f" | eval acc {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""), flush=True)
 
 
 if __name__ == "__main__":
