@@ -78,3 +78,14 @@ def test_local_geometry3k_folder_trains(tmp_path):
     assert len(rows) == 2
     assert rows[0]["data/skipped"] > 0     # prompts over 200 tokens (image tokens counted) skipped
     assert "skipping row" in p.stderr
+
+
+def test_plot_script_draws_png(tmp_path):
+    rows = [{"step": i, "reward/mean": i / 10, "reward/accuracy": 0.0, "reward/format": 0.0,
+             "response_len/mean": 16.0, **({"eval/accuracy": 0.1} if i % 2 else {})} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "plot.py"), str(tmp_path)],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
