@@ -23,25 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from config import fault_active
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
 _STEP = re.compile(r"^step_(\d+)$")
-
-
-def fault(point: str, step: int | None = None) -> None:
-    """Fault injection for the failure tests: `GRPO_FAULT=<point>[@<step>][:<rank>]` kills this
-    process (SIGKILL, like an OOM kill or a lost node) when it reaches `point`."""
-    spec = os.environ.get("GRPO_FAULT")
-    if not spec:
-        return
-    name, _, rank = spec.partition(":")
-    name, _, at = name.partition("@")
-    if name != point or (at and step != int(at)):
-        return
-    if rank and int(rank) != int(os.environ.get("RANK", 0)):
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def root(out_dir: str | Path) -> Path:
@@ -85,7 +71,8 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokeniz
     if is_root:
         torch.save({**meta, "sched": sched.state_dict(), "rng": metas}, tmp / "state" / "meta.pt")
     dist.barrier(group=train_group)
-    fault("checkpoint_before_rename", meta["step"])
+    if fault_active("checkpoint_before_rename", meta["step"]):  # tests: die mid-write
+        os.kill(os.getpid(), signal.SIGKILL)
     if is_root:
         tmp.rename(path_final)  # the commit point
         for old in complete(path_final.parent.parent)[:-keep_last]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 import types
 import typing
@@ -21,6 +22,19 @@ from data import DEFAULT_TEMPLATE
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the key."""
+
+
+def fault_active(point: str, step: int | None = None) -> bool:
+    """Fault injection for the failure tests, off unless `GRPO_FAULT=<point>[@<step>][:<rank>]`
+    is set: true when this rank reaches `point` (at `step`, if given)."""
+    spec = os.environ.get("GRPO_FAULT")
+    if not spec:
+        return False
+    name, _, rank = spec.partition(":")
+    name, _, at = name.partition("@")
+    if name != point or (at and step != int(at)):
+        return False
+    return not rank or int(rank) == int(os.environ.get("RANK", 0))
 
 
 @dataclass

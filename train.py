@@ -24,7 +24,9 @@ import datetime
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -70,6 +72,65 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Liveness:
+    """Heartbeats and phases in the launcher's key-value store, to name the culprit of a failure.
+
+    A daemon thread bumps `hb/<rank>` every 0.5 s; the loop records its phase ("step 3:
+    rollout"). When a collective fails or times out, `report()` names the ranks whose heartbeat
+    stopped (dead: killed, crashed, lost node) and every rank's last phase (a rank alive but stuck
+    in another phase is the hung one).
+    """
+    INTERVAL = 0.5
+
+    def __init__(self, rank: int, world: int, roles: list[str]):
+        self.store = dist.distributed_c10d._get_default_store()
+        self.store.set_timeout(datetime.timedelta(seconds=5))  # diagnosis must not hang either
+        self.rank, self.world, self.roles = rank, world, roles
+        self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                self.store.add(f"{self.ns}/hb/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                return
+
+    def phase(self, what: str) -> None:
+        self.store.set(f"{self.ns}/phase/{self.rank}", what)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.store.set(f"{self.ns}/exit/{self.rank}", "1")
+
+    def report(self) -> str:
+        """One line: who is dead, and where every rank was."""
+        try:
+            count = lambda: [self.store.add(f"{self.ns}/hb/{r}", 0) for r in range(self.world)]
+            before = count()
+            time.sleep(3 * self.INTERVAL)
+            after = count()
+            ended = {r for r in range(self.world) if self.store.check([f"{self.ns}/exit/{r}"])}
+            dead = [r for r in range(self.world)
+                    if r != self.rank and after[r] == before[r] and r not in ended]
+            phases = []
+            for r in range(self.world):
+                k = f"{self.ns}/phase/{r}"
+                phases.append(self.store.get(k).decode() if self.store.check([k]) else "?")
+        except Exception as e:  # noqa: BLE001
+            return f"could not diagnose ({type(e).__name__}: the launcher's store is gone)"
+        where = [f"{r}:{p}" for r, p in enumerate(phases)]
+        # Alive ranks elsewhere than this one are the likely stuck ones.
+        stuck = [r for r in range(self.world) if r not in dead and r not in ended
+                 and phases[r] != phases[self.rank]]
+        who = (", ".join(f"rank {r} ({self.roles[r]})" for r in dead) + " died (no heartbeat)"
+               if dead else "no rank died; " + (", ".join(
+                   f"rank {r} ({self.roles[r]}) is stuck in '{phases[r]}'" for r in stuck)
+                   or "a rank is stuck (compare phases)"))
+        return f"{who}; last phases: " + " | ".join(where)
 
 
 def rank_plan(cfg: C.Config, nnodes: int, nproc: int) -> list[dict]:
@@ -143,6 +204,8 @@ def train_on(policy, ref, opt, sched, episodes: list[R.Episode], mine: slice, by
             ref_logprobs=ref_lp, kl_estimator=lc.kl_estimator, max_response_len=ro.max_new_tokens,
             tis_cap=lc.tis_cap or None, behaviour_logprobs=behaviour if lc.tis_cap else None,
             loss_denominator=float(denom))
+        if C.fault_active("nan_loss", ctx["step"]):  # tests: a non-finite loss
+            loss = loss * float("nan")
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
         # global denominator, so undo the average to get exactly the full-batch gradient.
         (loss * n_train).backward()
@@ -281,9 +344,42 @@ def load_data(cfg: C.Config, split: str, tokenizer, ctx: dict) -> tuple[list, in
 
 
 def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None) -> int:
+    """Set up the world, then run; any failure ends THIS rank at once with a line naming the
+    culprit (torchrun then stops the others, which print their own view)."""
     dev = D.detect()
     ctx = setup_distributed(cfg, dev)
+    rank = ctx["rank"]
+    roles = ["trainer+generation" if ctx["world"] == 1 else
+             "trainer" if r in ctx["trainers"] else "generation" for r in range(ctx["world"])]
+    live = ctx["live"] = Liveness(rank, ctx["world"], roles)
+
+    def on_sigterm(signum, frame):  # torchrun stops the survivors of a failed rank this way
+        print(f"error: rank {rank} ({roles[rank]}) stopped by the launcher; {live.report()}",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        code = _run(cfg, ctx, dev, resume, eval_checkpoint)
+        live.close()
+        return code
+    except C.ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - report, then exit without a hanging teardown
+        report = live.report()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: rank {rank} ({roles[rank]}) failed: {type(e).__name__}: {msg[:300]}; "
+              f"{report}", file=sys.stderr, flush=True)
+        if "died" not in report:
+            import traceback
+            traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(4)
+
+
+def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
+         eval_checkpoint: str | None) -> int:
     rank, is_root = ctx["rank"], ctx["rank"] == 0
+    live = ctx["live"]
     ctx["device"] = D.torch_device(dev, ctx["local_rank"])
     out_dir = Path(cfg.run.out_dir)
     if is_root:
@@ -321,7 +417,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
                 if ctx["is_gen"] and ctx["world"] > 1 else None)
 
     # Resume: rank 0 picks the checkpoint, every rank learns the step and version.
-    start, version, skipped_in_row = 0, 0, 0
+    start, version, skipped_in_row, skipped_total = 0, 0, 0, 0.0
     pick = [None]
     if is_root:
         ck = Path(resume) if resume else ckpt.latest(out_dir)
@@ -336,7 +432,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
         meta_obj = [ckpt.read_meta(Path(pick[0])) if is_root else None]
         dist.broadcast_object_list(meta_obj, 0, group=ctx["ctrl"])
         start, version = meta_obj[0]["step"], meta_obj[0]["version"]
-        skipped_in_row = meta_obj[0]["skipped_in_row"]
+        skipped_in_row, skipped_total = meta_obj[0]["skipped_in_row"], meta_obj[0]["skipped_total"]
         if cfg.sync.enabled:  # the engines start from the resumed weights
             sync_weights(ctx, tr.get("sender"), receiver, engine, version)
         if is_root:
@@ -353,7 +449,13 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     dist.barrier(group=ctx["ctrl"])  # start-up skew must not count as step 0's time
     for step in range(start, cfg.run.steps):
         t_step = time.perf_counter()
+        if C.fault_active("die", step):      # tests: a rank killed mid-run
+            os.kill(os.getpid(), signal.SIGKILL)
+        if C.fault_active("hang", step):     # tests: a rank alive but stuck
+            live.phase(f"step {step}: hung")
+            time.sleep(10 ** 6)
         # 1. rollout on the generation ranks
+        live.phase(f"step {step}: rollout")
         local: tuple[list, dict] = ([], {})
         if ctx["is_gen"]:
             mine = step_problems(problems, step, ro.prompts_per_step, cfg.run.seed)
@@ -363,6 +465,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
                               group_offset=gen_index * per_gen,
                               seed=cfg.run.seed * 1_000_003 + step * 1009 + gen_index)
         # 2. episodes to every rank (gloo object exchange)
+        live.phase(f"step {step}: exchange")
         gathered: list = [None] * ctx["world"]
         dist.all_gather_object(gathered, local, group=ctx["ctrl"])
         episodes = sorted((e for eps, _ in gathered for e in eps), key=lambda e: e.group)
@@ -371,14 +474,18 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
                                      "data/skipped": n_skipped}
         metrics.update(rollout_metrics(episodes, stats, version))
         # 3. train
+        live.phase(f"step {step}: train")
         t0 = time.perf_counter()
         if ctx["is_trainer"]:
+            ctx["step"] = step
             mine_slice = slice(t_index * per_trainer, (t_index + 1) * per_trainer)
             metrics.update(train_on(tr["policy"], tr["ref"], tr["opt"], tr["sched"], episodes,
                                     mine_slice, by_index, ctx, cfg))
             skipped_in_row = skipped_in_row + 1 if metrics["train/skipped"] else 0
+            metrics["train/skipped_steps"] = skipped_total = skipped_total + metrics["train/skipped"]
         metrics["time/train_s"] = time.perf_counter() - t0
         # 4. weight sync: trainers -> every engine
+        live.phase(f"step {step}: sync")
         t0 = time.perf_counter()
         metrics["sync/bytes"] = 0.0
         if cfg.sync.enabled:
@@ -392,6 +499,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
         metrics["time/step_s"] = time.perf_counter() - t_step
         done = step + 1
         # 5. evaluation and checkpoint
+        live.phase(f"step {step}: eval/checkpoint")
         if eval_set and (done % max(1, cfg.run.eval_every) == 0 or done == cfg.run.steps):
             metrics.update(evaluate(ctx, engine, eval_set, tokenizer, cfg, version))
         if cfg.run.keep_last > 0 and ((cfg.run.save_every and done % cfg.run.save_every == 0)
@@ -399,7 +507,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
             if ctx["is_trainer"]:
                 ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr["policy"],
                           opt=tr["opt"], sched=tr["sched"], rng=D.rng_state(dev),
-                          meta={"step": done, "version": version, "skipped_in_row": skipped_in_row},
+                          meta={"step": done, "version": version, "skipped_in_row": skipped_in_row,
+                                "skipped_total": skipped_total},
                           tokenizer=tokenizer, image_processor=ctx["image_processor"],
                           dtype=S.DTYPES[cfg.model.dtype], train_group=ctx["train_group"],
                           is_root=is_root, keep_last=cfg.run.keep_last)
