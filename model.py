@@ -42,15 +42,26 @@ def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int
 
     Deterministic in `seed`. The tokenizer is byte-level (256 byte tokens, no merges) plus the
     Qwen chat / vision special tokens and `<think>`, `</think>`, `<answer>`, `</answer>` as single
-    tokens, so a tiny policy can learn the answer format. Returns the folder.
+    tokens, so a tiny policy can learn the answer format. Returns the folder. Safe to call from
+    several processes at once (a file lock; the folder appears complete or not at all).
     """
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+    with open(out.with_name(out.name + ".lock"), "w") as lock:  # one builder at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").exists():
+            _build_tiny(out, seed, hidden, layers)
+    return out
+
+
+def _build_tiny(out: Path, seed: int, hidden: int, layers: int) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig,
                               Qwen2_5_VLForConditionalGeneration)
 
-    out = Path(out_dir)
-    if (out / "model.safetensors").exists():
-        return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
 
@@ -94,17 +105,17 @@ def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(tmp, safe_serialization=True)
+    # Written directly: transformers' save_pretrained silently skips non-zero ranks once
+    # torch.distributed is initialised, and any rank may be the one building.
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     _image_processor_cls()(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(tmp)
     (tmp / "README.md").write_text("Random tiny Qwen2.5-VL built by model.build_tiny "
                                    f"(seed {seed}); for tests and the CPU demo only.\n")
-    try:
-        tmp.rename(out)  # atomic: a half-written folder is never seen as the model
-    except OSError:  # another process won the race; theirs is identical
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    tmp.rename(out)  # atomic: a half-written folder is never seen as the model
 
 
 def resolve_path(path: str, run_dir: Path, seed: int) -> str:

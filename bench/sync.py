@@ -1,0 +1,119 @@
+"""Weight-sync benchmark: sync.py's bucketed path vs one raw broadcast of the same bytes.
+
+    python bench/sync.py                  # 256 MB + the tiny model, 1 trainer -> 1 engine (gloo)
+    python bench/sync.py --mb 1024 --engines 2 --bucket-mb 64
+
+Launches itself under torchrun (1 + engines ranks). Rank 0 holds a model whose parameters total
+`--mb` megabytes (64 tensors) plus the tiny Qwen2.5-VL's parameters; it syncs them to every
+engine rank through `sync.Sender` / `sync.Receiver` (packing, double-buffered broadcast,
+unpacking, loading into the engine's tensors), then broadcasts the same number of bytes as ONE
+raw tensor on the same group. Both are timed after a warm-up, best of `--repeat`. Prints one JSON
+object: bytes, sync_s, raw_s, ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=256.0, help="synthetic parameter megabytes")
+    ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-tiny", action="store_true", help="leave the tiny model out")
+    return ap.parse_args(argv)
+
+
+def build(args):
+    import torch
+    params = {}
+    n = 64
+    per = int(args.mb * 2**20 / 4 / n)
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        params[f"synthetic.{i}"] = torch.randn(per, generator=g)
+    if not args.no_tiny:
+        import tempfile
+        import model as M
+        path = M.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny", seed=0)
+        for k, v in M.load_model(str(path)).named_parameters():
+            params[f"tiny.{k}"] = v.detach()
+    m = torch.nn.Module()
+    for k, v in params.items():
+        m.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v, requires_grad=False))
+    return m
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import sync as S
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    model = build(args)  # every rank builds the same shapes; engines overwrite theirs
+    total = sum(p.numel() * 4 for p in model.parameters())
+    if rank == 0:
+        sender = S.Sender(model, "float32", args.bucket_mb, group=group, src=0)
+    else:
+        receiver = S.Receiver(group, src=0)
+        params = dict(model.named_parameters())
+    raw = torch.empty(total, dtype=torch.uint8)
+    if rank == 0:
+        raw.fill_(7)
+
+    def do_sync(version):
+        if rank == 0:
+            sender.send(version)
+        else:
+            got, buckets = receiver.receive()
+            for named in buckets:  # adopt the receive buffers as the weights, as HFEngine does
+                for name, t in named:
+                    if params[name].data_ptr() != t.data_ptr():
+                        params[name].data = t
+
+    def timed(fn):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier(group)
+        return time.perf_counter() - t0
+
+    do_sync(0)                                       # warm-up: plan metadata, first connection
+    dist.broadcast(raw, 0, group=group)
+    sync_s = min(timed(lambda: do_sync(1)) for _ in range(args.repeat))
+    raw_s = min(timed(lambda: dist.broadcast(raw, 0, group=group)) for _ in range(args.repeat))
+    if rank == 1:  # the engine really holds the sender's weights
+        ref = build(args)
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    if rank == 0:
+        print(json.dumps({"bytes": total, "tensors": len(list(model.parameters())),
+                          "buckets": len(sender.plan), "engines": args.engines,
+                          "bucket_mb": args.bucket_mb, "sync_s": round(sync_s, 4),
+                          "raw_s": round(raw_s, 4), "ratio": round(raw_s / sync_s, 3),
+                          "gbps": round(total / sync_s / 1e9, 3)}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse()
+    if "RANK" in os.environ:
+        return worker(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={1 + args.engines}", __file__, *sys.argv[1:]]
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+if __name__ == "__main__":
+    main()
