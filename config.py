@@ -100,7 +100,8 @@ class TrainConfig:
     beta2: float = 0.999
     warmup_steps: int = 0           # linear warm-up, then constant
     grad_clip: float = 1.0          # max global gradient norm
-    micro_batch_size: int = 8       # sequences per trainer forward/backward
+    micro_batch_size: int = 8       # sequences per trainer forward/backward (when micro_batch_tokens = 0)
+    micro_batch_tokens: int = 0     # > 0: group sequences by length, at most this many padded tokens each
     max_skipped_steps: int = 3      # consecutive non-finite steps before the run stops
 
 
@@ -233,10 +234,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(ro.max_staleness in (0, 1), f"rollout.max_staleness must be 0 or 1, got {ro.max_staleness}")
     need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(t.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be >= 0, got {t.micro_batch_tokens}")
     need(lo.aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          f"loss.aggregation: unknown {lo.aggregation!r}")
     need(lo.kl_estimator in ("k1", "k3"), f"loss.kl_estimator: unknown {lo.kl_estimator!r}")
     need(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
+    need(not ro.max_staleness or lo.tis_cap > 0,
+         "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
+         "the engine's logprobs corrects the one-step-stale samples")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     for i, spec in enumerate(cfg.reward.functions):
         need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
@@ -262,6 +267,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"cluster.gen_ranks={c.gen_ranks} leaves no trainer rank in a world "
                               f"of {world_size}")
         n_train, n_gen = world_size - c.gen_ranks, c.gen_ranks
+    if ro.max_staleness and world_size == 1:
+        raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
+                          "cannot overlap generation with training)")
     if ro.prompts_per_step % n_gen:
         raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide evenly over "
                           f"{n_gen} generation ranks")

@@ -102,10 +102,18 @@ class HFEngine:
         return result
 
     @torch.no_grad()
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        """Copy `named` into the model, or with `adopt` make the tensors the model's storage
+        (they must outlive the model's use of them: sync.Receiver's buffers do, and later syncs
+        then write the new weights in place with no copy at all)."""
         params = dict(self.model.named_parameters())
         for name, t in named:
-            params[name].copy_(t)
+            p = params[name]
+            if adopt and t.dtype == p.dtype and t.device == p.device and t.shape == p.shape:
+                if p.data_ptr() != t.data_ptr():
+                    p.data = t
+            else:
+                p.copy_(t)
 
     def named_parameters(self):
         return self.model.named_parameters()

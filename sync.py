@@ -199,29 +199,23 @@ class Receiver:
     def receive(self) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
         """(version, buckets): iterate the buckets to receive them, in order, each once.
 
-        The yielded tensors are views of a reused buffer: load (copy) them before the next one.
+        The yielded tensors are views of this receiver's own buffers, one per bucket, which keep
+        their storage across syncs: an engine may adopt them as its weights (zero copy, as
+        `HFEngine.load_weights(..., adopt=True)` does) or copy them.
         """
         version, plan = self.receive_control()
         if not self._bufs:
-            self._bufs = [torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8,
-                                      device=self.device) for _ in range(2)]
+            self._bufs = [torch.empty(bucket_size(b), dtype=torch.uint8, device=self.device)
+                          for b in plan]
         return version, self._buckets()
 
     def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        # Post the next bucket's receive before handing out the current one, so loading overlaps
-        # with the transfer (the sender keeps two broadcasts in flight).
-        works = {}
-
-        def post(i):
-            buf = self._bufs[i % 2][:bucket_size(self.plan[i])]
-            works[i] = dist.broadcast(buf, self.src, group=self.group, async_op=True)
-
-        post(0)
-        for i, bucket in enumerate(self.plan):
-            works.pop(i).wait()
-            if i + 1 < len(self.plan):  # other buffer: its previous bucket was consumed
-                post(i + 1)
-            yield unpack(self._bufs[i % 2], bucket)
+        # Every receive is posted at once (nothing is reused within a sync), so the transfer runs
+        # back to back while the engine loads whatever has arrived.
+        works = [dist.broadcast(buf, self.src, group=self.group, async_op=True) for buf in self._bufs]
+        for work, buf, bucket in zip(works, self._bufs, self.plan):
+            work.wait()
+            yield unpack(buf, bucket)
 
 
 def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:

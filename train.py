@@ -159,65 +159,118 @@ def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:
 
 
 # ----------------------------------------------------------------------------- training
-def train_on(policy, ref, opt, sched, episodes: list[R.Episode], mine: slice, by_index: dict,
-             ctx: dict, cfg: C.Config) -> dict[str, float]:
-    """One optimizer step on this trainer's share of the step's episodes."""
-    lc, ro = cfg.loss, cfg.rollout
-    G = ro.group_size
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    adv = L.group_advantages(rewards, G, scale_by_std=lc.scale_by_std).float()      # [N]
-    keep = torch.ones(len(episodes), dtype=torch.bool)
-    n_dropped = 0
-    if lc.drop_zero_variance:
-        zero = L.zero_variance_groups(rewards, G)                                     # [N/G]
-        n_dropped = int(zero.sum())
-        keep &= ~zero.repeat_interleave(G)
-    if lc.exclude_truncated:
-        keep &= torch.tensor([not e.truncated for e in episodes])
-    # Dropped episodes stay in the micro-batches with a zero mask, so every trainer rank runs
-    # the same number of forward/backward passes (FSDP collectives) and the loss is unchanged.
-    n_tokens = sum(len(e.response_ids) for e, k in zip(episodes, keep) if k)
-    denom = {"token-mean": n_tokens, "seq-mean-token-mean": int(keep.sum()),
-             "seq-mean-token-sum-norm": len(episodes) * ro.max_new_tokens}[lc.aggregation]
-    denom = max(1, denom)
+def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
+                       count: int | None = None) -> list[list[int]]:
+    """Group sequence indices into micro-batches.
+
+    `max_tokens > 0`: sort by length and fill each micro-batch while (sequences x longest) stays
+    within the budget (less padding than fixed-size chunks); else chunks of `max_seqs` in order.
+    `count`: split the largest micro-batches until there are `count` of them, because every
+    trainer rank must run the same number of forward/backward passes (FSDP collectives).
+    """
+    if max_tokens > 0:
+        mbs: list[list[int]] = [[]]
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            if mbs[-1] and (len(mbs[-1]) + 1) * lengths[i] > max_tokens:  # lengths[i] is the longest
+                mbs.append([])
+            mbs[-1].append(i)
+        mbs = [m for m in mbs if m]
+    else:
+        mbs = [list(range(i, min(i + max_seqs, len(lengths)))) for i in range(0, len(lengths), max_seqs)]
+    while count is not None and len(mbs) < count:
+        k = max(range(len(mbs)), key=lambda j: len(mbs[j]))
+        if len(mbs[k]) < 2:
+            raise ValueError(f"cannot make {count} micro-batches from {len(lengths)} sequences")
+        half = len(mbs[k]) // 2
+        mbs[k:k + 1] = [mbs[k][:half], mbs[k][half:]]
+    return mbs
+
+
+def accumulate_gradients(policy, ref, episodes: list[R.Episode], idx: list[int], adv, keep,
+                         denom: float, by_index: dict, ctx: dict, cfg: C.Config) -> dict[str, float]:
+    """Forward/backward over this rank's episodes `idx` in micro-batches; gradients accumulate.
+
+    Every micro-batch loss is normalised by the step's GLOBAL denominator, so the accumulated
+    gradient equals the full-batch gradient whatever the micro-batching (tested).
+    """
+    lc, ro, tk = cfg.loss, cfg.rollout, ctx["tokens"]
+    ip = ctx["image_processor"]
+    lengths = [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids)
+               + ip.get_number_of_image_patches(by_index[episodes[i].index].image.height,
+                                                by_index[episodes[i].index].image.width, {})
+               // ip.merge_size ** 2 for i in idx]
+    plan = plan_micro_batches(lengths, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+    n = torch.tensor([len(plan)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ctx["train_group"])
+    plan = plan_micro_batches(lengths, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens,
+                              count=int(n))
     n_train = len(ctx["trainers"])
     sums = {k: 0.0 for k in ("loss", "kl", "entropy", "clip_frac_low", "clip_frac_high",
-                             "ratio_mean", "tis_weight_mean", "approx_kl", "tokens")}
+                             "ratio_mean", "tis_weight_mean", "approx_kl", "tokens", "slots")}
     lp_diff = 0.0
-    idx = list(range(len(episodes)))[mine]
-    mbs = cfg.train.micro_batch_size
-    for start in range(0, len(idx), mbs):
-        chunk = idx[start:start + mbs]
+    for mb in plan:
+        chunk = [idx[j] for j in mb]
         eps = [episodes[i] for i in chunk]
-        batch = M.collate(eps, [by_index[e.index].image for e in eps], ctx["image_processor"],
-                          ctx["tokens"], ctx["device"])
+        batch = M.collate(eps, [by_index[e.index].image for e in eps], ip, tk, ctx["device"])
         mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(ctx["device"])
-        lp, ent = M.sequence_logprobs(policy, batch, ctx["tokens"], ro.temperature)
+        lp, ent = M.sequence_logprobs(policy, batch, tk, ro.temperature)
         ref_lp = None
         if lc.kl_coef > 0:
             with torch.no_grad():
-                ref_lp, _ = M.sequence_logprobs(ref, batch, ctx["tokens"], ro.temperature)
+                ref_lp, _ = M.sequence_logprobs(ref, batch, tk, ro.temperature)
         behaviour = batch["engine_logprobs"]
+        # One update per batch: the proximal ("old") policy is the current one, so the ratio is
+        # 1 in value with the gradient of the policy gradient; the engine's logprobs enter only
+        # through truncated importance sampling (engine/trainer mismatch, one-step staleness).
         loss, m = L.policy_loss(
             lp, lp.detach(), adv[chunk].to(lp.device), mask, clip_low=lc.clip_low,
             clip_high=lc.clip_high, aggregation=lc.aggregation, kl_coef=lc.kl_coef,
             ref_logprobs=ref_lp, kl_estimator=lc.kl_estimator, max_response_len=ro.max_new_tokens,
             tis_cap=lc.tis_cap or None, behaviour_logprobs=behaviour if lc.tis_cap else None,
             loss_denominator=float(denom))
-        if C.fault_active("nan_loss", ctx["step"]):  # tests: a non-finite loss
+        if C.fault_active("nan_loss", ctx.get("step")):  # tests: a non-finite loss
             loss = loss * float("nan")
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
         # global denominator, so undo the average to get exactly the full-batch gradient.
         (loss * n_train).backward()
         rmask = batch["response_mask"].bool()
-        sums["loss"] += float(loss.detach())
         ntok = float(rmask.sum())
+        sums["loss"] += float(loss.detach())
         for k in ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
             sums[k] += float(m[k]) * ntok
         sums["entropy"] += float(ent.detach()[rmask].sum())
-        sums["tokens"] += ntok
+        sums["tokens"] += float(batch["attention_mask"].sum())
+        sums["slots"] += float(batch["attention_mask"].numel())
+        sums["resp_tokens"] = sums.get("resp_tokens", 0.0) + ntok
         if rmask.any():
             lp_diff = max(lp_diff, float((lp.detach() - behaviour)[rmask].abs().max()))
+    sums["micro_batches"] = float(len(plan))
+    sums["lp_diff"] = lp_diff
+    return sums
+
+
+def train_on(policy, ref, opt, sched, episodes: list[R.Episode], mine: slice, by_index: dict,
+             ctx: dict, cfg: C.Config) -> dict[str, float]:
+    """One optimizer step on this trainer's share of the step's episodes."""
+    lc, ro = cfg.loss, cfg.rollout
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    adv = L.group_advantages(rewards, ro.group_size, scale_by_std=lc.scale_by_std).float()  # [N]
+    keep = torch.ones(len(episodes), dtype=torch.bool)
+    n_dropped = 0
+    if lc.drop_zero_variance:
+        zero = L.zero_variance_groups(rewards, ro.group_size)                              # [N/G]
+        n_dropped = int(zero.sum())
+        keep &= ~zero.repeat_interleave(ro.group_size)
+    if lc.exclude_truncated:
+        keep &= torch.tensor([not e.truncated for e in episodes])
+    # Dropped episodes stay in the micro-batches with a zero mask, so every trainer rank runs
+    # the same number of forward/backward passes (FSDP collectives) and the loss is unchanged;
+    # they leave the denominator. (Compute is not saved; the batch is not refilled.)
+    n_tokens = sum(len(e.response_ids) for e, k in zip(episodes, keep) if k)
+    denom = {"token-mean": n_tokens, "seq-mean-token-mean": int(keep.sum()),
+             "seq-mean-token-sum-norm": len(episodes) * ro.max_new_tokens}[lc.aggregation]
+    sums = accumulate_gradients(policy, ref, episodes, list(range(len(episodes)))[mine], adv, keep,
+                                max(1, denom), by_index, ctx, cfg)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     # All trainer ranks see the same global norm, so they agree on skipping a non-finite step.
@@ -227,17 +280,20 @@ def train_on(policy, ref, opt, sched, episodes: list[R.Episode], mine: slice, by
         sched.step()
     opt.zero_grad(set_to_none=True)
     # One reduction for all sums, one for the max.
+    lp_diff = sums.pop("lp_diff")
     keys = list(sums)
     vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(vec, group=ctx["train_group"])
     tot = dict(zip(keys, vec.tolist()))
     mx = torch.tensor([lp_diff], dtype=torch.float64)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=ctx["train_group"])
-    ntok = max(1.0, tot["tokens"])
+    ntok = max(1.0, tot["resp_tokens"])
     out = {"loss": tot["loss"], "grad_norm": grad_norm, "kl": tot["kl"] / ntok,
            "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
            "train/skipped": float(skipped), "train/dropped_groups": float(n_dropped),
-           "train/lr": sched.get_last_lr()[0]}
+           "train/lr": sched.get_last_lr()[0],
+           "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
+           "train/micro_batches": tot["micro_batches"] / len(ctx["trainers"])}
     for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
         out[f"train/{k}"] = tot[k] / ntok
     out["advantage/mean"] = float(adv.mean())
@@ -446,6 +502,15 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
     sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
     logger = Logger(out_dir, cfg.run.log_samples, start) if is_root else None
+
+    def generate(step: int) -> tuple[list[R.Episode], dict]:
+        mine = step_problems(problems, step, ro.prompts_per_step, cfg.run.seed)
+        mine = mine[gen_index * per_gen:(gen_index + 1) * per_gen]
+        return R.rollout(engine, mine, tokenizer, ctx["tokens"], sampling, cfg.data.template,
+                         cfg.reward.functions, cfg.reward.timeout_s, version,
+                         group_offset=gen_index * per_gen,
+                         seed=cfg.run.seed * 1_000_003 + step * 1009 + gen_index)
+    pending = None
     dist.barrier(group=ctx["ctrl"])  # start-up skew must not count as step 0's time
     for step in range(start, cfg.run.steps):
         t_step = time.perf_counter()
@@ -454,23 +519,24 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
         if C.fault_active("hang", step):     # tests: a rank alive but stuck
             live.phase(f"step {step}: hung")
             time.sleep(10 ** 6)
-        # 1. rollout on the generation ranks
+        # 1. rollout on the generation ranks (with overlap: produced during the last step)
         live.phase(f"step {step}: rollout")
         local: tuple[list, dict] = ([], {})
         if ctx["is_gen"]:
-            mine = step_problems(problems, step, ro.prompts_per_step, cfg.run.seed)
-            mine = mine[gen_index * per_gen:(gen_index + 1) * per_gen]
-            local = R.rollout(engine, mine, tokenizer, ctx["tokens"], sampling, cfg.data.template,
-                              cfg.reward.functions, cfg.reward.timeout_s, version,
-                              group_offset=gen_index * per_gen,
-                              seed=cfg.run.seed * 1_000_003 + step * 1009 + gen_index)
+            local, pending = pending or generate(step), None
         # 2. episodes to every rank (gloo object exchange)
         live.phase(f"step {step}: exchange")
         gathered: list = [None] * ctx["world"]
         dist.all_gather_object(gathered, local, group=ctx["ctrl"])
+        if ctx["is_gen"] and ro.max_staleness and step + 1 < cfg.run.steps:
+            # One-step overlap: the engines produce step+1's batch with the current weights
+            # while the trainers train on this one; the sync below waits for both.
+            live.phase(f"step {step}: rollout of step {step + 1} (overlap)")
+            pending = generate(step + 1)
         episodes = sorted((e for eps, _ in gathered for e in eps), key=lambda e: e.group)
         stats = [s for eps, s in gathered if s]
-        metrics: dict[str, float] = {"step": step, "weight_version": version,
+        gen_version = min((e.version for e in episodes), default=version)
+        metrics: dict[str, float] = {"step": step, "weight_version": gen_version,
                                      "data/skipped": n_skipped}
         metrics.update(rollout_metrics(episodes, stats, version))
         # 3. train
@@ -563,7 +629,7 @@ def sync_weights(ctx: dict, sender, receiver, engine, version: int) -> int:
     if got != version:
         raise RuntimeError(f"weight sync: rank {ctx['rank']} expected version {version}, got {got}")
     for named in buckets:
-        engine.load_weights(named)
+        engine.load_weights(named, adopt=True)
     return 0
 
 
