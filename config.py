@@ -242,6 +242,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")
+    if ro.engine == "vllm":
+        need(ro.top_p == 1.0 and ro.top_k == 0,
+             "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
+             "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
+        need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
+             "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     for i, spec in enumerate(cfg.reward.functions):
         need(isinstance(spec, dict) and isinstance(spec.get("name"), str),

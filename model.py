@@ -78,7 +78,7 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int) -> None:
                                         pad_token="<|endoftext|>")
     tokenizer.save_pretrained(tmp)
 
-    head_dim = 16
+    head_dim = 32  # vLLM's CPU attention supports 32, 64, 80, ... but not 16
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in specials}
     config = Qwen2_5_VLConfig(
         text_config=dict(
@@ -86,7 +86,7 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int) -> None:
             num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
             num_key_value_heads=max(1, hidden // head_dim // 2), max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
+                             "mrope_section": [4, 6, 6]},  # sums to head_dim / 2
             tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
         vision_config=dict(

@@ -226,3 +226,89 @@ def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
         b = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
         out[clean_name(name)] = hashlib.sha1(b).hexdigest()
     return out
+
+
+# ============================================================================= vLLM channel
+# A vLLM engine receives weights inside its own worker process, so trainer rank 0 and the
+# workers need a communicator that is not torch's global one (the trainer's torch.distributed
+# already holds the torchrun world). One code path; the library is chosen by device.Device.comm.
+import contextlib  # noqa: E402  (imports of this section, kept with it)
+import os  # noqa: E402
+
+
+def plan_to_plain(plan: list[list[Slot]]) -> list[list[dict]]:
+    """The bucket plan as lists, dicts, str and int: what `collective_rpc` (msgpack) carries."""
+    return [[{"name": s.name, "shape": list(s.shape), "dtype": s.dtype, "offset": s.offset,
+              "nbytes": s.nbytes} for s in bucket] for bucket in plan]
+
+
+def plan_from_plain(plain: list[list[dict]]) -> list[list[Slot]]:
+    return [[Slot(d["name"], tuple(d["shape"]), d["dtype"], d["offset"], d["nbytes"])
+             for d in bucket] for bucket in plain]
+
+
+class _StreamWork:
+    """`.wait()` for a collective enqueued on the device's current stream (pynccl / pyhccl)."""
+
+    def __init__(self, device: torch.device):
+        self.event = torch.Event(device=device)
+        self.event.record()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class CommChannel:
+    """Broadcast from this channel's rank 0 (trainer rank 0) to every vLLM worker.
+
+    The same object on both sides: `broadcast(buf)` sends `buf` on rank 0 and receives into it
+    elsewhere; every member calls it for every bucket, in the same order.
+    """
+
+    def __init__(self, group, comm=None):
+        self.group, self.comm = group, comm  # comm: PyNccl/PyHccl communicator; None: gloo group
+
+    def broadcast(self, buf: torch.Tensor):
+        if self.comm is None:
+            return self.group.broadcast(buf, 0)  # root = rank within this group
+        self.comm.broadcast(buf, src=0)
+        return _StreamWork(buf.device)
+
+
+@contextlib.contextmanager
+def _without_agent_store():
+    # torchrun sets TORCHELASTIC_USE_AGENT_STORE=True; torch's tcp:// rendezvous then makes
+    # every rank a client of a store torchrun's agent hosts at that address: nobody serves it.
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
+def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
+                 device: torch.device) -> CommChannel:
+    """Join the weight channel: `comm` "gloo" (CPU), "pynccl" (CUDA) or "pyhccl" (Ascend).
+
+    Rank 0 (trainer rank 0) hosts the rendezvous at host:port; all `world_size` members must
+    call this concurrently (it blocks until they have). Nothing in torch's global state changes.
+    """
+    if comm not in ("gloo", "pynccl", "pyhccl"):
+        raise ValueError(f"weight channel: unknown communicator {comm!r} (gloo | pynccl | pyhccl)")
+    from vllm.distributed.utils import (StatelessProcessGroup,
+                                        stateless_init_torch_distributed_process_group)
+    with _without_agent_store():
+        if comm == "gloo":
+            return CommChannel(stateless_init_torch_distributed_process_group(
+                host, port, rank, world_size, "gloo"))
+        group = StatelessProcessGroup.create(host, port, rank, world_size)
+    if comm == "pynccl":
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator as Comm
+    else:
+        from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator as Comm
+    communicator = Comm(group, device=device)
+    if communicator.disabled:  # its broadcast would then return without moving a byte
+        raise RuntimeError(f"weight channel: {comm} is unavailable (world_size={world_size}, "
+                           "or the NCCL/HCCL library was not found)")
+    return CommChannel(group, communicator)

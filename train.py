@@ -353,7 +353,7 @@ def dry_run(cfg: C.Config) -> int:
     return 0
 
 
-def build_trainer(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str) -> dict:
+def build_trainer(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str, channel=None) -> dict:
     """Policy (FSDP2), optional frozen reference, AdamW, LR schedule, weight sender."""
     policy = M.load_model(model_path, dtype=torch.float32, device=ctx["device"])
     mesh = _mesh(ctx, dev)
@@ -370,15 +370,40 @@ def build_trainer(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str) -> d
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
     sender = S.Sender(policy, cfg.model.dtype, cfg.sync.bucket_mb, group=ctx["sync_group"],
-                      src=0, is_root=ctx["rank"] == 0, device=ctx["device"])
+                      src=0, is_root=ctx["rank"] == 0, device=ctx["device"], channel=channel)
     return dict(policy=policy, ref=ref, opt=opt, sched=sched, sender=sender)
 
 
-def build_engine(cfg: C.Config, ctx: dict, model_path: str):
-    if cfg.rollout.engine != "hf":
-        raise C.ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not available in this build")
-    return R.HFEngine(model_path, S.DTYPES[cfg.model.dtype], ctx["tokens"],
-                      ctx["image_processor"], ctx["device"])
+def build_engine(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str):
+    if cfg.rollout.engine == "hf":
+        return R.HFEngine(model_path, S.DTYPES[cfg.model.dtype], ctx["tokens"],
+                          ctx["image_processor"], ctx["device"])
+    # vLLM runs in processes it spawns, which must see only this rank's device.
+    D.narrow_visible(dev, ctx["local_rank"])
+    return R.VLLMEngine(model_path, cfg.model.dtype, ctx["tokens"], cfg.rollout,
+                        cfg.model.min_pixels, cfg.model.max_pixels,
+                        seed=cfg.run.seed + ctx["gens"].index(ctx["rank"]))
+
+
+def open_vllm_channel(cfg: C.Config, ctx: dict, dev: D.Device, engine):
+    """Trainer rank 0 and every vLLM worker join one communicator (gloo / NCCL / HCCL by
+    device), once. Returns trainer rank 0's end (None elsewhere)."""
+    tp = cfg.rollout.tensor_parallel_size
+    world = 1 + len(ctx["gens"]) * tp
+    addr = [os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port()] if ctx["rank"] == 0 else [None, None]
+    dist.broadcast_object_list(addr, 0, group=ctx["ctrl"])
+    host, port = addr
+    if ctx["world"] == 1:  # both ends in this process: the engine joins from a thread
+        import threading
+        t = threading.Thread(target=engine.init_weight_sync, args=(host, port, 1, world))
+        t.start()
+        chan = S.open_channel(dev.comm, host, port, 0, world, ctx["device"])
+        t.join()
+        return chan
+    if ctx["is_gen"]:
+        engine.init_weight_sync(host, port, 1 + ctx["gens"].index(ctx["rank"]) * tp, world)
+        return None
+    return S.open_channel(dev.comm, host, port, 0, world, ctx["device"]) if ctx["rank"] == 0 else None
 
 
 def load_data(cfg: C.Config, split: str, tokenizer, ctx: dict) -> tuple[list, int]:
@@ -436,7 +461,9 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
          eval_checkpoint: str | None) -> int:
     rank, is_root = ctx["rank"], ctx["rank"] == 0
     live = ctx["live"]
-    ctx["device"] = D.torch_device(dev, ctx["local_rank"])
+    # A vLLM generation rank never touches the accelerator itself (its engine process does).
+    vllm_gen = cfg.rollout.engine == "vllm" and ctx["is_gen"] and not ctx["is_trainer"]
+    ctx["device"] = torch.device("cpu") if vllm_gen else D.torch_device(dev, ctx["local_rank"])
     out_dir = Path(cfg.run.out_dir)
     if is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -456,7 +483,7 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
     eval_set = None
     if cfg.run.eval_every or eval_checkpoint:
         eval_set = load_data(cfg, "validation", tokenizer, ctx)[0][:cfg.run.eval_size]
-    engine = build_engine(cfg, ctx, model_path) if ctx["is_gen"] else None
+    engine = build_engine(cfg, ctx, dev, model_path) if ctx["is_gen"] else None
     if eval_checkpoint:
         m = evaluate(ctx, engine, eval_set, tokenizer, cfg, version=-1)
         if is_root:
@@ -468,7 +495,11 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
 
     problems, n_skipped = load_data(cfg, "train", tokenizer, ctx)
     by_index = {p.index: p for p in problems}
-    tr = build_trainer(cfg, ctx, dev, model_path) if ctx["is_trainer"] else {}
+    channel = None
+    if cfg.rollout.engine == "vllm" and cfg.sync.enabled:
+        live.phase("start: opening the vLLM weight channel")
+        channel = open_vllm_channel(cfg, ctx, dev, engine)
+    tr = build_trainer(cfg, ctx, dev, model_path, channel) if ctx["is_trainer"] else {}
     receiver = (S.Receiver(ctx["sync_group"], src=0, device=ctx["device"])
                 if ctx["is_gen"] and ctx["world"] > 1 else None)
 
@@ -589,6 +620,8 @@ def _run(cfg: C.Config, ctx: dict, dev: D.Device, resume: str | None,
             dist.destroy_process_group()
             return 3
     dist.barrier(group=ctx["ctrl"])
+    if engine is not None and hasattr(engine, "shutdown"):
+        engine.shutdown()
     dist.destroy_process_group()
     return 0
 
@@ -621,16 +654,32 @@ def _mesh(ctx: dict, dev: D.Device):
 
 def sync_weights(ctx: dict, sender, receiver, engine, version: int) -> int:
     """Trainers send, engines receive. Returns the bytes sent (root)."""
+    vllm = isinstance(engine, R.VLLMEngine)
     if ctx["world"] == 1:
-        return sender.send(version, sink=engine.load_weights)
+        if not vllm:
+            return sender.send(version, sink=engine.load_weights)
+        import concurrent.futures as cf  # both ends here: send from a thread, receive in vLLM
+        with cf.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(sender.send, version)
+            engine.receive_weights(version, sender.plan)
+            return sent.result()
     if ctx["is_trainer"]:
         return sender.send(version)
+    if vllm:
+        got, plan = receiver.receive_control()
+        _check_version(ctx, version, got)
+        engine.receive_weights(got, plan)
+        return 0
     got, buckets = receiver.receive()
-    if got != version:
-        raise RuntimeError(f"weight sync: rank {ctx['rank']} expected version {version}, got {got}")
+    _check_version(ctx, version, got)
     for named in buckets:
         engine.load_weights(named, adopt=True)
     return 0
+
+
+def _check_version(ctx: dict, want: int, got: int) -> None:
+    if got != want:
+        raise RuntimeError(f"weight sync: rank {ctx['rank']} expected version {want}, got {got}")
 
 
 def verify_sync(ctx: dict, policy, engine, dtype: str) -> bool:

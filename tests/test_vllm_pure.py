@@ -1,0 +1,234 @@
+"""The vLLM engine path's pure parts, without vLLM: prompts, sampling arguments, completions,
+the bucket plan as RPC data, the environment for vLLM's spawned processes, and the worker
+extension's receive-unpack-load with a real torch module standing in for vLLM's model."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import model as M
+import rollout as R
+import sync as S
+
+# hand-made ids: 0 pad, 2 eos, 4/5/6 vision start/pad/end, 9 an unused row past the tokenizer
+TOKENS = M.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
+                  suppressed=(0, 4, 5, 6, 9))
+
+
+# --------------------------------------------------------------------------- prompts
+def test_prompt_keeps_ids_and_one_unexpanded_placeholder_per_image():
+    img_a, img_b = object(), object()
+    ids = [1, 4, 5, 6, 3, 3]
+    p = R.vllm_prompt(ids, [img_a], TOKENS)
+    assert p == {"prompt_token_ids": ids, "multi_modal_data": {"image": img_a}}
+    two = R.vllm_prompt([4, 5, 6, 4, 5, 6, 3], [img_a, img_b], TOKENS)
+    assert two["multi_modal_data"]["image"] == [img_a, img_b]
+    assert R.vllm_prompt([1, 3], [], TOKENS) == {"prompt_token_ids": [1, 3]}
+
+
+@pytest.mark.parametrize("ids,n_images", [
+    ([4, 5, 5, 5, 5, 6, 3], 1),   # already expanded (transformers' form): vLLM would expand again
+    ([4, 5, 6, 3], 2),            # fewer placeholders than images
+    ([4, 5, 6, 3], 0),            # a placeholder without an image
+])
+def test_prompt_refuses_placeholder_count_mismatch(ids, n_images):
+    with pytest.raises(ValueError, match="placeholder"):
+        R.vllm_prompt(ids, [object()] * n_images, TOKENS)
+
+
+def test_prompt_ids_from_model_are_accepted(tmp_path):
+    """model.prompt_ids (what rollout() sends) has exactly one placeholder per image."""
+    path = str(M.build_tiny(tmp_path / "tiny", seed=0))
+    tok = M.load_tokenizer(path)
+    tokens = M.Tokens.of(tok, M.vocab_size(path))
+    ids = M.prompt_ids(tok, "Find x.", 1, tokens)
+    assert R.vllm_prompt(ids, ["im"], tokens)["prompt_token_ids"] == ids
+
+
+# --------------------------------------------------------------------------- sampling
+def test_sampling_kwargs_sample():
+    sp = R.Sampling(n=4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
+    kw = R.vllm_sampling_kwargs(sp, TOKENS, seed=11)
+    bias = kw.pop("logit_bias")
+    assert kw == dict(n=4, temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, logprobs=0,
+                      seed=11, stop_token_ids=[2], detokenize=False)
+    # every suppressed id (specials, the unused row 9) and only those are forbidden
+    assert sorted(bias) == [0, 4, 5, 6, 9] and all(v == -math.inf for v in bias.values())
+
+
+def test_sampling_kwargs_defaults_mean_off_in_vllm():
+    kw = R.vllm_sampling_kwargs(R.Sampling(n=2), TOKENS, seed=0)
+    assert (kw["top_p"], kw["top_k"], kw["temperature"]) == (1.0, 0, 1.0)  # vLLM: 0 = no top-k
+
+
+def test_sampling_kwargs_greedy_is_one_sample_at_temperature_zero():
+    kw = R.vllm_sampling_kwargs(R.Sampling(n=4, temperature=0.7, greedy=True), TOKENS, seed=3)
+    assert kw["n"] == 1 and kw["temperature"] == 0.0
+    assert "top_p" not in kw and "top_k" not in kw
+    assert sorted(kw["logit_bias"]) == list(TOKENS.suppressed)
+
+
+# --------------------------------------------------------------------------- completions
+def _lp(d: dict[int, float]) -> dict:
+    return {t: SimpleNamespace(logprob=v) for t, v in d.items()}
+
+
+def test_completion_reads_sampled_token_logprobs_and_length_stop():
+    # logprobs=0: each position holds the sampled token (and may hold others; ignore them)
+    c = R.vllm_completion((7, 3, 2), [_lp({7: -1.5}), _lp({3: -0.25, 8: -0.1}), _lp({2: -2.0})], "stop")
+    assert c == R.Completion([7, 3, 2], [-1.5, -0.25, -2.0], truncated=False)
+    c = R.vllm_completion([7, 3], [_lp({7: -1.0}), _lp({3: -0.5})], "length")
+    assert c.truncated and c.ids == [7, 3] and c.logprobs == [-1.0, -0.5]
+    with pytest.raises(ValueError):  # a logprob missing for a token is an error, not a shorter list
+        R.vllm_completion([7, 3], [_lp({7: -1.0})], "length")
+
+
+# --------------------------------------------------------------------------- plan as RPC data
+def _specs():
+    return [("a.weight", (3, 5), "bfloat16"), ("a.bias", (5,), "bfloat16"),
+            ("big", (40, 8), "float32"), ("c", (), "float32")]
+
+
+def test_plan_round_trips_as_plain_data():
+    plan = S.plan_buckets(_specs(), bucket_bytes=256)
+    plain = S.plan_to_plain(plan)
+
+    def leaves(x):
+        if isinstance(x, (list, dict)):
+            for v in (x.values() if isinstance(x, dict) else x):
+                yield from leaves(v)
+        else:
+            yield x
+    assert all(type(v) in (str, int) for v in leaves(plain))  # no tuples, dtypes or Slots
+    # JSON, like msgpack, turns tuples into lists and keeps str/int
+    back = S.plan_from_plain(json.loads(json.dumps(plain)))
+    assert back == plan and all(isinstance(s.shape, tuple) for b in back for s in b)
+    assert [[s.name for s in b] for b in back] == [["a.weight", "a.bias"], ["big"], ["c"]]
+
+
+# --------------------------------------------------------------------------- environment
+def test_prepare_spawn_environment(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    R._prepare_spawn()
+    R._prepare_spawn()  # idempotent
+    root = str(Path(R.__file__).resolve().parent)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", root]
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_environ_restored_undoes_edits(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("GRPO_TEST_NEW", raising=False)
+    with R._environ_restored():
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        os.environ["GRPO_TEST_NEW"] = "x"
+    assert os.environ["LOCAL_WORLD_SIZE"] == "8" and "GRPO_TEST_NEW" not in os.environ
+
+
+def test_rendezvous_hides_torchrun_agent_store(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with S._without_agent_store():
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+def test_unknown_communicator_is_refused_before_any_rendezvous():
+    with pytest.raises(ValueError, match="unknown communicator"):
+        S.open_channel("mpi", "127.0.0.1", 1, 0, 2, torch.device("cpu"))
+
+
+def test_process_hook_is_identity_and_unpickles_through_the_patch():
+    hook = R._VLLMProcessHook()
+    cfg = object()
+    assert hook(cfg) is cfg
+    assert hook.__reduce__() == (R._vllm_process_hook, ())
+
+
+# --------------------------------------------------------------------------- worker extension
+class _RecordingChannel:
+    """Trainer side: keeps a copy of every broadcast bucket."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, buf):
+        self.sent.append(buf.clone())
+        return SimpleNamespace(wait=lambda: None)
+
+
+class _ReplayChannel:
+    """Worker side: each broadcast fills the receive buffer with the next recorded bucket."""
+
+    def __init__(self, sent):
+        self.sent = list(sent)
+        self.buffers: list[torch.Tensor] = []
+
+    def broadcast(self, buf):
+        self.buffers.append(buf)
+        buf.copy_(self.sent.pop(0))
+        return SimpleNamespace(wait=lambda: None)
+
+
+class _BufferingRunner:
+    """vLLM's CPU reload stand-in: like its layerwise reload it holds every tensor it is given
+    until the end, then copies them into `model` by name."""
+
+    def __init__(self, model):
+        self.model = model
+        self.received: list[tuple[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        self.received = list(weights_iterator)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in self.received:
+                params[name].copy_(t)
+
+
+class _Worker(R.VLLMWorkerExtension):
+    def __init__(self, model, channel):
+        self.device, self.rank = torch.device("cpu"), 0
+        self.model_runner = _BufferingRunner(model)
+        self.weight_channel = channel
+        self.weight_buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 300))
+
+
+def test_worker_receives_unpacks_and_loads_bitwise():
+    trainer, engine = _net(0), _net(1).to(torch.bfloat16)
+    out = _RecordingChannel()
+    sender = S.Sender(trainer, "bfloat16", bucket_mb=512 / 2**20, channel=out)  # 512-byte buckets
+    assert len(sender.plan) >= 3 and any(len(b) > 1 for b in sender.plan)
+    sender.send(version=7)
+    # the plan crosses collective_rpc as plain data
+    plain = json.loads(json.dumps(S.plan_to_plain(sender.plan)))
+    worker = _Worker(engine, _ReplayChannel(out.sent))
+    assert worker.receive_weights(7, plain) == len(list(trainer.parameters()))
+    assert worker.weight_version == 7
+    got = dict(engine.named_parameters())
+    for name, p in trainer.named_parameters():
+        assert got[name].shape == p.shape
+        assert torch.equal(got[name], p.detach().to(torch.bfloat16)), name
+    # one receive buffer, reused; the loader got copies, not views of it (the next bucket
+    # overwrites a view before a buffering loader has used it)
+    buf = worker.weight_buffer
+    assert buf.numel() == max(S.bucket_size(b) for b in sender.plan)
+    assert all(b.data_ptr() == buf.data_ptr() for b in worker.weight_channel.buffers)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert all(not lo <= t.data_ptr() < hi for _, t in worker.model_runner.received)
+    assert [n for n, _ in worker.model_runner.received] == [s.name for b in sender.plan for s in b]
