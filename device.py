@@ -100,6 +100,16 @@ def peak_memory_gb(dev: Device) -> float:
     return 0.0
 
 
+def device_name(dev: Device) -> str:
+    """A human-readable name of this process's accelerator (the CPU's, on CPU)."""
+    if dev.kind == "cuda":
+        return torch.cuda.get_device_name()
+    if dev.kind == "npu":
+        return torch.npu.get_device_name()
+    import platform
+    return platform.processor() or platform.machine()
+
+
 def manual_seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds CUDA and (through torch_npu) NPU generators
 

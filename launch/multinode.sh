@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Two (or more) nodes, one torchrun per node, one world. With configs/vl3b.toml and 2 x 8
+# devices: node 0 = ranks 0-7 = trainers, node 1 = ranks 8-15 = one engine each
+# (cluster.gen_ranks = 8: the LAST 8 ranks generate).
+#
+# Run the same command on every node, changing only NODE_RANK:
+#   node 0 (trainers):  MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh
+#   node 1 (engines):   MASTER_ADDR=10.0.0.1 NODE_RANK=1 bash launch/multinode.sh
+#   Ascend: add GRPO_DEVICE=npu (then launch/npu_env.sh is sourced on every node).
+# Variables:
+#   MASTER_ADDR     (required) address of node 0, reachable from every node
+#   NODE_RANK       (required) 0 on the trainer node, 1 on the engine node
+#   MASTER_PORT     (29500) a free TCP port on node 0
+#   NNODES          (2)
+#   NPROC_PER_NODE  (8)
+#   CONFIG          (configs/vl3b.toml)
+#   GRPO_DEVICE     (cuda) cuda | npu
+#   RDZV_TIMEOUT    (600) seconds node 0 waits for the other nodes to join
+# Extra arguments are --section.key=value overrides (the same on every node!).
+# Several network interfaces: name the one the nodes share, for the gloo control group AND the
+# device library: GLOO_SOCKET_IFNAME=eth0, plus NCCL_SOCKET_IFNAME=eth0 (GPU) or
+# HCCL_SOCKET_IFNAME=eth0 / HCCL_IF_IP=<this node's address> (NPU; ROLL's multi-node list).
+#
+# Why static rendezvous: torchrun's c10d rendezvous numbers the nodes in the order they ARRIVE,
+# not by --node_rank (which it ignores, with a warning). Start the engine node first and it
+# becomes node 0, i.e. ranks 0-7 = the trainers land on the engine machine and the roles swap
+# silently. The static backend (--rdzv_backend static + --master_addr/--master_port) takes the
+# global rank from --node_rank, so node 0 is always the trainer node. The price: no elastic
+# restarts, and all nodes must join within 600 s of the first one (static rendezvous default;
+# RDZV_TIMEOUT below changes it).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+: "${MASTER_ADDR:?set MASTER_ADDR to node 0 (the trainer node) address}"
+: "${NODE_RANK:?set NODE_RANK: 0 on the trainer node, 1 on the engine node}"
+MASTER_PORT=${MASTER_PORT:-29500}
+NNODES=${NNODES:-2}
+NPROC_PER_NODE=${NPROC_PER_NODE:-8}
+CONFIG=${CONFIG:-$root/configs/vl3b.toml}
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-600}
+export GRPO_DEVICE=${GRPO_DEVICE:-cuda}
+
+if [ "$GRPO_DEVICE" = npu ]; then
+  # shellcheck source-path=SCRIPTDIR source=npu_env.sh
+  source "$root/launch/npu_env.sh"
+fi
+
+exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --node_rank "$NODE_RANK" \
+  --rdzv_backend static --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  --rdzv_conf timeout="$RDZV_TIMEOUT" \
+  "$root/train.py" --config "$CONFIG" \
+  --cluster.nnodes="$NNODES" --cluster.nproc_per_node="$NPROC_PER_NODE" \
+  "$@"

@@ -1,0 +1,87 @@
+# Ascend NPU environment for training + vllm-ascend generation. SOURCE it, do not run it:
+#   source launch/npu_env.sh          (npu_1node.sh and multinode.sh with GRPO_DEVICE=npu do)
+# Every value is a default: a variable already set in the environment is kept.
+# Both roles inherit this one environment (the vllm-ascend engine is a child process of a
+# generation rank), so every value here must suit the FSDP trainer AND the engine.
+# No `set -euo pipefail` here: this file runs inside the caller's shell, whose options it keeps
+# (the launch scripts set them; everything below is written to pass under `set -u`).
+#
+# Sources:
+#   ROLL = alibaba/ROLL docs "Ascend NPU Environment Configuration Guide"
+#          (docs_roll/docs/User Guides/Hardware Support/ascend_npu_env_config.md) and
+#          roll/platforms/npu.py get_vllm_run_time_env_vars (what ROLL sets for its vLLM workers)
+#   VA   = vllm-project/vllm-ascend v0.23.0: vllm_ascend/envs.py, vllm_ascend/platform.py,
+#          Dockerfile, docs/source/tutorials/models/Qwen-VL-Dense.md
+# Not verified on Ascend hardware by this project (no NPU was available).
+
+# --- CANN toolkit and NNAL (libatb.so): skipped when already sourced (the vllm-ascend and ROLL
+# images do it in ~/.bashrc). CANN's scripts read unset variables, so `set -u` is lifted for them.
+if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]; then
+  case $- in *u*) _grpo_had_u=1; set +u ;; *) _grpo_had_u=0 ;; esac
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+  if [ -f /usr/local/Ascend/nnal/atb/set_env.sh ]; then
+    # shellcheck disable=SC1091
+    source /usr/local/Ascend/nnal/atb/set_env.sh
+  fi
+  if [ "$_grpo_had_u" = 1 ]; then set -u; fi
+  unset _grpo_had_u
+fi
+
+# --- HCCL (the collective library: FSDP2 on the trainers, the weight-sync broadcast) ----------
+# Seconds to establish an HCCL link (default 120). The weight-sync communicator between trainer
+# rank 0 and the engines is built while the engines are still loading the model and compiling
+# their first operators, which can take minutes on a first run. Value: ROLL (3600).
+export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-3600}
+# Seconds a started collective may wait for its peers. The engines enter the weight broadcast
+# right after generating and wait there for the whole training step. Value: ROLL (3600).
+export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-3600}
+# Where HCCL schedules collective kernels: AIV (the vector cores) is faster than the AI_CPU /
+# HOST modes. Value: ROLL ("AIV"), also in VA's Qwen-VL-Dense tutorial for vllm serve.
+export HCCL_OP_EXPANSION_MODE=${HCCL_OP_EXPANSION_MODE:-AIV}
+# Multi-node only (set per node, see launch/multinode.sh): HCCL_IF_IP=<this node's address>,
+# HCCL_SOCKET_IFNAME=<interface>; HCCL_BUFFSIZE (the per-communicator buffer, 200 MB by
+# default) for larger transfers. ROLL.
+
+# --- memory ---------------------------------------------------------------------------------
+# Expandable segments in torch_npu's caching allocator: less fragmentation, fewer OOMs in FSDP
+# training (ROLL's recommendation). Safe for the engines here: vllm-ascend 0.23 sets exactly this
+# itself whenever sleep mode is off (VA platform.py); only sleep mode's CaMemAllocator rejects it
+# (why ROLL clears it for its vLLM workers). The engines here never use sleep mode.
+export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
+# Let memory freed on one stream be reused by another (FSDP2 all-gathers on side streams).
+# Value: ROLL (1).
+export MULTI_STREAM_MEMORY_REUSE=${MULTI_STREAM_MEMORY_REUSE:-1}
+
+# --- operator dispatch and CPU ---------------------------------------------------------------
+# torch_npu's task queue: 1 = async dispatch, 2 = also offloads more work to a second-level
+# queue. ROLL recommends 2 for training but forces 1 for its vLLM workers ("vLLM-Ascend worker
+# initialization is more stable with task queue mode 1"); VA's Dockerfile sets 1. One value for
+# both roles here, so 1.
+export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}
+# One OpenMP thread per process: 8-16 ranks plus their engine processes share the host.
+# Value: ROLL and VA's Dockerfile (1). (torchrun also sets 1 when unset.)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# --- operator compile cache: a first run compiles operators (minutes); later runs reuse them --
+# Value: ROLL (enable; ROLL's directory is /tmp/npu_cache, here per user under ~/.cache so it
+# survives /tmp cleaning). Put it on a local disk, not NFS, when several nodes write to it.
+export ACL_OP_COMPILER_CACHE_MODE=${ACL_OP_COMPILER_CACHE_MODE:-enable}
+export ACL_OP_COMPILER_CACHE_DIR=${ACL_OP_COMPILER_CACHE_DIR:-${HOME:-/tmp}/.cache/ascend_op_cache}
+# Compiled operators kept in memory; a small cache recompiles (slows down) in long runs. ROLL (5000).
+export ASCEND_MAX_OP_CACHE_SIZE=${ASCEND_MAX_OP_CACHE_SIZE:-5000}
+mkdir -p "$ACL_OP_COMPILER_CACHE_DIR"
+
+# --- vllm-ascend --------------------------------------------------------------------------------
+# Do not cast weights to the FRACTAL_NZ layout. An NZ weight cannot take an in-place weight
+# update in the plain (ND) layout the trainer sends; vllm-ascend 0.23's own RL weight-update path
+# refuses to run with it ("may cause model parameter precision issues in the RL scenarios").
+# Default 1 (= quantized weights only). Value: ROLL and VA worker.py (0).
+export VLLM_ASCEND_ENABLE_NZ=${VLLM_ASCEND_ENABLE_NZ:-0}
+# (USE_OPTIMIZED_MODEL=0, in AReaL's NPU script, only exists up to vllm-ascend 0.11: not set.)
+# (VLLM_WORKER_MULTIPROC_METHOD=spawn is set by rollout.py itself before the engine starts.)
+
+# --- logging: errors only (debug levels slow everything down). Value: ROLL (3 = ERROR).
+# For a hang or a device error: ASCEND_GLOBAL_LOG_LEVEL=1 ASCEND_SLOG_PRINT_TO_STDOUT=1 and,
+# to localise it, ASCEND_LAUNCH_BLOCKING=1 (synchronous, very slow).
+export ASCEND_GLOBAL_LOG_LEVEL=${ASCEND_GLOBAL_LOG_LEVEL:-3}
