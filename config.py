@@ -183,10 +183,11 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def load(path: str | None, overrides: list[str] = ()) -> Config:
-    """Defaults < TOML at `path` < `--section.key=value` overrides; then `validate`."""
+def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
+    """Defaults < TOML file(s) in order (a preset after the base) < `--section.key=value`
+    overrides; then `validate`."""
     cfg = Config()
-    if path is not None:
+    for path in [paths] if isinstance(paths, str) else (paths or []):
         try:
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:

@@ -321,18 +321,20 @@ def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    path, flags, overrides = None, {}, []
+    configs, flags, overrides = [], {}, []
     it = iter(argv)
     for a in it:
         key, eq, val = a.partition("=")
-        if key in ("--config", "--resume", "--checkpoint"):
+        if key == "--config":  # repeatable: a preset after the base config
+            configs.append(val if eq else next(it, None))
+        elif key in ("--resume", "--checkpoint"):
             flags[key] = val if eq else next(it, None)
         elif a in ("--dry-run", "--eval-only"):
             flags[a] = True
         else:
             overrides.append(a)
     try:
-        cfg = C.load(flags.get("--config"), overrides)
+        cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
             return dry_run(cfg)
         if flags.get("--eval-only") and not flags.get("--checkpoint"):

@@ -1,0 +1,52 @@
+"""Loss presets run in the demo; the reference config's dry run prints the rank plan."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import config as C
+import train
+from tests.util import ROOT, TINY, env, metrics
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo"])
+def test_demo_runs_with_each_preset(tmp_path, preset):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--config",
+                        str(ROOT / "configs" / "presets" / f"{preset}.toml"),
+                        f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3
+    resolved = (tmp_path / "config.toml").read_text()
+    if preset == "grpo":
+        assert 'aggregation = "seq-mean-token-mean"' in resolved
+        assert rows[-1]["kl"] > 0          # reference policy built; the policy moved away from it
+    if preset == "dr_grpo":
+        assert "scale_by_std = false" in resolved and rows[-1]["kl"] == 0
+    if preset == "dapo":
+        assert "reward/overlong" in rows[0] and "train/dropped_groups" in rows[0]
+
+
+def test_vl3b_dry_run_prints_config_and_rank_plan():
+    e = env()
+    e["GRPO_DEVICE"] = "cuda"
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
+                        str(ROOT / "configs" / "vl3b.toml"), "--dry-run"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    plan = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(plan) == 16
+    assert [r["role"] for r in plan] == ["trainer"] * 8 + ["generation"] * 8
+    assert {r["node"] for r in plan[:8]} == {0} and {r["node"] for r in plan[8:]} == {1}
+    assert [r["device"] for r in plan[8:]] == [f"cuda:{i}" for i in range(8)]
+    assert 'engine = "vllm"' in p.stdout and 'path = "Qwen/Qwen2.5-VL-3B-Instruct"' in p.stdout
+
+
+def test_rank_plan_rejects_impossible_layouts():
+    cfg = C.load(str(ROOT / "configs" / "vl3b.toml"))
+    with pytest.raises(C.ConfigError, match="cluster.gen_ranks"):
+        train.rank_plan(cfg, nnodes=1, nproc=8)   # 8 engines, no trainer left
