@@ -275,15 +275,16 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     out = model(input_ids=ids, attention_mask=batch["attention_mask"],
                 pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
                 mm_token_type_ids=(ids == tokens.image_pad).int(), use_cache=False)
-    logits = out.logits[:, :-1]                                  # [B, L-1, V]: predicts t+1
-    mask = batch["response_mask"][:, 1:].bool()
-    # Prompt and pad positions may hold suppressed ids (logprob -inf): score eos there instead,
-    # and zero them with `where` (-inf * 0 would be nan).
-    targets = torch.where(mask, ids[:, 1:], tokens.eos)
-    lp, ent = token_logprobs(logits, targets, tokens, temperature)
-    lp, ent = torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0)
-    zero = lp.new_zeros(ids.shape[0], 1)
-    return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
+    mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
+    # Only response positions: the fp32 log-softmax over a 150k vocabulary is the largest
+    # activation of the step, and prompt positions would only be masked out.
+    rows = mask.nonzero(as_tuple=True)
+    logits = out.logits[:, :-1][rows]                            # [N_response_tokens, V]
+    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
+    lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
+    ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
+    shifted = (rows[0], rows[1] + 1)                             # column t holds token t
+    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel.detach())
 
 
 # ----------------------------------------------------------------------------- FSDP2

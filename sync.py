@@ -51,27 +51,34 @@ class Slot:
     nbytes: int
 
 
-def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[list[Slot]]:
+def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int,
+                 solo_bytes: int | None = None) -> list[list[Slot]]:
     """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes` bytes.
 
-    A tensor larger than a bucket gets a bucket of its own.
+    A tensor of at least `solo_bytes` (or larger than a bucket) gets a bucket of its own: it can
+    be broadcast straight from its own memory, without packing.
     """
+    solo = bucket_bytes if solo_bytes is None else min(solo_bytes, bucket_bytes)
     buckets: list[list[Slot]] = [[]]
     used = 0
     for name, shape, dt in specs:
         nbytes = _numel(shape) * DTYPES[dt].itemsize
         size = -(-nbytes // ALIGN) * ALIGN
-        if buckets[-1] and used + size > bucket_bytes:
+        if buckets[-1] and (used + size > bucket_bytes or nbytes >= solo):
             buckets.append([])
             used = 0
         buckets[-1].append(Slot(name, tuple(shape), dt, used, nbytes))
         used += size
+        if nbytes >= solo:
+            buckets.append([])
+            used = 0
     return [b for b in buckets if b]
 
 
 def bucket_size(bucket: list[Slot]) -> int:
+    """Bytes on the wire: up to the end of the last tensor (a one-tensor bucket is exactly it)."""
     last = bucket[-1]
-    return last.offset + -(-last.nbytes // ALIGN) * ALIGN
+    return last.offset + last.nbytes
 
 
 def _numel(shape) -> int:
@@ -107,11 +114,14 @@ def param_specs(model, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
 class Sender:
     """Trainer side. Every trainer rank builds one and calls `send` after every step."""
 
+    IN_FLIGHT = 8  # broadcasts in flight at most (bounds the memory of gathered tensors)
+
     def __init__(self, model, dtype: str, bucket_mb: float, *, group=None, src: int = 0,
                  is_root: bool = True, device: torch.device = torch.device("cpu"),
-                 channel: "Channel | None" = None):
+                 channel: "Channel | None" = None, solo_mb: float = 4.0):
         self.model, self.dtype, self.group, self.src, self.is_root = model, dtype, group, src, is_root
-        self.plan = plan_buckets(param_specs(model, dtype), int(bucket_mb * 2**20))
+        self.plan = plan_buckets(param_specs(model, dtype), int(bucket_mb * 2**20),
+                                 int(solo_mb * 2**20))
         self.device = device
         # Control messages always go over `group` (torch world, gloo); bucket data goes over
         # `group` too (HF engines) or over `channel`, the communicator shared with vLLM workers.
@@ -122,29 +132,41 @@ class Sender:
     def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
         """Gather, pack and broadcast all parameters. Returns the bytes sent (root only).
 
-        `sink` (world of 1): instead of broadcasting, hand each packed bucket's unpacked tensors
-        straight to the in-process engine, through the same pack/unpack path.
+        A large tensor that already has the transport dtype goes out from its own memory (no
+        copy); small ones are packed into one of two reused buffers while earlier broadcasts are
+        in flight. `sink` (world of 1): instead of broadcasting, hand each bucket's unpacked
+        tensors straight to the in-process engine, through the same pack/unpack path.
         """
         params = iter(self.model.named_parameters())
         if self.is_root and self.group is not None:
             self._send_control(version)
-        pending: list = []
+        pending: list = []                 # (work, ring buffer index or None, tensor kept alive)
         sent = 0
-        for i, bucket in enumerate(self.plan):
+        ring = 0
+        for bucket in self.plan:
             full = [_full(next(params)[1]) for _ in bucket]  # collective on every trainer rank
             if not self.is_root:
                 continue
-            buf = self._buffer(i % 2, bucket_size(bucket))
-            if len(pending) == 2:      # this buffer's previous broadcast must finish first
-                pending.pop(0).wait()
-            pack([t.detach().to(self.device, DTYPES[self.dtype]) for t in full], bucket, buf)
+            t = full[0].detach()
+            if (len(bucket) == 1 and t.dtype == DTYPES[self.dtype] and t.is_contiguous()
+                    and t.device == self.device):
+                buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
+            else:
+                slot, ring = ring, 1 - ring
+                for w, s, _ in pending:    # the buffer's previous broadcast must finish first
+                    if s == slot:
+                        w.wait()
+                buf = self._buffer(slot, bucket_size(bucket))[:bucket_size(bucket)]
+                pack([x.detach().to(self.device, DTYPES[self.dtype]) for x in full], bucket, buf)
             if sink is not None:
                 sink(unpack(buf, bucket))
             else:
-                pending.append(self.channel.broadcast(buf[:bucket_size(bucket)]))
+                pending.append((self.channel.broadcast(buf), slot, buf))
+                if len(pending) > self.IN_FLIGHT:
+                    pending.pop(0)[0].wait()
             sent += bucket_size(bucket)
-        for work in pending:
-            work.wait()
+        for w, _, _ in pending:
+            w.wait()
         return sent
 
     def _send_control(self, version: int) -> None:

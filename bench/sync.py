@@ -29,6 +29,8 @@ def parse(argv=None):
     ap.add_argument("--mb", type=float, default=256.0, help="synthetic parameter megabytes")
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--solo-mb", type=float, default=None,
+                    help="tensors this large go out zero-copy as their own bucket (default: Sender's)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-tiny", action="store_true", help="leave the tiny model out")
     return ap.parse_args(argv)
@@ -64,7 +66,8 @@ def worker(args) -> None:
     model = build(args)  # every rank builds the same shapes; engines overwrite theirs
     total = sum(p.numel() * 4 for p in model.parameters())
     if rank == 0:
-        sender = S.Sender(model, "float32", args.bucket_mb, group=group, src=0)
+        kw = {} if args.solo_mb is None else {"solo_mb": args.solo_mb}
+        sender = S.Sender(model, "float32", args.bucket_mb, group=group, src=0, **kw)
     else:
         receiver = S.Receiver(group, src=0)
         params = dict(model.named_parameters())

@@ -57,3 +57,10 @@ def test_sender_local_sink_and_checksums():
 
 def test_clean_name_strips_wrappers():
     assert S.clean_name("model._checkpoint_wrapped_module.layers.0._orig_mod.w") == "model.layers.0.w"
+
+
+def test_large_tensors_travel_alone_and_unpacked():
+    specs = [("small", (10,), "float32"), ("big", (2048,), "float32"), ("small2", (3,), "float32")]
+    plan = S.plan_buckets(specs, bucket_bytes=64 * 1024, solo_bytes=4096)
+    assert [[s.name for s in b] for b in plan] == [["small"], ["big"], ["small2"]]
+    assert S.bucket_size(plan[1]) == 2048 * 4       # exactly the tensor: sent from its own memory
