@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from config import fault_active
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
+
+from config import fault_active
 
 _STEP = re.compile(r"^step_(\d+)$")
 

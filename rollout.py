@@ -13,7 +13,7 @@ Engines:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -288,7 +288,8 @@ class VLLMEngine:
     """
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
-                 max_pixels: int, seed: int):
+                 max_pixels: int, seed: int, timeout_s: float | None = None):
+        self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         _prepare_spawn()
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
@@ -331,7 +332,8 @@ class VLLMEngine:
         This engine's workers take ranks rank_offset + (0 .. tensor_parallel_size-1);
         world_size = 1 + (number of engines) * tensor_parallel_size. Call once.
         """
-        self.llm.collective_rpc("init_weight_sync", args=(host, port, rank_offset, world_size))
+        self.llm.collective_rpc("init_weight_sync", timeout=self.timeout_s,
+                                args=(host, port, rank_offset, world_size))
 
     def receive_weights(self, version: int, plan) -> None:
         """Receive one sync (trainer rank 0 is sending concurrently) and drop stale caches.
@@ -340,7 +342,8 @@ class VLLMEngine:
         prefix cache's KV and the encoder cache's vision features (keyed by image hash: GRPO
         sees every image again next epoch) were computed with the old weights.
         """
-        self.llm.collective_rpc("receive_weights", args=(version, sync.plan_to_plain(plan)))
+        self.llm.collective_rpc("receive_weights", timeout=self.timeout_s,
+                                args=(version, sync.plan_to_plain(plan)))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23

@@ -28,7 +28,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -80,7 +79,9 @@ class Liveness:
     A daemon thread bumps `hb/<rank>` every 0.5 s; the loop records its phase ("step 3:
     rollout"). When a collective fails or times out, `report()` names the ranks whose heartbeat
     stopped (dead: killed, crashed, lost node) and every rank's last phase (a rank alive but stuck
-    in another phase is the hung one).
+    in another phase is the hung one). The failing rank then posts an abort notice; every other
+    rank's heartbeat thread ends its process within a beat, even when its main thread is stuck
+    in a C call (a hung engine) and on nodes whose launcher does not know of the failure.
     """
     INTERVAL = 0.5
 
@@ -90,14 +91,29 @@ class Liveness:
         self.rank, self.world, self.roles = rank, world, roles
         self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self._stop = threading.Event()
+        self.failing = False
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.INTERVAL):
             try:
                 self.store.add(f"{self.ns}/hb/{self.rank}", 1)
+                failed = self.store.check([f"{self.ns}/abort"])
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
+            if failed and not self.failing:  # another rank failed: stop now, even if
+                # this rank's main thread is stuck in a C call (a hung engine, a collective)
+                why = self.store.get(f"{self.ns}/abort").decode()
+                print(f"error: rank {self.rank} ({self.roles[self.rank]}) stopping: {why}",
+                      file=sys.stderr, flush=True)
+                os._exit(5)
+
+    def abort(self, why: str) -> None:
+        """Tell every rank to stop (their heartbeat threads exit the process within a beat)."""
+        try:
+            self.store.set(f"{self.ns}/abort", why)
+        except Exception:  # noqa: BLE001
+            pass
 
     def phase(self, what: str) -> None:
         self.store.set(f"{self.ns}/phase/{self.rank}", what)
@@ -384,7 +400,8 @@ def build_engine(cfg: C.Config, ctx: dict, dev: D.Device, model_path: str):
     D.narrow_visible(dev, ctx["local_rank"])
     return R.VLLMEngine(model_path, cfg.model.dtype, ctx["tokens"], cfg.rollout,
                         cfg.model.min_pixels, cfg.model.max_pixels,
-                        seed=cfg.run.seed + ctx["gens"].index(ctx["rank"]))
+                        seed=cfg.run.seed + ctx["gens"].index(ctx["rank"]),
+                        timeout_s=cfg.cluster.timeout_s)
 
 
 def open_vllm_channel(cfg: C.Config, ctx: dict, dev: D.Device, engine):
@@ -448,10 +465,12 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     except C.ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - report, then exit without a hanging teardown
+        live.failing = True  # this rank reports its own failure; keep beating meanwhile
         report = live.report()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"error: rank {rank} ({roles[rank]}) failed: {type(e).__name__}: {msg[:300]}; "
               f"{report}", file=sys.stderr, flush=True)
+        live.abort(f"rank {rank} ({roles[rank]}) failed ({type(e).__name__}); {report}")
         if "died" not in report:
             import traceback
             traceback.print_exc()

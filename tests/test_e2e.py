@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 
 from tests.util import ROOT, TINY, env, free_port, metrics, torchrun
 
