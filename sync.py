@@ -102,7 +102,7 @@ def pack(tensors: list[torch.Tensor], bucket: list[Slot], buf: torch.Tensor) -> 
         view(buf, s).copy_(t)
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every trainer rank (a collective for FSDP2's DTensor shards)."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
@@ -144,7 +144,7 @@ class Sender:
         sent = 0
         ring = 0
         for bucket in self.plan:
-            full = [_full(next(params)[1]) for _ in bucket]  # collective on every trainer rank
+            full = [full_tensor(next(params)[1]) for _ in bucket]  # collective on every trainer rank
             if not self.is_root:
                 continue
             t = full[0].detach()

@@ -363,11 +363,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dry_run(cfg: C.Config) -> int:
+    """The resolved config, one JSON line per rank, and one with every group's members."""
     print(C.dump_toml(cfg))
     dev = os.environ.get("GRPO_DEVICE", "cuda|npu")
-    for row in rank_plan(cfg, cfg.cluster.nnodes, cfg.cluster.nproc_per_node):
+    plan = rank_plan(cfg, cfg.cluster.nnodes, cfg.cluster.nproc_per_node)
+    for row in plan:
         row["device"] = row["device"].format(dev=dev)
         print(json.dumps(row))
+    trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
+    gens = [r["rank"] for r in plan if r["role"] == "generation"]
+    groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
+              "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
+    if cfg.rollout.engine == "vllm":
+        groups["vLLM weight channel (outside torch's world)"] = (
+            ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens
+                                  for w in range(cfg.rollout.tensor_parallel_size)])
+    print(json.dumps({"groups": groups}))
     return 0
 
 
@@ -413,7 +424,6 @@ def open_vllm_channel(cfg: C.Config, ctx: dict, dev: D.Device, engine):
     dist.broadcast_object_list(addr, 0, group=ctx["ctrl"])
     host, port = addr
     if ctx["world"] == 1:  # both ends in this process: the engine joins from a thread
-        import threading
         t = threading.Thread(target=engine.init_weight_sync, args=(host, port, 1, world))
         t.start()
         chan = S.open_channel(dev.comm, host, port, 0, world, ctx["device"])
@@ -707,7 +717,7 @@ def verify_sync(ctx: dict, policy, engine, dtype: str) -> bool:
     """Bitwise: every engine's weights == the trainer's full weights cast to the sync dtype."""
     ref = None
     if ctx["is_trainer"]:
-        full = [(n, S._full(p).detach().to(S.DTYPES[dtype])) for n, p in policy.named_parameters()]
+        full = [(n, S.full_tensor(p).detach().to(S.DTYPES[dtype])) for n, p in policy.named_parameters()]
         ref = S.checksum(full) if ctx["rank"] == 0 else None
     mine = S.checksum(list(engine.named_parameters())) if ctx["is_gen"] else None
     got: list = [None] * ctx["world"]

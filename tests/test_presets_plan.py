@@ -38,8 +38,12 @@ def test_vl3b_dry_run_prints_config_and_rank_plan():
                         str(ROOT / "configs" / "vl3b.toml"), "--dry-run"],
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    plan = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    plan, groups = rows[:-1], rows[-1]["groups"]
     assert len(plan) == 16
+    assert groups["trainers (FSDP2 mesh)"] == list(range(8))
+    assert groups["sync (trainer 0 + engines)"] == [0, *range(8, 16)]
+    assert len(groups["vLLM weight channel (outside torch's world)"]) == 9
     assert [r["role"] for r in plan] == ["trainer"] * 8 + ["generation"] * 8
     assert {r["node"] for r in plan[:8]} == {0} and {r["node"] for r in plan[8:]} == {1}
     assert [r["device"] for r in plan[8:]] == [f"cuda:{i}" for i in range(8)]
