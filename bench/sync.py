@@ -4,20 +4,26 @@
     python bench/sync.py --mb 1024 --engines 2 --bucket-mb 64
 
 Launches itself under torchrun (1 + engines ranks). Rank 0 holds a model whose parameters total
-`--mb` megabytes (16 MB tensors unless `--tensors`) plus the tiny Qwen2.5-VL's parameters; it syncs them to every
-engine rank through `sync.Sender` / `sync.Receiver` (packing, double-buffered broadcast,
-unpacking, loading into the engine's tensors), then broadcasts the same number of bytes as ONE
-raw tensor on the same group. Both are timed after a warm-up, best of `--repeat`. Prints one JSON
-object: bytes, sync_s, raw_s, ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync).
+`--mb` megabytes (16 MB tensors unless `--tensors`) plus the tiny Qwen2.5-VL's parameters; it
+syncs them to every engine rank through `sync.Sender` / `sync.Receiver` (control message,
+packing of small tensors, zero-copy sends of large ones, receives into reused buffers, the
+engine adopting them as its weights), then broadcasts the same number of bytes as ONE raw tensor
+on the same group. After a warm-up, `--repeat` sync/raw pairs run interleaved, so drift in the
+machine's load hits both alike. Prints one JSON object: bytes, sync_s and raw_s (medians),
+ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync), and each side's minimum.
 
-Seen here (2 shared cores, gloo over loopback): each broadcast costs ~0.3 ms beyond its bytes, so
-many small tensors lower the ratio (64 x 4 MB: ~0.8; 16 x 16 MB: ~0.9; 64 x 16 MB: ~0.95).
+Seen here (2 shared cores, gloo over loopback): one gloo broadcast per bucket cost ~0.5 ms each
+beyond its bytes (gloo queues broadcasts on two worker threads); sync.py therefore sends buckets
+point to point, every receive posted at once, which streams as fast as the raw broadcast.
+Packing everything into big buckets is slower here (the memcpy competes for the same two cores:
+ratio ~0.7 with `--solo-mb 1000`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -37,7 +43,7 @@ def parse(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--solo-mb", type=float, default=None,
                     help="tensors this large go out zero-copy as their own bucket (default: Sender's)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=15, help="interleaved sync/raw pairs")
     ap.add_argument("--no-tiny", action="store_true", help="leave the tiny model out")
     return ap.parse_args(argv)
 
@@ -100,11 +106,12 @@ def worker(args) -> None:
 
     do_sync(0)                                       # warm-up: plan metadata, first connection
     dist.broadcast(raw, 0, group=group)
-    # Interleaved, best of `repeat` each: drift in the machine's load hits both alike.
-    sync_s = raw_s = float("inf")
+    # Interleaved pairs: drift in the machine's load hits both alike.
+    sync_t, raw_t = [], []
     for i in range(args.repeat):
-        sync_s = min(sync_s, timed(lambda: do_sync(2 + i)))
-        raw_s = min(raw_s, timed(lambda: dist.broadcast(raw, 0, group=group)))
+        sync_t.append(timed(lambda: do_sync(2 + i)))
+        raw_t.append(timed(lambda: dist.broadcast(raw, 0, group=group)))
+    sync_s, raw_s = statistics.median(sync_t), statistics.median(raw_t)
     if rank == 1:  # the engine really holds the sender's weights
         ref = build(args)
         assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
@@ -113,7 +120,9 @@ def worker(args) -> None:
                           "buckets": len(sender.plan), "engines": args.engines,
                           "bucket_mb": args.bucket_mb, "sync_s": round(sync_s, 4),
                           "raw_s": round(raw_s, 4), "ratio": round(raw_s / sync_s, 3),
-                          "gbps": round(total / sync_s / 1e9, 3)}), flush=True)
+                          "gbps": round(total / sync_s / 1e9, 3),
+                          "sync_min_s": round(min(sync_t), 4), "raw_min_s": round(min(raw_t), 4),
+                          "repeat": args.repeat}), flush=True)
     dist.destroy_process_group()
 
 

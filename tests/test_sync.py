@@ -64,3 +64,78 @@ def test_large_tensors_travel_alone_and_unpacked():
     plan = S.plan_buckets(specs, bucket_bytes=64 * 1024, solo_bytes=4096)
     assert [[s.name for s in b] for b in plan] == [["small"], ["big"], ["small2"]]
     assert S.bucket_size(plan[1]) == 2048 * 4       # exactly the tensor: sent from its own memory
+
+
+
+# ------------------------------------------------------------------ over a real gloo group
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for i in range(5):
+        model.register_parameter(f"small{i}a", torch.nn.Parameter(torch.randn(200)))
+        model.register_parameter(f"small{i}b", torch.nn.Parameter(torch.randn(5, 40)))
+        model.register_parameter(f"big{i}", torch.nn.Parameter(torch.randn(2000)))
+    return model
+
+
+def _sync_worker(rank: int, world: int, store_path: str, q) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        group = dist.new_group(list(range(world)))
+        model = _model()  # the receivers replay the sender's updates on a copy: bitwise truth
+        if rank == 0:
+            # packed buckets that reuse the two ring buffers, and tensors sent zero-copy alone
+            sender = S.Sender(model, "float32", bucket_mb=2048 / 2**20, group=group,
+                              solo_mb=4096 / 2**20)
+            q.put(("plan", [[s.name for s in b] for b in sender.plan]))
+            work = S.fan_out(group, torch.arange(4, dtype=torch.uint8))
+        else:
+            receiver = S.Receiver(group, src=0)
+            work = S.fan_out(group, torch.zeros(4, dtype=torch.uint8))
+        work.wait()
+        work.wait()                                  # idempotent, as a collective's work is
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.5)
+            if rank == 0:
+                sender.send(version)
+                continue
+            got, buckets = receiver.receive()
+            received = {n: t.clone() for named in buckets for n, t in named}
+            want = dict(model.named_parameters())
+            q.put((rank, got, sorted(received) == sorted(want)
+                   and all(torch.equal(received[n], want[n]) for n in want)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sender_receiver_over_gloo_every_path_three_syncs(tmp_path):
+    """1 sender -> 2 receivers, three syncs: packed buckets reusing the sender's two ring
+    buffers (each reuse waits on an earlier send), zero-copy tensors, all in flight at once.
+    A second `wait()` on a point-to-point work must not block (it used to, until the timeout)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_sync_worker, args=(r, 3, str(tmp_path / "store"), q))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=60) for _ in range(1 + 2 * 3)]  # a hang fails here, in a minute
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    plan = next(v for k, v in got if k == "plan")
+    assert sum(len(b) == 1 and b[0].startswith("big") for b in plan) == 5
+    assert sum(len(b) == 2 for b in plan) == 5
+    results = sorted((r, v, ok) for r, v, ok in (g for g in got if g[0] != "plan"))
+    assert results == [(r, v, True) for r in (1, 2) for v in (1, 2, 3)]
