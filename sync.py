@@ -158,8 +158,8 @@ class Sender:
             if (len(bucket) == 1 and t.dtype == DTYPES[self.dtype] and t.is_contiguous()
                     and t.device == self.device):
                 buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
-                if t.untyped_storage().data_ptr() != own[0].detach().untyped_storage().data_ptr():
-                    held = buf.numel()                                 # a gathered copy
+                if full[0] is not own[0]:      # a gathered copy (DTensor), not the parameter
+                    held = buf.numel()
             else:
                 slot, ring = ring, 1 - ring
                 for w, s, _, _ in pending:  # the buffer's previous broadcast must finish first
