@@ -25,10 +25,14 @@ class Device:
     backend: str            # for init_process_group
     visible_env: str | None  # the variable that narrows a process to some devices
     comm: str               # vLLM weight-sync communicator: "gloo" | "pynccl" | "pyhccl"
+    # Weight buckets on this device's torch backend go point to point from trainer rank 0 to
+    # each engine rank (gloo: its broadcast waits on a two-thread queue per bucket), or by
+    # broadcast (NCCL / HCCL: pipelined, and the root sends each byte once).
+    fan_out: bool = False
 
 
 TABLE = {
-    "cpu": Device("cpu", "gloo", None, "gloo"),
+    "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl"),
 }

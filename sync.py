@@ -24,6 +24,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+import device as D
+
 ALIGN = 64  # byte alignment of each tensor inside a bucket (dtype views need aligned offsets)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -229,13 +231,17 @@ def fan_out(pg, buf: torch.Tensor, src: int = 0):
 
 
 class TorchChannel:
-    """Bucket data over a torch.distributed gloo group (the HF engine's path)."""
+    """Bucket data over a torch.distributed group (the HF engine's path): point to point where
+    the device's backend is gloo, a broadcast elsewhere (`device.Device.fan_out`)."""
 
     def __init__(self, group, src: int):
-        self.group, self.src = group, dist.get_group_rank(group, src)  # src: a global rank
+        self.group, self.global_src = group, src
+        self.src = dist.get_group_rank(group, src)
 
     def broadcast(self, buf: torch.Tensor):
-        return fan_out(self.group, buf, self.src)
+        if D.TABLE[buf.device.type].fan_out:
+            return fan_out(self.group, buf, self.src)
+        return dist.broadcast(buf, self.global_src, group=self.group, async_op=True)
 
 
 Channel = TorchChannel  # anything with .broadcast(uint8 tensor) -> work with .wait(); sender is its rank 0
