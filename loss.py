@@ -1,13 +1,21 @@
 """GRPO advantages and policy losses: pure functions on tensors.
 
-Owns the maths of one update and nothing else: group-relative advantages, the clipped
-policy-gradient term, truncated importance sampling (TIS) for the engine/trainer mismatch, the KL
-penalty to a reference policy, loss aggregation with an explicit denominator, dynamic-sampling
-and overlong masks. No model, no optimizer, no torch.distributed: the trainer computes the
-global denominator (sum of :func:`local_denominator` over micro-batches and ranks) and passes it.
+Owns the maths of one update and every fact about it: group-relative advantages, which responses
+are trained on (:func:`keep_mask`), the clipped policy-gradient term, truncated importance
+sampling (TIS) for the engine/trainer mismatch, the KL penalty to a reference policy, and loss
+aggregation with an explicit global denominator (:func:`loss_denominator`). No model, no
+optimizer, no torch.distributed: the trainer asks this module for the step's denominator and
+passes it to every micro-batch.
 
 Shapes: ``B`` responses of up to ``T`` tokens; ``logprobs``, ``old_logprobs``, ``mask`` are
 ``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens).
+
+Excluded responses (one convention, every aggregation): a response left out of the update (its
+group has zero reward variance under DAPO's dynamic sampling, or it was cut at the length limit
+with ``exclude_truncated``) leaves the loss entirely, exactly as if it had not been sampled: its
+tokens leave "token-mean"'s count, it leaves the sequence count of "seq-mean-token-mean", and
+"seq-mean-token-sum-norm" normalises by (kept responses) x max_response_len. (TRL instead keeps
+masked responses in its sequence counts; here a dropped response never dilutes the others.)
 
 A new objective is one new function: build the per-token loss (e.g. a variant of
 :func:`clipped_pg`), add :func:`kl_penalty` if wanted, and reduce with :func:`aggregate`;
@@ -18,6 +26,8 @@ and ``[-10, 10]`` KL clamps verl adds for stability (the formulas here are exact
 the docstrings, so an independent implementation matches to rounding).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -63,21 +73,24 @@ def zero_variance_groups(rewards: Tensor, group_size: int, atol: float = 0.0) ->
     return (r.amax(dim=1) - r.amin(dim=1)) <= atol
 
 
-def keep_mask(rewards: Tensor, group_size: int, atol: float = 0.0) -> Tensor:
-    """``BoolTensor[N]``: True for samples whose group is NOT zero-variance (the ones to train on)."""
-    return (~zero_variance_groups(rewards, group_size, atol)).repeat_interleave(group_size)
+def keep_mask(rewards: Tensor, group_size: int, truncated: Tensor | None = None, *,
+              drop_zero_variance: bool = False, exclude_truncated: bool = False) -> Tensor:
+    """``BoolTensor[N]``: the responses the update trains on.
 
-
-def truncation_mask(mask: Tensor, truncated: Tensor) -> Tensor:
-    """Zero the token mask of truncated responses (``truncated``: ``BoolTensor[B]``).
-
-    DAPO's overlong filtering: a response cut at the length limit has no final answer, so its
-    reward is noise. Under "seq-mean-token-mean" an excluded response still counts as one
-    (zero-loss) sequence in the denominator, as in TRL.
+    ``drop_zero_variance`` leaves out every response of a group whose rewards are all equal
+    (:func:`zero_variance_groups`; DAPO's dynamic sampling); ``exclude_truncated`` leaves out
+    responses cut at the length limit (``truncated``: ``BoolTensor[N]``; DAPO's overlong
+    filtering: such a response has no final answer, so its reward is noise). An excluded response
+    leaves the loss and every denominator (module docstring).
     """
-    if truncated.shape != mask.shape[:1]:
-        raise ValueError(f"truncated must be [B]={tuple(mask.shape[:1])}, got {tuple(truncated.shape)}")
-    return mask * (~truncated.bool()).unsqueeze(-1).to(mask.dtype)
+    keep = torch.ones(rewards.numel(), dtype=torch.bool)
+    if drop_zero_variance:
+        keep &= ~zero_variance_groups(rewards, group_size).repeat_interleave(group_size)
+    if exclude_truncated:
+        if truncated is None or truncated.shape != keep.shape:
+            raise ValueError(f"exclude_truncated needs truncated of shape {tuple(keep.shape)}")
+        keep &= ~truncated.bool()
+    return keep
 
 
 # --------------------------------------------------------------------------- per-token terms
@@ -123,18 +136,37 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") ->
 
 
 # --------------------------------------------------------------------------- aggregation
-def local_denominator(mask: Tensor, aggregation: str, max_response_len: int | None = None) -> float:
-    """This batch's share of the loss denominator; sum it over micro-batches and ranks.
+def loss_denominator(response_lengths: Sequence[int], keep: Sequence[bool], aggregation: str,
+                     max_response_len: int | None = None) -> float:
+    """The whole step's loss denominator, from every response's token count and keep flag.
 
-    "token-mean": number of masked-in tokens; "seq-mean-token-mean": number of sequences ``B``
-    (fully masked ones included); "seq-mean-token-sum-norm": ``B * max_response_len``.
+    "token-mean": kept response tokens; "seq-mean-token-mean": kept responses;
+    "seq-mean-token-sum-norm": kept responses x ``max_response_len``. Excluded responses count
+    nowhere (module docstring). Equals the sum of :func:`local_denominator` over every
+    micro-batch and rank when their masks zero the excluded responses.
+    """
+    _check_aggregation(aggregation, max_response_len)
+    kept = [n for n, k in zip(response_lengths, keep, strict=True) if k]
+    if aggregation == "token-mean":
+        return float(sum(kept))
+    if aggregation == "seq-mean-token-mean":
+        return float(len(kept))
+    return float(len(kept) * max_response_len)
+
+
+def local_denominator(mask: Tensor, aggregation: str, max_response_len: int | None = None) -> float:
+    """This batch's share of the loss denominator; summed over micro-batches and ranks it is
+    :func:`loss_denominator`.
+
+    "token-mean": number of masked-in tokens; "seq-mean-token-mean": number of responses with at
+    least one masked-in token (a fully masked row is an excluded response: it does not count);
+    "seq-mean-token-sum-norm": that number x ``max_response_len``.
     """
     _check_aggregation(aggregation, max_response_len)
     if aggregation == "token-mean":
         return float(mask.sum())
-    if aggregation == "seq-mean-token-mean":
-        return float(mask.shape[0])
-    return float(mask.shape[0] * max_response_len)
+    rows = float((mask.sum(-1) > 0).sum())
+    return rows if aggregation == "seq-mean-token-mean" else rows * max_response_len
 
 
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean",
@@ -143,10 +175,10 @@ def aggregate(per_token: Tensor, mask: Tensor, aggregation: str = "token-mean",
 
     - "token-mean" (DAPO, TRL "bnpo"/"dapo"): ``sum(l*m) / sum(m)``;
     - "seq-mean-token-mean" (GRPO as in DeepSeekMath, TRL "grpo"):
-      ``sum_i [sum_t(l*m)_i / sum_t(m)_i] / B``; a fully masked sequence contributes 0 (its
-      token count is clamped to 1) and still counts in ``B``;
+      ``sum_i [sum_t(l*m)_i / sum_t(m)_i] / B`` over the ``B`` responses with any masked-in
+      token (a fully masked row is an excluded response: it adds 0 and does not count);
     - "seq-mean-token-sum-norm" (Dr. GRPO): ``sum(l*m) / (B * max_response_len)``, a constant
-      normaliser, so no length bias.
+      normaliser per response, so no length bias.
 
     ``denominator`` (if given) replaces the local one (:func:`local_denominator`): pass the sum of
     :func:`local_denominator` over every micro-batch and trainer rank of the step; then the sum of
@@ -191,10 +223,10 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     distribution the samples came from for the advantage-weighted term; the KL term is a
     regulariser. Then ``loss = aggregate(l, mask, aggregation, loss_denominator, max_response_len)``.
 
-    ``loss_denominator`` (None: this call's own) replaces the denominator with the whole step's:
-    the global masked-token count ("token-mean"), the global number of sequences
-    ("seq-mean-token-mean"), or the global ``B * max_response_len`` ("seq-mean-token-sum-norm");
-    :func:`local_denominator` gives each micro-batch's share. With it, summing the losses of the
+    ``loss_denominator`` (None: this call's own) replaces the denominator with the whole step's
+    (:func:`loss_denominator`): the kept tokens ("token-mean"), the kept responses
+    ("seq-mean-token-mean"), or kept responses x ``max_response_len``
+    ("seq-mean-token-sum-norm"); :func:`local_denominator` gives each micro-batch's share. With it, summing the losses of the
     micro-batches (and ranks) reproduces the full-batch loss and gradient exactly.
 
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL

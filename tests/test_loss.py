@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loss import (aggregate, group_advantages, keep_mask, kl_penalty, local_denominator,
-                  policy_loss, truncation_mask, zero_variance_groups)
+                  loss_denominator, policy_loss, zero_variance_groups)
 
 LN2 = math.log(2.0)
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -58,7 +58,9 @@ def test_group_advantages_errors(rewards, g, msg):
 def test_zero_variance_and_keep_mask():
     r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.3, 0.3, 0.3])
     torch.testing.assert_close(zero_variance_groups(r, 3), torch.tensor([True, False, True]))
-    torch.testing.assert_close(keep_mask(r, 3), torch.tensor([False] * 3 + [True] * 3 + [False] * 3))
+    torch.testing.assert_close(keep_mask(r, 3, drop_zero_variance=True),
+                               torch.tensor([False] * 3 + [True] * 3 + [False] * 3))
+    assert bool(keep_mask(r, 3).all())                       # nothing dropped unless asked
     r = torch.tensor([1.0, 1.0 + 1e-9, 0.0, 1.0], dtype=torch.float64)
     torch.testing.assert_close(zero_variance_groups(r, 2), torch.tensor([False, False]))
     torch.testing.assert_close(zero_variance_groups(r, 2, atol=1e-8), torch.tensor([True, False]))
@@ -66,14 +68,16 @@ def test_zero_variance_and_keep_mask():
         zero_variance_groups(torch.zeros(5), 2)
 
 
-def test_truncation_mask():
-    m = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
-    out = truncation_mask(m, torch.tensor([False, True, False]))
-    torch.testing.assert_close(out, torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]))
-    mf = m.double()
-    assert truncation_mask(mf, torch.tensor([0, 1, 0])).dtype == torch.float64
-    with pytest.raises(ValueError):
-        truncation_mask(m, torch.tensor([True, False]))
+def test_keep_mask_truncated():
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    trunc = torch.tensor([False, True, False, False])
+    torch.testing.assert_close(keep_mask(r, 2, trunc, exclude_truncated=True),
+                               torch.tensor([True, False, True, True]))
+    # both rules: group 2 (all 1.0) dropped, response 1 truncated
+    torch.testing.assert_close(keep_mask(r, 2, trunc, drop_zero_variance=True, exclude_truncated=True),
+                               torch.tensor([True, False, False, False]))
+    with pytest.raises(ValueError, match="truncated"):
+        keep_mask(r, 2, exclude_truncated=True)
 
 
 # --------------------------------------------------------------------------- hand-computed loss
@@ -213,6 +217,18 @@ def test_denominators_hand():
     assert local_denominator(mask, "token-mean") == 5.0
     assert local_denominator(mask, "seq-mean-token-mean") == 2.0
     assert local_denominator(mask, "seq-mean-token-sum-norm", 4) == 8.0
+    # the step's denominator from lengths and keep flags; excluded responses count nowhere
+    lengths, keep = [3, 2, 7, 1], [True, True, False, True]
+    assert loss_denominator(lengths, keep, "token-mean") == 6.0
+    assert loss_denominator(lengths, keep, "seq-mean-token-mean") == 3.0
+    assert loss_denominator(lengths, keep, "seq-mean-token-sum-norm", 8) == 24.0
+    # ... and it is the sum of the micro-batches' local shares once excluded rows are masked
+    m = torch.zeros(4, 8)
+    for i, (n, k) in enumerate(zip(lengths, keep)):
+        m[i, :n] = float(k)
+    for agg in AGGS:
+        assert loss_denominator(lengths, keep, agg, 8) == \
+            local_denominator(m[:1], agg, 8) + local_denominator(m[1:], agg, 8)
     logp, old, adv, mask = _inputs()
     # an explicit denominator replaces the local one
     loss, _ = policy_loss(logp, old, adv, mask, loss_denominator=10.0)
@@ -234,13 +250,19 @@ def test_empty_mask_is_zero_not_nan():
         assert aggregate(logp, torch.zeros_like(mask), agg, 0.0, 4).item() == 0.0
 
 
-def test_fully_masked_row_counts_as_sequence():
-    # seq-mean-token-mean: an excluded (e.g. truncated) response adds 0 and counts in B, as in TRL
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_excluded_response_is_as_if_never_sampled(aggregation):
+    # The one convention: a fully masked (excluded) response adds 0 and counts in no
+    # denominator, under every aggregation (unlike TRL, which keeps it in B).
     logp, old, adv, mask = _inputs()
     mask3 = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
     pad = lambda x: torch.cat([x, x[:1]])  # noqa: E731
-    loss, _ = policy_loss(pad(logp), pad(old), pad(adv), mask3, aggregation="seq-mean-token-mean")
-    assert loss.item() == pytest.approx((-1.92 + 1.15) / 3, abs=1e-12)
+    with_excluded, _ = policy_loss(pad(logp), pad(old), pad(adv), mask3, aggregation=aggregation,
+                                   max_response_len=4)
+    without, _ = policy_loss(logp, old, adv, mask, aggregation=aggregation, max_response_len=4)
+    assert with_excluded.item() == pytest.approx(without.item(), abs=1e-12)
+    if aggregation == "seq-mean-token-mean":
+        assert without.item() == pytest.approx((-1.92 + 1.15) / 2, abs=1e-12)
 
 
 def test_bool_and_float_masks_agree():
@@ -274,11 +296,12 @@ def _loop_loss(lp, old, adv, mask, *, clip_low, clip_high, aggregation, kl_coef,
                     l = l + kl_coef * (torch.exp(d) - d - 1)
             row.append(l * float(mask[i, j]))
         rows.append(row)
+    kept = [i for i in range(b) if float(mask[i].sum()) > 0]   # excluded rows count nowhere
     if aggregation == "token-mean":
         return sum(sum(r) for r in rows) / float(mask.sum())
     if aggregation == "seq-mean-token-mean":
-        return sum(sum(r) / float(mask[i].sum()) for i, r in enumerate(rows)) / b
-    return sum(sum(r) for r in rows) / (b * max_response_len)
+        return sum(sum(rows[i]) / float(mask[i].sum()) for i in kept) / len(kept)
+    return sum(sum(r) for r in rows) / (len(kept) * max_response_len)
 
 
 def _random(b=5, t=6, seed=0):
