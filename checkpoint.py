@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
-from config import fault_active
+from failures import fault_active
 
 _STEP = re.compile(r"^step_(\d+)$")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tomllib
 import types
 import typing
@@ -17,24 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import loss
 from data import DEFAULT_TEMPLATE
 
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the key."""
-
-
-def fault_active(point: str, step: int | None = None) -> bool:
-    """Fault injection for the failure tests, off unless `GRPO_FAULT=<point>[@<step>][:<rank>]`
-    is set: true when this rank reaches `point` (at `step`, if given)."""
-    spec = os.environ.get("GRPO_FAULT")
-    if not spec:
-        return False
-    name, _, rank = spec.partition(":")
-    name, _, at = name.partition("@")
-    if name != point or (at and step != int(at)):
-        return False
-    return not rank or int(rank) == int(os.environ.get("RANK", 0))
 
 
 @dataclass
@@ -45,7 +32,7 @@ class RunConfig:
     log_samples: int = 2            # decoded responses per step appended to samples.jsonl
     save_every: int = 0             # checkpoint every N steps (0: only at the end if keep_last > 0)
     keep_last: int = 2              # complete checkpoints kept; 0 disables checkpointing
-    eval_every: int = 0             # greedy evaluation every N steps (0: off)
+    eval_every: int = 0             # evaluation every N steps and at the end (0: off); see [eval]
     eval_size: int = 16             # evaluation problems (from the validation split)
 
 
@@ -112,7 +99,7 @@ class LossConfig:
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     scale_by_std: bool = True       # False: Dr. GRPO advantages r - mean
     kl_coef: float = 0.0            # > 0 builds a frozen reference policy
-    kl_estimator: str = "k3"        # k3 | k1
+    kl_estimator: str = "k3"        # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     tis_cap: float = 0.0            # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False  # leave responses cut at max_new_tokens out of the loss
@@ -123,6 +110,13 @@ class RewardConfig:
     # Reward functions summed with their weights: [{name, weight, **params}]; names in rewards/.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
     timeout_s: float = 5.0          # a reward function running longer scores 0 and counts an error
+
+
+@dataclass
+class EvalConfig:
+    # Reward functions that grade evaluation, as [reward] functions: the mean of each part
+    # (e.g. `accuracy`, `format` for the geometry verifier) is logged as eval/<part>.
+    functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
 
 
 @dataclass
@@ -142,6 +136,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
 
@@ -236,9 +231,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     need(t.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be >= 0, got {t.micro_batch_tokens}")
-    need(lo.aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-         f"loss.aggregation: unknown {lo.aggregation!r}")
-    need(lo.kl_estimator in ("k1", "k3"), f"loss.kl_estimator: unknown {lo.kl_estimator!r}")
+    need(lo.aggregation in loss.AGGREGATIONS,
+         f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(loss.AGGREGATIONS)})")
+    need(lo.kl_estimator in loss.KL_ESTIMATORS,
+         f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(loss.KL_ESTIMATORS)})")
     need(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
@@ -250,12 +246,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
              "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
-    for i, spec in enumerate(cfg.reward.functions):
-        need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
-             f"reward.functions[{i}]: expected a table with a 'name', got {spec!r}")
-        import rewards
-        need(spec["name"] in rewards.names(),
-             f"reward.functions[{i}].name: unknown reward {spec['name']!r} (known: {rewards.names()})")
+    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions)):
+        need(len(specs) > 0, f"{key}: at least one reward function is needed")
+        for i, spec in enumerate(specs):
+            need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
+                 f"{key}[{i}]: expected a table with a 'name', got {spec!r}")
+            import rewards
+            need(spec["name"] in rewards.names(),
+                 f"{key}[{i}].name: unknown reward {spec['name']!r} (known: {rewards.names()})")
     if cfg.model.path != "tiny" and "/" in cfg.model.path and cfg.model.path.startswith(("/", ".")):
         need(Path(cfg.model.path).exists(), f"model.path: no such folder {cfg.model.path}")
     if cfg.data.source not in ("synthetic",) and cfg.data.source.startswith(("/", ".")):
@@ -265,15 +263,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
-    """Rules that depend on the launch: how many ranks train and generate."""
+    """Rules that depend on the launch: how many ranks train and generate (world.split_roles)."""
+    from world import split_roles
     c, ro = cfg.cluster, cfg.rollout
-    if world_size == 1:
-        n_train, n_gen = 1, 1  # one process plays both roles
-    else:
-        if c.gen_ranks >= world_size:
-            raise ConfigError(f"cluster.gen_ranks={c.gen_ranks} leaves no trainer rank in a world "
-                              f"of {world_size}")
-        n_train, n_gen = world_size - c.gen_ranks, c.gen_ranks
+    try:
+        trainers, gens = split_roles(world_size, c.gen_ranks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_train, n_gen = len(trainers), len(gens)
     if ro.max_staleness and world_size == 1:
         raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
                           "cannot overlap generation with training)")

@@ -56,6 +56,11 @@ def detect() -> Device:
     return TABLE["cpu"]
 
 
+def planned_kind() -> str:
+    """The device kind a dry run plans for: GRPO_DEVICE, or "cuda|npu" when unset."""
+    return os.environ.get("GRPO_DEVICE", "cuda|npu")
+
+
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)

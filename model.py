@@ -22,10 +22,10 @@ exact on-policy training.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +34,7 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 SYSTEM_PROMPT = "You are a helpful assistant."
 TINY = "tiny"  # `[model] path = "tiny"` builds the random model under the run folder
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- tiny model
@@ -145,6 +146,21 @@ def load_image_processor(path: str, min_pixels: int, max_pixels: int):
                                                   max_pixels=max_pixels)
 
 
+@dataclass(frozen=True)
+class Processors:
+    """What the engines and the trainer must agree on: the tokenizer, the token ids and the image
+    processor (with the run's pixel bounds)."""
+    tokenizer: Any
+    tokens: "Tokens"
+    image_processor: Any
+
+
+def load_processors(path: str, min_pixels: int, max_pixels: int) -> Processors:
+    tokenizer = load_tokenizer(path)
+    return Processors(tokenizer, Tokens.of(tokenizer, vocab_size(path)),
+                      load_image_processor(path, min_pixels, max_pixels))
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     from transformers import Qwen2_5_VLForConditionalGeneration
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype,
@@ -193,6 +209,18 @@ def image_inputs(image_processor, images: list) -> dict[str, torch.Tensor]:
 
 def n_image_tokens(grid_thw: torch.Tensor, merge_size: int = 2) -> list[int]:
     return [int(g.prod()) // merge_size ** 2 for g in grid_thw]
+
+
+def n_image_tokens_of(image_processor, image) -> int:
+    """Image tokens one PIL image becomes (without running the processor on its pixels)."""
+    ip = image_processor
+    return ip.get_number_of_image_patches(image.height, image.width, {}) // ip.merge_size ** 2
+
+
+def prompt_len(procs: Processors, user_text: str, image) -> int:
+    """Tokens of the chat prompt once its one image placeholder is expanded."""
+    ids = prompt_ids(procs.tokenizer, user_text, 1, procs.tokens)
+    return len(ids) - 1 + n_image_tokens_of(procs.image_processor, image)
 
 
 def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
@@ -307,9 +335,3 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)

@@ -10,11 +10,12 @@ Protocol, per sync (after every optimizer step):
 3. Metadata (names, shapes, dtypes as strings, offsets) travels once, on the first sync; every
    later sync sends one small control tensor (version, bucket count) and then the buckets.
 4. The generation rank unpacks each bucket into views of its receive buffer (reused across
-   syncs) and hands `(name, tensor)` pairs to its engine's `load_weights`.
+   syncs) and its engine loads the `(name, tensor)` pairs (`engine.receive_weights(receiver)`).
 
-The vLLM engine receives inside its own worker process over a communicator of its own; its
-side of the same plan lives in `rollout.VLLMWorkerExtension`, which uses `plan_buckets` /
-`unpack` from here.
+:func:`sync_weights` is the whole protocol from the loop's side, for every engine and a world
+of one. An engine with `OWN_CHANNEL` (vLLM) receives the bucket data inside its own worker
+process over a communicator of its own (:func:`open_engine_channel`); its side of the same plan
+lives in `vllm_engine.VLLMWorkerExtension`, which uses `plan_from_plain` / `unpack` from here.
 """
 from __future__ import annotations
 
@@ -25,15 +26,11 @@ import torch
 import torch.distributed as dist
 
 import device as D
+from model import DTYPES
 
 ALIGN = 64  # byte alignment of each tensor inside a bucket (dtype views need aligned offsets)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def clean_name(name: str) -> str:
@@ -248,14 +245,15 @@ Channel = TorchChannel  # anything with .broadcast(uint8 tensor) -> work with .w
 
 
 class Receiver:
-    """Generation-rank side: control messages, and bucket data for in-process engines."""
+    """Generation-rank side of a sync (a `rollout.WeightSource`): control messages, and bucket
+    data for in-process engines."""
 
     def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):
         self.group, self.src, self.device = group, src, device
         self.plan: list[list[Slot]] | None = None
         self._bufs: list[torch.Tensor] = []
 
-    def receive_control(self) -> tuple[int, list[list[Slot]]]:
+    def control(self) -> tuple[int, list[list[Slot]]]:
         """(version, plan) of the sync that starts now; the plan itself travels only once."""
         if self.plan is None:
             obj = [None]
@@ -268,28 +266,74 @@ class Receiver:
             raise RuntimeError(f"weight sync: sender has {n} buckets, receiver planned {len(self.plan)}")
         return version, self.plan
 
-    def receive(self) -> tuple[int, Iterator[list[tuple[str, torch.Tensor]]]]:
-        """(version, buckets): iterate the buckets to receive them, in order, each once.
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The buckets of the sync whose `control()` was just received: iterate to receive them,
+        in order, each once.
 
         The yielded tensors are views of this receiver's own buffers, one per bucket, which keep
         their storage across syncs: an engine may adopt them as its weights (zero copy, as
-        `HFEngine.load_weights(..., adopt=True)` does) or copy them.
+        the transformers engine does) or copy them. Every receive is posted at
+        once (nothing is reused within a sync), so the transfer runs back to back while the
+        engine loads whatever has arrived.
         """
-        version, plan = self.receive_control()
         if not self._bufs:
             self._bufs = [torch.empty(bucket_size(b), dtype=torch.uint8, device=self.device)
-                          for b in plan]
-            self._views = [unpack(buf, b) for buf, b in zip(self._bufs, plan)]  # made once
-        return version, self._buckets()
-
-    def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        # Every receive is posted at once (nothing is reused within a sync), so the transfer runs
-        # back to back while the engine loads whatever has arrived.
+                          for b in self.plan]
+            self._views = [unpack(buf, b) for buf, b in zip(self._bufs, self.plan)]  # made once
         channel = TorchChannel(self.group, self.src)
         works = [channel.broadcast(buf) for buf in self._bufs]
         for work, named in zip(works, self._views):
             work.wait()
             yield named
+
+
+class LocalControl:
+    """The control side of a sync when the sender is in this process (a world of one): the
+    version and plan, no message. The data goes over the engine's own channel."""
+
+    def __init__(self, version: int, plan: list[list[Slot]]):
+        self.version, self.plan = version, plan
+
+    def control(self) -> tuple[int, list[list[Slot]]]:
+        return self.version, self.plan
+
+    def buckets(self):
+        raise RuntimeError("a local sync hands buckets over with Sender.send(sink=...)")
+
+
+def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", engine,
+                 version: int) -> int:
+    """One sync of weight `version`: trainer ranks send, generation ranks load into their engine.
+    Returns the bytes sent (trainer rank 0; 0 elsewhere)."""
+    if world.size == 1:  # both ends in this process
+        if sender.channel is None:  # the engine lives here: buckets handed straight over
+            return sender.send(version, sink=engine.load_weights)
+        import concurrent.futures as cf  # the engine's own processes receive over the channel
+        with cf.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(sender.send, version)
+            got = engine.receive_weights(LocalControl(version, sender.plan))
+            nbytes = sent.result()
+    elif world.is_trainer:
+        return sender.send(version)
+    else:
+        got, nbytes = engine.receive_weights(receiver), 0
+    if got != version:
+        raise RuntimeError(f"weight sync: rank {world.rank} expected version {version}, got {got}")
+    return nbytes
+
+
+def verify(world, policy, engine, dtype: str) -> bool:
+    """Bitwise: every engine's weights == the trainer's full weights cast to the sync dtype.
+    Collective over the whole world (`world.ctrl`)."""
+    ref = None
+    if world.is_trainer:  # every trainer rank gathers (collective); rank 0 fingerprints
+        full = [(n, full_tensor(p).detach().to(DTYPES[dtype])) for n, p in policy.named_parameters()]
+        ref = checksum(full) if world.is_root else None
+    mine = checksum(list(engine.named_parameters())) if world.is_gen else None
+    got: list = [None] * world.size
+    dist.all_gather_object(got, (ref, mine), group=world.ctrl)
+    ref = got[0][0]
+    return all(g[1] == ref for g in got if g[1] is not None)
 
 
 def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -386,3 +430,26 @@ def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
         raise RuntimeError(f"weight channel: {comm} is unavailable (world_size={world_size}, "
                            "or the NCCL/HCCL library was not found)")
     return CommChannel(group, communicator)
+
+
+def open_engine_channel(world, comm: str, engine, members_per_engine: int,
+                        device: torch.device) -> CommChannel | None:
+    """Trainer rank 0 and the workers of every engine whose `OWN_CHANNEL` is set join one
+    communicator (`comm`: gloo / pynccl / pyhccl, by device), once, at start-up. Collective over
+    the world. Returns trainer rank 0's end (None elsewhere); engines keep theirs."""
+    from world import free_port
+    size = 1 + len(world.gens) * members_per_engine
+    addr = [os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port()] if world.is_root else [None, None]
+    dist.broadcast_object_list(addr, 0, group=world.ctrl)
+    host, port = addr
+    if world.size == 1:  # both ends in this process: the engine joins from a thread
+        import threading
+        t = threading.Thread(target=engine.join_weight_channel, args=(host, port, 1, size))
+        t.start()
+        chan = open_channel(comm, host, port, 0, size, device)
+        t.join()
+        return chan
+    if world.is_gen:
+        engine.join_weight_channel(host, port, 1 + world.gen_index * members_per_engine, size)
+        return None
+    return open_channel(comm, host, port, 0, size, device) if world.is_root else None

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,6 +22,7 @@ def _weights(out_dir, step):
     return load_file(str(out_dir / "checkpoints" / f"step_{step:06d}" / "hf" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_exact_resume_2_plus_2_equals_4(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     torchrun(3, [*ARGS, f"--run.out_dir={a}", "--run.steps=4"])
@@ -47,6 +49,7 @@ def test_exact_resume_2_plus_2_equals_4(tmp_path):
     assert row["eval/n"] == 8 and 0.0 <= row["eval/accuracy"] <= 1.0
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     e = env()
     e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4
@@ -63,6 +66,7 @@ def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     assert sorted(x.name for x in ck.iterdir()) == ["step_000004", "step_000006"]  # keep_last=2
 
 
+@pytest.mark.slow
 def test_local_geometry3k_folder_trains(tmp_path):
     """`python data.py --write-synthetic` writes the Geometry3K layout; the trainer reads it."""
     d = tmp_path / "g3k"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import data
+import synthetic
 
 # Geometry3K's spelling of the forms the synthetic set produces.
 STYLE = re.compile(r"\d+|\d+\.\d|(\d+ )?\\sqrt \{ \d+ \}|\\frac \{ \d+ \} \{ \d+ \}|(\d+ )?\\pi")
@@ -61,7 +62,7 @@ def expected(kind: str, p: dict) -> float:
 
 # ---------------------------------------------------------------- synthetic set
 def test_same_seed_same_bytes_different_seed_different():
-    a, b, c = data.make_synthetic(20, seed=3), data.make_synthetic(20, seed=3), data.make_synthetic(20, seed=4)
+    a, b, c = synthetic.make_synthetic(20, seed=3), synthetic.make_synthetic(20, seed=3), synthetic.make_synthetic(20, seed=4)
     assert [(p.problem, p.answer) for p in a] == [(p.problem, p.answer) for p in b]
     assert [png_bytes(p.image) for p in a] == [png_bytes(p.image) for p in b]
     assert [png_bytes(p.image) for p in a] != [png_bytes(p.image) for p in c]
@@ -69,7 +70,7 @@ def test_same_seed_same_bytes_different_seed_different():
 
 
 def test_images_are_rgb_diagrams_of_the_requested_size():
-    for p in data.make_synthetic(10, seed=0, image_size=64) + data.make_synthetic(5, seed=0, image_size=224):
+    for p in synthetic.make_synthetic(10, seed=0, image_size=64) + synthetic.make_synthetic(5, seed=0, image_size=224):
         assert p.image.mode == "RGB" and p.image.size[0] == p.image.size[1] in (64, 224)
         colors = p.image.getcolors(maxcolors=1 << 16)
         assert max(colors)[1] == (255, 255, 255)  # white background
@@ -77,13 +78,13 @@ def test_images_are_rgb_diagrams_of_the_requested_size():
 
 
 def test_every_answer_is_in_geometry3k_style():
-    specs = data.synthetic_specs(400, seed=1)
-    assert {s.kind for s in specs} == set(data.KINDS)
+    specs = synthetic.synthetic_specs(400, seed=1)
+    assert {s.kind for s in specs} == set(synthetic.KINDS)
     for s in specs:
         assert STYLE.fullmatch(s.answer), s
         assert not re.search(r"(^|\D)0\d", s.answer), s  # no leading zeros
         for k, n in re.findall(r"(\d+ )?\\sqrt \{ (\d+) \}", s.answer):
-            assert int(k or 2) > 1 and data.square_free(int(n)) == (1, int(n)) and int(n) > 1, s
+            assert int(k or 2) > 1 and synthetic.square_free(int(n)) == (1, int(n)) and int(n) > 1, s
         for a, b in re.findall(r"\\frac \{ (\d+) \} \{ (\d+) \}", s.answer):
             assert math.gcd(int(a), int(b)) == 1 and int(b) > 1, s
         if s.answer.endswith("\\pi"):
@@ -120,17 +121,17 @@ def test_style_regex_describes_real_geometry3k_answers():
     ("similar", {"s1": 4, "s2": 6, "t1": 10, "angle": 60}, "15"),
 ])
 def test_hand_checked_answers(kind, params, answer):
-    assert data.KINDS[kind][1](params)[1] == answer
+    assert synthetic.KINDS[kind][1](params)[1] == answer
 
 
 def test_answers_match_the_diagram_parameters():
-    for s in data.synthetic_specs(400, seed=2):
+    for s in synthetic.synthetic_specs(400, seed=2):
         p = dict(s.params)
         rounded = s.kind == "circle" and not p["exact"]
         assert ("Round to the nearest tenth" in s.question) == rounded
         assert math.isclose(value(s.answer), expected(s.kind, p), rel_tol=1e-12, abs_tol=0.05 if rounded else 0), s
         # The diagram shows the numbers the answer is computed from, and x when x is asked for.
-        texts = {text for _, text, _ in data.KINDS[s.kind][2](p).labels}
+        texts = {text for _, text, _ in synthetic.KINDS[s.kind][2](p).labels}
         if s.kind == "right_triangle":
             assert texts == {str(p[k]) if p[k] else "x" for k in "abc"}
         elif s.kind == "rectangle":
@@ -144,14 +145,14 @@ def test_answers_match_the_diagram_parameters():
 
 
 def test_angle_expression_labels():
-    assert data._angle_expr(1, 0) == "x°"
-    assert data._angle_expr(3, 10) == "(3x + 10)°"
+    assert synthetic._angle_expr(1, 0) == "x°"
+    assert synthetic._angle_expr(3, 10) == "(3x + 10)°"
 
 
 def test_square_free_and_spellings():
-    assert [data.square_free(n) for n in (1, 12, 72, 49, 30)] == [(1, 1), (2, 3), (6, 2), (7, 1), (1, 30)]
-    assert data.fmt_sqrt(72) == "6 \\sqrt { 2 }" and data.fmt_sqrt(1) == "1"
-    assert data.fmt_frac(Fraction(80, 6)) == "\\frac { 40 } { 3 }" and data.fmt_frac(Fraction(8, 2)) == "4"
+    assert [synthetic.square_free(n) for n in (1, 12, 72, 49, 30)] == [(1, 1), (2, 3), (6, 2), (7, 1), (1, 30)]
+    assert synthetic.fmt_sqrt(72) == "6 \\sqrt { 2 }" and synthetic.fmt_sqrt(1) == "1"
+    assert synthetic.fmt_frac(Fraction(80, 6)) == "\\frac { 40 } { 3 }" and synthetic.fmt_frac(Fraction(8, 2)) == "4"
 
 
 def test_synthetic_splits_are_disjoint_and_seeded():
@@ -186,7 +187,7 @@ def assert_same(loaded, original):
 
 
 def test_jsonl_round_trip(tmp_path):
-    data.write_synthetic(tmp_path, 6, 3, 2, seed=5, image_size=80)
+    synthetic.write_synthetic(tmp_path, 6, 3, 2, seed=5, image_size=80)
     first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
     assert first["problem"].startswith("<image>") and (tmp_path / first["images"][0]).is_file()
     for split, n in zip(data.SPLITS, (6, 3, 2)):
@@ -198,7 +199,7 @@ def test_jsonl_round_trip(tmp_path):
 
 def test_parquet_round_trip(tmp_path):
     pytest.importorskip("pyarrow", reason="pyarrow not installed; parquet layout untested here")
-    data.write_synthetic(tmp_path, 4, 2, 2, seed=7, fmt="parquet")
+    synthetic.write_synthetic(tmp_path, 4, 2, 2, seed=7, fmt="parquet")
     assert (tmp_path / "data" / "test-00000-of-00001.parquet").is_file()
     for split, n in zip(data.SPLITS, (4, 2, 2)):
         loaded, skipped = data.load_split(str(tmp_path), split)
@@ -208,7 +209,7 @@ def test_parquet_round_trip(tmp_path):
 
 
 def test_cli_writes_loadable_folder(tmp_path):
-    data.main(["--write-synthetic", str(tmp_path / "out"), "--n-train", "3", "--n-val", "2", "--n-test", "1"])
+    synthetic.main(["--write", str(tmp_path / "out"), "--n-train", "3", "--n-val", "2", "--n-test", "1"])
     assert [len(data.load_split(str(tmp_path / "out"), s)[0]) for s in data.SPLITS] == [3, 2, 1]
 
 

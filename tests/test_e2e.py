@@ -12,12 +12,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
 from tests.util import ROOT, TINY, env, free_port, metrics, torchrun
 
 REQUIRED = ["step", "weight_version", "reward/mean", "reward/accuracy", "reward/format",
             "response_len/mean", "loss", "grad_norm", "kl", "entropy", "time/generate_s",
             "time/train_s", "time/sync_s", "time/step_s", "sync/bytes", "logprob_diff/max"]
+pytestmark = pytest.mark.slow  # torchrun launches: the full tier only
+
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 
 

@@ -29,6 +29,7 @@ def _last_step_time(out_dir) -> float:
     return (out_dir / "metrics.jsonl").stat().st_mtime
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim, role", [(2, "generation"), (1, "trainer")])
 def test_killed_rank_stops_the_job_and_is_named(tmp_path, victim, role):
     p, _ = launch(tmp_path, f"die@2:{victim}", "--run.steps=6")
@@ -40,6 +41,7 @@ def test_killed_rank_stops_the_job_and_is_named(tmp_path, victim, role):
     assert end - _last_step_time(tmp_path) < TIMEOUT + 30
 
 
+@pytest.mark.slow
 def test_hung_rank_times_out_and_is_named(tmp_path):
     p, _ = launch(tmp_path, "hang@1:2", "--run.steps=4", "--cluster.timeout_s=8")
     end = time.time()
@@ -51,6 +53,7 @@ def test_hung_rank_times_out_and_is_named(tmp_path):
     assert end - _last_step_time(tmp_path) < 8 + 30
 
 
+@pytest.mark.slow
 def test_nan_step_is_skipped_and_counted(tmp_path):
     p, _ = launch(tmp_path, "nan_loss@1", "--run.steps=3")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -60,6 +63,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path):
     assert rows[1]["grad_norm"] != rows[1]["grad_norm"]  # nan logged as it was
 
 
+@pytest.mark.slow
 def test_consecutive_nans_stop_the_run(tmp_path):
     p, _ = launch(tmp_path, "nan_loss", "--run.steps=6", "--train.max_skipped_steps=2")
     assert p.returncode != 0
@@ -67,6 +71,7 @@ def test_consecutive_nans_stop_the_run(tmp_path):
     assert len(metrics(tmp_path)) == 2
 
 
+@pytest.mark.slow
 def test_bad_world_split_fails_before_any_group_work(tmp_path):
     p, dt = launch(tmp_path, None, "--cluster.gen_ranks=3", timeout=120)
     assert p.returncode != 0

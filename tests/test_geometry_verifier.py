@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.verifier import load_cases  # the one reader of the case file
 from rewards import REGISTRY
 from rewards.geometry import extract_answer, format_ok, geometry_reward, is_correct
 
@@ -20,17 +21,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data/geometry3k-text
 BOUND_S = 0.05
 
 
-def load_cases() -> list[dict]:
-    cases = []
-    for line in CASES_PATH.read_text().splitlines():
-        c = json.loads(line)
-        if "response_parts" in c:
-            c["response"] = "".join(text * n for text, n in c.pop("response_parts"))
-        cases.append(c)
-    return cases
-
-
-CASES = load_cases()
+CASES = load_cases(CASES_PATH)
 
 
 def W(answer: str) -> str:

@@ -10,29 +10,30 @@ import data
 import loss as L
 import model as M
 import rollout as R
-import train
+import synthetic
+import trainer as T
 from tests.util import free_port
 
 
 def test_plan_budget_order_and_counts():
     lengths = [50, 10, 40, 10, 30, 20, 60, 10]
-    plan = train.plan_micro_batches(lengths, max_seqs=99, max_tokens=80)
+    plan = T.plan_micro_batches(lengths, max_seqs=99, max_tokens=80)
     assert sorted(i for mb in plan for i in mb) == list(range(8))          # each index once
     for mb in plan:
         assert len(mb) * max(lengths[i] for i in mb) <= 80 or len(mb) == 1
-    assert train.plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    eq = train.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000, count=3)
+    assert T.plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    eq = T.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000, count=3)
     assert len(eq) == 3 and sorted(i for mb in eq for i in mb) == list(range(8))
     with pytest.raises(ValueError):
-        train.plan_micro_batches([5, 5], max_seqs=1, count=3)
+        T.plan_micro_batches([5, 5], max_seqs=1, count=3)
 
 
 def test_padding_is_reduced_by_length_grouping():
     lengths = [10, 200, 12, 190, 11, 210, 9, 205]
     def pad(plan):
         return sum(len(mb) * max(lengths[i] for i in mb) for mb in plan) - sum(lengths)
-    assert pad(train.plan_micro_batches(lengths, 99, max_tokens=420)) < \
-        pad(train.plan_micro_batches(lengths, 2)) / 4
+    assert pad(T.plan_micro_batches(lengths, 99, max_tokens=420)) < \
+        pad(T.plan_micro_batches(lengths, 2)) / 4
 
 
 def test_accumulated_gradient_equals_full_batch(tmp_path):
@@ -44,17 +45,17 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
         tokens = M.Tokens.of(tok, M.vocab_size(path))
         ip = M.load_image_processor(path, 56 * 56, 112 * 112)
         engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
-        problems = data.make_synthetic(4, seed=3)
+        problems = synthetic.make_synthetic(4, seed=3)
         prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i % 2), 1, tokens), [p.image])
                    for i, p in enumerate(problems)]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
                          c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-        by_index = {p.index: p for p in problems}
+        images = {p.index: p.image for p in problems}
         policy = M.load_model(path)
         M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-        ctx = dict(tokens=tokens, image_processor=ip, device=torch.device("cpu"),
-                   train_group=dist.group.WORLD, trainers=[0])
+        tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
+        procs = M.Processors(tok, tokens, ip)
         adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
         keep = torch.ones(len(eps), dtype=torch.bool)
         denom = sum(len(e.response_ids) for e in eps)
@@ -62,8 +63,10 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
         def grads(over: list[str]):
             cfg = C.load(None, over + ["--loss.kl_coef=0"])
             policy.zero_grad(set_to_none=True)
-            stats = train.accumulate_gradients(policy, None, eps, list(range(len(eps))), adv, keep,
-                                               denom, by_index, ctx, cfg)
+            stats = T.accumulate_gradients(tr, eps, list(range(len(eps))), adv, keep, denom, images,
+                                           procs=procs, train_group=dist.group.WORLD, n_trainers=1,
+                                           lc=cfg.loss, tc=cfg.train, temperature=1.0,
+                                           max_new_tokens=12)
             return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
 
         full, s_full = grads(["--train.micro_batch_size=16"])

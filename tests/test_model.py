@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import data
+import synthetic
 import model as M
 import rollout as R
 
@@ -52,7 +53,7 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
     """Left-padded cached generation vs right-padded full forward with mRoPE positions."""
     path, tok, tokens, ip = tiny
     engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
-    problems = data.make_synthetic(3, seed=1)
+    problems = synthetic.make_synthetic(3, seed=1)
     prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i), 1, tokens), [p.image])
                for i, p in enumerate(problems)]  # different lengths: padding matters
     for temp in (1.0, 0.7):
@@ -74,7 +75,7 @@ def test_text_only_positions_would_be_caught(tiny):
     """Without mm_token_type_ids transformers uses text-only positions: the parity check sees it."""
     path, tok, tokens, ip = tiny
     engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
-    p = data.make_synthetic(1, seed=2)[0]
+    p = synthetic.make_synthetic(1, seed=2)[0]
     ids = M.prompt_ids(tok, data.user_text(p), 1, tokens)
     c = engine.generate([(ids, [p.image])], R.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
     e = R.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)

@@ -8,10 +8,11 @@ import sys
 import pytest
 
 import config as C
-import train
+import world as W
 from tests.util import ROOT, TINY, env, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo"])
 def test_demo_runs_with_each_preset(tmp_path, preset):
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--config",
@@ -53,4 +54,6 @@ def test_vl3b_dry_run_prints_config_and_rank_plan():
 def test_rank_plan_rejects_impossible_layouts():
     cfg = C.load(str(ROOT / "configs" / "vl3b.toml"))
     with pytest.raises(C.ConfigError, match="cluster.gen_ranks"):
-        train.rank_plan(cfg, nnodes=1, nproc=8)   # 8 engines, no trainer left
+        C.validate_world(cfg, 8)                  # 8 engines, no trainer left
+    with pytest.raises(ValueError, match="cluster.gen_ranks"):
+        W.rank_plan(8, 8, 8)

@@ -106,8 +106,8 @@ def _sync_worker(rank: int, world: int, store_path: str, q) -> None:
             if rank == 0:
                 sender.send(version)
                 continue
-            got, buckets = receiver.receive()
-            received = {n: t.clone() for named in buckets for n, t in named}
+            got, _ = receiver.control()
+            received = {n: t.clone() for named in receiver.buckets() for n, t in named}
             want = dict(model.named_parameters())
             q.put((rank, got, sorted(received) == sorted(want)
                    and all(torch.equal(received[n], want[n]) for n in want)))

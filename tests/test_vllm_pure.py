@@ -15,6 +15,7 @@ import torch
 import model as M
 import rollout as R
 import sync as S
+import vllm_engine as V
 
 # hand-made ids: 0 pad, 2 eos, 4/5/6 vision start/pad/end, 9 an unused row past the tokenizer
 TOKENS = M.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
@@ -25,11 +26,11 @@ TOKENS = M.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab
 def test_prompt_keeps_ids_and_one_unexpanded_placeholder_per_image():
     img_a, img_b = object(), object()
     ids = [1, 4, 5, 6, 3, 3]
-    p = R.vllm_prompt(ids, [img_a], TOKENS)
+    p = V.vllm_prompt(ids, [img_a], TOKENS)
     assert p == {"prompt_token_ids": ids, "multi_modal_data": {"image": img_a}}
-    two = R.vllm_prompt([4, 5, 6, 4, 5, 6, 3], [img_a, img_b], TOKENS)
+    two = V.vllm_prompt([4, 5, 6, 4, 5, 6, 3], [img_a, img_b], TOKENS)
     assert two["multi_modal_data"]["image"] == [img_a, img_b]
-    assert R.vllm_prompt([1, 3], [], TOKENS) == {"prompt_token_ids": [1, 3]}
+    assert V.vllm_prompt([1, 3], [], TOKENS) == {"prompt_token_ids": [1, 3]}
 
 
 @pytest.mark.parametrize("ids,n_images", [
@@ -39,7 +40,7 @@ def test_prompt_keeps_ids_and_one_unexpanded_placeholder_per_image():
 ])
 def test_prompt_refuses_placeholder_count_mismatch(ids, n_images):
     with pytest.raises(ValueError, match="placeholder"):
-        R.vllm_prompt(ids, [object()] * n_images, TOKENS)
+        V.vllm_prompt(ids, [object()] * n_images, TOKENS)
 
 
 def test_prompt_ids_from_model_are_accepted(tmp_path):
@@ -48,13 +49,13 @@ def test_prompt_ids_from_model_are_accepted(tmp_path):
     tok = M.load_tokenizer(path)
     tokens = M.Tokens.of(tok, M.vocab_size(path))
     ids = M.prompt_ids(tok, "Find x.", 1, tokens)
-    assert R.vllm_prompt(ids, ["im"], tokens)["prompt_token_ids"] == ids
+    assert V.vllm_prompt(ids, ["im"], tokens)["prompt_token_ids"] == ids
 
 
 # --------------------------------------------------------------------------- sampling
 def test_sampling_kwargs_sample():
     sp = R.Sampling(n=4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
-    kw = R.vllm_sampling_kwargs(sp, TOKENS, seed=11)
+    kw = V.vllm_sampling_kwargs(sp, TOKENS, seed=11)
     bias = kw.pop("logit_bias")
     assert kw == dict(n=4, temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, logprobs=0,
                       seed=11, stop_token_ids=[2], detokenize=False)
@@ -63,12 +64,12 @@ def test_sampling_kwargs_sample():
 
 
 def test_sampling_kwargs_defaults_mean_off_in_vllm():
-    kw = R.vllm_sampling_kwargs(R.Sampling(n=2), TOKENS, seed=0)
+    kw = V.vllm_sampling_kwargs(R.Sampling(n=2), TOKENS, seed=0)
     assert (kw["top_p"], kw["top_k"], kw["temperature"]) == (1.0, 0, 1.0)  # vLLM: 0 = no top-k
 
 
 def test_sampling_kwargs_greedy_is_one_sample_at_temperature_zero():
-    kw = R.vllm_sampling_kwargs(R.Sampling(n=4, temperature=0.7, greedy=True), TOKENS, seed=3)
+    kw = V.vllm_sampling_kwargs(R.Sampling(n=4, temperature=0.7, greedy=True), TOKENS, seed=3)
     assert kw["n"] == 1 and kw["temperature"] == 0.0
     assert "top_p" not in kw and "top_k" not in kw
     assert sorted(kw["logit_bias"]) == list(TOKENS.suppressed)
@@ -81,12 +82,12 @@ def _lp(d: dict[int, float]) -> dict:
 
 def test_completion_reads_sampled_token_logprobs_and_length_stop():
     # logprobs=0: each position holds the sampled token (and may hold others; ignore them)
-    c = R.vllm_completion((7, 3, 2), [_lp({7: -1.5}), _lp({3: -0.25, 8: -0.1}), _lp({2: -2.0})], "stop")
+    c = V.vllm_completion((7, 3, 2), [_lp({7: -1.5}), _lp({3: -0.25, 8: -0.1}), _lp({2: -2.0})], "stop")
     assert c == R.Completion([7, 3, 2], [-1.5, -0.25, -2.0], truncated=False)
-    c = R.vllm_completion([7, 3], [_lp({7: -1.0}), _lp({3: -0.5})], "length")
+    c = V.vllm_completion([7, 3], [_lp({7: -1.0}), _lp({3: -0.5})], "length")
     assert c.truncated and c.ids == [7, 3] and c.logprobs == [-1.0, -0.5]
     with pytest.raises(ValueError):  # a logprob missing for a token is an error, not a shorter list
-        R.vllm_completion([7, 3], [_lp({7: -1.0})], "length")
+        V.vllm_completion([7, 3], [_lp({7: -1.0})], "length")
 
 
 # --------------------------------------------------------------------------- plan as RPC data
@@ -117,9 +118,9 @@ def test_prepare_spawn_environment(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    R._prepare_spawn()
-    R._prepare_spawn()  # idempotent
-    root = str(Path(R.__file__).resolve().parent)
+    V._prepare_spawn()
+    V._prepare_spawn()  # idempotent
+    root = str(Path(V.__file__).resolve().parent)
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", root]
@@ -129,7 +130,7 @@ def test_prepare_spawn_environment(monkeypatch):
 def test_environ_restored_undoes_edits(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("GRPO_TEST_NEW", raising=False)
-    with R._environ_restored():
+    with V._environ_restored():
         os.environ["LOCAL_WORLD_SIZE"] = "1"
         os.environ["GRPO_TEST_NEW"] = "x"
     assert os.environ["LOCAL_WORLD_SIZE"] == "8" and "GRPO_TEST_NEW" not in os.environ
@@ -148,10 +149,10 @@ def test_unknown_communicator_is_refused_before_any_rendezvous():
 
 
 def test_process_hook_is_identity_and_unpickles_through_the_patch():
-    hook = R._VLLMProcessHook()
+    hook = V._VLLMProcessHook()
     cfg = object()
     assert hook(cfg) is cfg
-    assert hook.__reduce__() == (R._vllm_process_hook, ())
+    assert hook.__reduce__() == (V._vllm_process_hook, ())
 
 
 # --------------------------------------------------------------------------- worker extension
@@ -196,7 +197,7 @@ class _BufferingRunner:
                 params[name].copy_(t)
 
 
-class _Worker(R.VLLMWorkerExtension):
+class _Worker(V.VLLMWorkerExtension):
     def __init__(self, model, channel):
         self.device, self.rank = torch.device("cpu"), 0
         self.model_runner = _BufferingRunner(model)

@@ -1,0 +1,282 @@
+"""The vLLM / vllm-ascend engine and its worker extension (the receiving side of weight sync).
+
+vLLM runs in processes of its own that it SPAWNS (engine core; on CPU also a separate worker);
+this process (a torchrun rank with torch.distributed initialised) only sends them requests. A
+spawned process starts with fresh interpreter state, so vLLM builds a private one-rank world
+there and never sees the torchrun world. Weights reach vLLM's worker over a communicator of
+their own (`sync.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on Ascend); only metadata
+crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no vLLM installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+import device as D
+import model as M
+import sync
+from rollout import Completion, Prompt, Sampling
+
+
+def vllm_sampling_kwargs(sp: Sampling, tokens: M.Tokens, seed: int) -> dict:
+    """`vllm.SamplingParams` arguments for one prompt, equal in effect to HFEngine's.
+
+    Suppressed ids get a logit bias of -inf, applied before temperature. With
+    `logprobs_mode="processed_logprobs"` vLLM then reports log_softmax((masked logits) /
+    temperature): model.py's convention exactly, while top-p / top-k are off (with them on,
+    vLLM reports the logprob AFTER truncation, renormalised over the kept tokens). The bias
+    costs O(len(suppressed)) per request; `allowed_token_ids` would cost O(vocab) per sample
+    (a 151k-entry list copied, validated and scattered for each of the G samples).
+    top_k: 0 means off in vLLM 0.23 as here. Greedy: temperature 0 and n=1 (vLLM requires
+    it); its logprob is at temperature 1, as in HFEngine. Sample j of a prompt uses seed + j.
+    """
+    kw = dict(max_tokens=sp.max_new_tokens, logprobs=0, seed=seed,
+              logit_bias={i: float("-inf") for i in tokens.suppressed},
+              stop_token_ids=[tokens.eos],
+              detokenize=False)  # rollout() decodes; vLLM's detokenizer would only cost time
+    if sp.greedy:
+        return kw | dict(n=1, temperature=0.0)
+    return kw | dict(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
+
+
+def vllm_prompt(ids: list[int], images: list, tokens: M.Tokens) -> dict:
+    """vLLM's input for one prompt: ids with ONE unexpanded image placeholder per image.
+
+    vLLM expands each placeholder to the image's patch count itself; already expanded ids would
+    be expanded again (and then fail), so they are refused here.
+    """
+    n = sum(t == tokens.image_pad for t in ids)
+    if n != len(images):
+        raise ValueError(f"prompt has {n} image placeholders for {len(images)} images "
+                         "(vLLM wants one unexpanded placeholder per image)")
+    prompt: dict = {"prompt_token_ids": list(ids)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images[0] if len(images) == 1 else list(images)}
+    return prompt
+
+
+def vllm_completion(token_ids, logprobs, finish_reason: str | None) -> Completion:
+    """One of vLLM's `CompletionOutput`s (its token_ids, logprobs, finish_reason) as a Completion."""
+    ids = list(token_ids)
+    return Completion(ids, [float(lp[t].logprob) for t, lp in zip(ids, logprobs, strict=True)],
+                      truncated=finish_reason == "length")
+
+
+def _image_only_processor() -> None:
+    """Let vLLM load Qwen2.5-VL's HF processor where torchvision is missing (the CPU build).
+
+    transformers 5.x loads a video processor with every Qwen2_5_VLProcessor, and the only one
+    it has needs torchvision. A subclass without the `video_processor` argument loads from the
+    same folder with the same image processor; videos are off (limit_mm_per_prompt). Needed in
+    every vLLM process (the front end here, the engine core, the worker): `_VLLMProcessHook`
+    carries it into the spawned ones. With torchvision installed this does nothing.
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
+
+    if getattr(Qwen2_5_VLProcessingInfo.get_hf_processor, "image_only", False):
+        return
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+
+    def get_hf_processor(self, **kwargs):
+        kwargs.pop("use_fast", None)  # a torchvision switch; the PIL image processor is used
+        return self.ctx.get_hf_processor(ImageOnlyQwen2_5_VLProcessor, **kwargs)
+
+    get_hf_processor.image_only = True
+    Qwen2_5_VLProcessingInfo.get_hf_processor = get_hf_processor
+
+
+def _vllm_process_hook() -> "_VLLMProcessHook":
+    _image_only_processor()
+    return _VLLMProcessHook()
+
+
+class _VLLMProcessHook:
+    """`hf_overrides` for vLLM that changes nothing in the config.
+
+    vLLM pickles its config into every process it spawns; unpickling this object calls
+    `_vllm_process_hook` there, before vLLM loads the processor (the spawned processes run no
+    code of ours otherwise: the engine core never imports the worker extension).
+    """
+
+    def __call__(self, hf_config):
+        return hf_config
+
+    def __reduce__(self):
+        return (_vllm_process_hook, ())
+
+
+def _prepare_spawn() -> None:
+    """Environment that vLLM's spawned processes inherit; set before vLLM starts them."""
+    # fork would copy this rank's threads, process groups and accelerator state.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
+    # store of its own and waits forever for torchrun's.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # vLLM's worker imports "vllm_engine.VLLMWorkerExtension" (spawn also passes sys.path).
+    root = str(Path(__file__).resolve().parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths + [root])
+    # CPU backend only: otherwise it reserves gpu_memory_utilization of the host's RAM.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@contextlib.contextmanager
+def _environ_restored():
+    """vLLM edits os.environ for its children (LOCAL_WORLD_SIZE, LD_PRELOAD, ...); leave this
+    rank's own environment as torchrun made it."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class VLLMEngine:
+    """vLLM / vllm-ascend generation with vLLM's default multiprocess engine.
+
+    The engine (and its worker) run in processes vLLM spawns; this rank never touches the
+    accelerator itself (narrow the visible devices before constructing: device.narrow_visible).
+    Weights arrive straight in the worker over a communicator of their own (sync.open_channel):
+    `join_weight_channel` once, then `receive_weights` per sync; only metadata crosses
+    `collective_rpc`. The engine interface of rollout.py (`generate`, `receive_weights`,
+    `shutdown`), like HFEngine.
+    """
+    OWN_CHANNEL = True  # weight data goes to vLLM's worker over sync.open_channel
+
+    @classmethod
+    def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
+                    device: torch.device, local_rank: int, seed: int,
+                    timeout_s: float) -> "VLLMEngine":
+        # vLLM runs in processes it spawns, which must see only this rank's device; this
+        # process never touches the accelerator (`device` is the CPU here).
+        D.narrow_visible(dev, local_rank)
+        return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
+                   timeout_s=timeout_s)
+
+    def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
+                 max_pixels: int, seed: int, timeout_s: float | None = None):
+        self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
+        _prepare_spawn()
+        _image_only_processor()  # the front end (this process) runs the HF processor too
+        from vllm import LLM
+
+        rc = rollout_cfg
+        self.tokens = tokens
+        with _environ_restored():
+            self.llm = LLM(
+                model=path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                tensor_parallel_size=rc.tensor_parallel_size,
+                gpu_memory_utilization=rc.gpu_memory_utilization,
+                max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,
+                enable_prefix_caching=True,  # the G samples of a prompt share its KV
+                limit_mm_per_prompt={"image": 1, "video": 0},
+                mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+                # vLLM's processor cache runs the HF processor on text alone, which transformers
+                # 5.x rejects for text with image placeholders; the encoder cache still
+                # shares one image's features among its G samples.
+                mm_processor_cache_gb=0,
+                logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
+                worker_extension_cls="vllm_engine.VLLMWorkerExtension",
+                hf_overrides=_VLLMProcessHook(),
+                disable_log_stats=True)
+
+    def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        per = 1 if sp.greedy else sp.n
+        # prompt i's samples use seeds seed + i*per + j: distinct across the whole call
+        params = [SamplingParams(**vllm_sampling_kwargs(sp, self.tokens, seed + i * per))
+                  for i in range(len(prompts))]
+        inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs]
+                for o in outs]
+
+    def join_weight_channel(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the weight channel that trainer rank 0 opens at host:port as its rank 0.
+
+        Blocks until every member joined (trainer rank 0 calls sync.open_channel concurrently).
+        This engine's workers take ranks rank_offset + (0 .. tensor_parallel_size-1);
+        world_size = 1 + (number of engines) * tensor_parallel_size. Call once.
+        """
+        self.llm.collective_rpc("init_weight_sync", timeout=self.timeout_s,
+                                args=(host, port, rank_offset, world_size))
+
+    def receive_weights(self, source) -> int:
+        """Receive one sync (trainer rank 0 is sending concurrently) and drop stale caches.
+
+        `source.control()` gives the version and sync.Sender's bucket plan; the bucket data
+        itself goes from trainer rank 0 straight to the worker over the weight channel. After
+        new weights the prefix cache's KV and the encoder cache's vision features (keyed by
+        image hash: GRPO sees every image again next epoch) were computed with the old weights.
+        Returns the version received.
+        """
+        version, plan = source.control()
+        self.llm.collective_rpc("receive_weights", timeout=self.timeout_s,
+                                args=(version, sync.plan_to_plain(plan)))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+        self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
+        return version
+
+    def load_weights(self, named, adopt: bool = False) -> None:
+        raise NotImplementedError("vLLM loads weights in its own worker: receive_weights over "
+                                  "the weight channel")
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes (also done at interpreter exit)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in vLLM's worker process.
+
+    Its methods are called by name through `llm.collective_rpc`. `self.device`, `self.rank` and
+    `self.model_runner` are the worker's own.
+    """
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        # the communicator of this worker's device kind, as trainer rank 0 picks by its own
+        comm = D.TABLE[self.device.type].comm
+        self.weight_channel = sync.open_channel(comm, host, port, rank_offset + self.rank,
+                                                world_size, self.device)
+        self.weight_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def receive_weights(self, version: int, plan: list) -> int:
+        """Receive every bucket of `plan` (plain data) and load it. Returns the tensor count."""
+        buckets = sync.plan_from_plain(plan)
+        size = max(sync.bucket_size(b) for b in buckets)
+        if self.weight_buffer.numel() < size:
+            self.weight_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        named = self.weight_stream(buckets)
+        if self.device.type == "cpu":
+            # CPU linear layers are repacked for oneDNN at load (their `weight` emptied):
+            # only a reload re-runs that processing. It keeps a layer's tensors until the layer
+            # is complete, so weight_stream hands it copies.
+            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        else:
+            self.model_runner.get_model().load_weights(weights=named)
+        self.weight_version = version
+        return sum(len(b) for b in buckets)
+
+    def weight_stream(self, buckets: list):
+        """(HF name, tensor) of every bucket, received in order into the reused buffer."""
+        copy = self.device.type == "cpu"
+        for bucket in buckets:
+            buf = self.weight_buffer[:sync.bucket_size(bucket)]
+            self.weight_channel.broadcast(buf).wait()
+            for name, t in sync.unpack(buf, bucket):
+                yield name, (t.clone() if copy else t)  # views are overwritten by the next bucket
