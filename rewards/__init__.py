@@ -215,6 +215,12 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.max_consecutive_timeouts = max_consecutive_timeouts
         self._fns = [_Function(spec, workers_per_function) for spec in functions]
+        self._lock = threading.Lock()   # one step at a time: the counts follow sample order
+
+    @property
+    def switched_off(self) -> list[str]:
+        """Names of the functions switched off after timing out too often, in config order."""
+        return [f.name for f in self._fns if f.disabled]
 
     def score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
         """One dict per response, in order: ``{"reward": total, <part>: value, ..., "errors": n}``.
@@ -224,6 +230,10 @@ class RewardRunner:
         """
         if len(responses) != len(samples):
             raise ValueError(f"{len(responses)} responses for {len(samples)} samples")
+        with self._lock:
+            return self._score(responses, samples)
+
+    def _score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
         calls = {id(f): f.submit(responses, samples) for f in self._fns if not f.disabled}
         judged = [self._judge(f, f.collect(calls[id(f)], self.timeout_s), samples)
                   if id(f) in calls else [None] * len(responses) for f in self._fns]
@@ -283,8 +293,9 @@ class RewardRunner:
 
     def close(self) -> None:
         """Let the idle worker threads exit (they are daemons: not needed before exit)."""
-        for f in self._fns:
-            f.close()
+        with self._lock:
+            for f in self._fns:
+                f.close()
 
 
 def _check(result: Any) -> tuple[float, list[tuple[str, float]]]:

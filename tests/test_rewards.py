@@ -179,6 +179,7 @@ def test_switched_off_after_n_timeouts_in_a_row_logged_once(make_runner, gate, c
             if step >= 3:   # switched off: not called, no wait
                 assert dt < 0.25, f"step {step} waited {dt:.2f} s"
     assert len(calls) == 3
+    assert runner.switched_off == ["_tr_hang"]
     off = [r.getMessage() for r in caplog.records if "in a row" in r.getMessage()]
     assert len(off) == 1 and "'_tr_hang'" in off[0] and "3 times in a row" in off[0], off
     first = [r.getMessage() for r in caplog.records if "past timeout_s" in r.getMessage()]
