@@ -1,19 +1,28 @@
-"""Reward functions, registered by name.
+"""Reward functions, registered by name, and the runner that calls them.
 
 A reward function is plain Python, no torch: ``fn(response: str, sample: dict, **params) ->
 dict[str, float]``. ``sample`` carries the gold answer (``"answer"``), the dataset index
 (``"index"``) and the response length in tokens (``"response_len"``), ``"truncated"`` and
-``"max_new_tokens"``. The returned dict MUST contain ``"reward"`` (this function's total); every
-other key is a part that is logged as ``reward/<part>``.
+``"max_new_tokens"``; each call gets its own shallow copy. The returned dict MUST contain
+``"reward"`` (this function's total); every other key is a part that is logged as
+``reward/<part>``. All values must be finite numbers. A function is called from worker threads,
+several calls at once (:class:`RewardRunner`), so it must be thread-safe.
 
 The configured rewards (``[reward] functions``) are summed with their weights by
-:func:`score`, which also turns a raising or hanging reward function into reward 0 and an error
-count, so one bad sample never stops a run.
+:class:`RewardRunner`, once per step for all of a generation rank's responses. It turns a
+raising, hanging or misbehaving reward function into reward 0 and an error count, so one bad
+sample never stops a run, and a function that keeps hanging is switched off (logged).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
+import collections
+import logging
+import math
+import threading
+import time
 from typing import Any, Callable
+
+log = logging.getLogger("rewards")
 
 RewardFn = Callable[..., dict[str, float]]
 REGISTRY: dict[str, RewardFn] = {}
@@ -50,34 +59,293 @@ def _load_builtin() -> None:
         importlib.import_module(f"{__name__}.{info.name}")
 
 
-_POOL: cf.ThreadPoolExecutor | None = None
+
+
+# ============================================================================ the runner
+# Why per call and not one deadline for a whole step: the GIL runs pure-Python rewards one at a
+# time, so a step's batch of a valid function needs the SUM of its calls' CPU time (256
+# responses x 20 ms = 5 s); one deadline for the batch would turn a big batch into timeouts of a
+# valid function. So `timeout_s` keeps its meaning "a call that has run this long", counted from
+# the call's own start. A step still waits about timeout_s at most for a function that hangs,
+# whatever the number of samples: its `workers` calls hang together, and once every worker holds
+# an overdue call the calls still queued are given up at once (they count as timeouts).
+
+_PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+_TIMEOUT = object()  # the outcome of a call that ran past timeout_s or could not start
+
+
+class _Call:
+    """One call of one reward function on one response; changed only under its function's lock."""
+    __slots__ = ("response", "sample", "state", "start", "result", "error")
+
+    def __init__(self, response: str, sample: dict[str, Any]) -> None:
+        self.response, self.sample = response, sample
+        self.state, self.start = _PENDING, 0.0
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Function:
+    """One configured reward function: its worker threads and its state across steps.
+
+    `workers` daemon threads take its calls from a queue. They are started once and never
+    replaced, so a function whose calls never return holds at most `workers` threads, ever; daemon
+    threads, so a hung call never blocks the interpreter's exit.
+    """
+
+    def __init__(self, spec: dict[str, Any], workers: int) -> None:
+        self.name: str = spec["name"]
+        self.fn = get(self.name)
+        self.weight = float(spec.get("weight", 1.0))
+        self.params = {k: v for k, v in spec.items() if k not in ("name", "weight")}
+        self.workers = workers
+        self.cond = threading.Condition()
+        self.queue: collections.deque[_Call] = collections.deque()
+        self.running: set[_Call] = set()   # calls in a worker now, this step's or older ones
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+        self.timeouts_in_row = 0
+        self.disabled = False
+        self.failure_logged = False
+        self.timeout_logged = False
+
+    def submit(self, responses: list[str], samples: list[dict[str, Any]]) -> list[_Call]:
+        calls = [_Call(r, dict(s)) for r, s in zip(responses, samples)]
+        with self.cond:
+            if self.closed:
+                raise RuntimeError(f"reward {self.name!r}: called after its runner was closed")
+            self.queue.extend(calls)
+            while len(self.threads) < self.workers:
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"reward-{self.name}-{len(self.threads)}")
+                t.start()
+                self.threads.append(t)
+            self.cond.notify_all()
+        return calls
+
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                call = self.queue.popleft()
+                if call.state != _PENDING:
+                    continue
+                call.state, call.start = _RUNNING, time.monotonic()
+                self.running.add(call)
+                self.cond.notify_all()
+            try:
+                result, error = self.fn(call.response, call.sample, **self.params), None
+            except BaseException as e:  # noqa: BLE001 - user code: reported by the runner
+                result, error = None, e
+            with self.cond:
+                call.result, call.error, call.state = result, error, _DONE
+                self.running.discard(call)
+                self.cond.notify_all()
+
+    def collect(self, calls: list[_Call], timeout_s: float) -> list[Any]:
+        """Wait until each call is done or has run timeout_s; each call's (result, error) or
+        _TIMEOUT. Queued calls are given up when every worker holds an overdue call."""
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                wake, queued = math.inf, False
+                for c in calls:
+                    if c.state == _RUNNING and c.start + timeout_s > now:
+                        wake = min(wake, c.start + timeout_s)
+                    elif c.state == _PENDING:
+                        queued = True
+                if queued and len(self.running) >= self.workers and all(
+                        c.start + timeout_s <= now for c in self.running):
+                    for c in calls:
+                        if c.state == _PENDING:
+                            c.state = _CANCELLED
+                    self.queue = collections.deque(c for c in self.queue if c.state == _PENDING)
+                    queued = False
+                if wake == math.inf and not queued:
+                    return [(c.result, c.error) if c.state == _DONE else _TIMEOUT for c in calls]
+                # woken early by any start or end of a call
+                self.cond.wait(min(wake - now, timeout_s))
+
+    def close(self) -> None:
+        """Let idle workers exit; a worker in a hung call exits if the call ever returns."""
+        with self.cond:
+            self.closed = True
+            self.queue.clear()
+            self.cond.notify_all()
+
+
+class RewardRunner:
+    """Scores a step's responses with the configured reward functions; lives for the whole run.
+
+    ``functions`` is a list of ``{"name": str, "weight": float, **params}``. Each function gets
+    ``workers_per_function`` threads of its own, so a hung function never starves the others;
+    all functions and all samples of a step run at once. A call that runs past ``timeout_s``
+    (counted from its own start), raises, or returns anything but a dict with a finite numeric
+    ``"reward"`` and finite numeric parts, contributes 0 for that sample and counts in
+    ``errors``; the first such failure of each function is logged once (logger ``rewards``),
+    every one is counted. A function that times out ``max_consecutive_timeouts`` times in a row
+    (its calls taken in sample order, step after step; any call that returns resets the count;
+    0: never) is switched off for the runner's life, logged once: from then on it is not called,
+    scores 0 and counts one error for every sample, so that ``reward/errors`` keeps showing
+    that those steps' rewards lack it.
+
+    Threads cannot be killed: a hung call keeps its thread. Each function has a fixed set of
+    workers, so the threads lost to hung calls are at most ``workers_per_function`` per function
+    for the whole run (and a switched-off function stops getting new calls at all). Reward
+    functions must be thread-safe: up to ``workers_per_function`` calls of one function run at
+    once (all built-in ones are pure). Because of the GIL, CPU-bound calls running together
+    share one core: keep ``timeout_s`` well above ``workers x functions x`` one call's CPU time.
+    """
+
+    def __init__(self, functions: list[dict[str, Any]], timeout_s: float,
+                 max_consecutive_timeouts: int = 3, workers_per_function: int = 4) -> None:
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+            raise ValueError(f"reward timeout_s must be a number > 0, got {timeout_s!r}")
+        if not isinstance(max_consecutive_timeouts, int) or max_consecutive_timeouts < 0:
+            raise ValueError("reward max_consecutive_timeouts must be an int >= 0 (0: never switch "
+                             f"a function off), got {max_consecutive_timeouts!r}")
+        if not isinstance(workers_per_function, int) or workers_per_function < 1:
+            raise ValueError(f"workers_per_function must be an int >= 1, got {workers_per_function!r}")
+        for i, spec in enumerate(functions):
+            if not isinstance(spec, dict) or "name" not in spec:
+                raise ValueError(f"reward function {i}: expected a dict with a 'name', got {spec!r}")
+        self.timeout_s = float(timeout_s)
+        self.max_consecutive_timeouts = max_consecutive_timeouts
+        self._fns = [_Function(spec, workers_per_function) for spec in functions]
+        self._lock = threading.Lock()   # one step at a time: the counts follow sample order
+
+    @property
+    def switched_off(self) -> list[str]:
+        """Names of the functions switched off after timing out too often, in config order."""
+        return [f.name for f in self._fns if f.disabled]
+
+    def score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
+        """One dict per response, in order: ``{"reward": total, <part>: value, ..., "errors": n}``.
+
+        The total is the weighted sum of the functions' rewards, in the order they are
+        configured; parts of several functions with the same name add up.
+        """
+        if len(responses) != len(samples):
+            raise ValueError(f"{len(responses)} responses for {len(samples)} samples")
+        with self._lock:
+            return self._score(responses, samples)
+
+    def _score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
+        calls = {id(f): f.submit(responses, samples) for f in self._fns if not f.disabled}
+        judged = [self._judge(f, f.collect(calls[id(f)], self.timeout_s), samples)
+                  if id(f) in calls else [None] * len(responses) for f in self._fns]
+        out = []
+        for i in range(len(responses)):
+            d: dict[str, float] = {"reward": 0.0, "errors": 0.0}
+            for f, res in zip(self._fns, judged):
+                if res[i] is None:
+                    d["errors"] += 1
+                    continue
+                total, parts = res[i]
+                d["reward"] += f.weight * total
+                for k, v in parts:
+                    d[k] = d.get(k, 0.0) + v
+            out.append(d)
+        return out
+
+    def _judge(self, f: _Function, outcomes: list[Any], samples: list[dict[str, Any]]
+               ) -> list[tuple[float, list[tuple[str, float]]] | None]:
+        """Validate each outcome in sample order, update f's timeout count, log firsts."""
+        judged: list[tuple[float, list[tuple[str, float]]] | None] = []
+        for sample, o in zip(samples, outcomes):
+            if o is _TIMEOUT:
+                judged.append(None)
+                if f.disabled:
+                    continue
+                f.timeouts_in_row += 1
+                if not f.timeout_logged:
+                    f.timeout_logged = True
+                    log.warning(f"reward {f.name!r}: a call ran past timeout_s={self.timeout_s:g} s "
+                                f"({_where(sample)}); it scores 0 and counts in reward/errors "
+                                "(logged once per function)")
+                n = self.max_consecutive_timeouts
+                if n and f.timeouts_in_row >= n:
+                    f.disabled = True
+                    f.close()
+                    log.warning(f"reward {f.name!r} timed out {n} times in a row "
+                                f"(timeout_s={self.timeout_s:g} s): switched off for the rest of "
+                                "the run; it now scores 0 and counts an error for every sample")
+                continue
+            if not f.disabled:
+                f.timeouts_in_row = 0
+            result, error = o
+            if error is None:
+                try:
+                    judged.append(_check(result))
+                    continue
+                except Exception as e:  # noqa: BLE001 - a user object's __float__ may raise anything
+                    error = e
+            judged.append(None)
+            if not f.failure_logged:
+                f.failure_logged = True
+                log.warning(f"reward {f.name!r} failed ({_where(sample)}): {_one_line(error)} "
+                            "(first failure, logged once per function; each one scores 0 and "
+                            "counts in reward/errors)")
+        return judged
+
+    def close(self) -> None:
+        """Let the idle worker threads exit (they are daemons: not needed before exit)."""
+        with self._lock:
+            for f in self._fns:
+                f.close()
+
+
+def _check(result: Any) -> tuple[float, list[tuple[str, float]]]:
+    """(reward, [(part, value), ...]) of a valid result, else TypeError / ValueError saying why."""
+    if not isinstance(result, dict):
+        raise TypeError(f"returned {type(result).__name__}, expected a dict with a 'reward'")
+    if "reward" not in result:
+        raise ValueError(f"returned no 'reward' (keys: {list(result)[:8]})")
+    return _number("reward", result["reward"]), [
+        (k, _number(k, v)) for k, v in result.items() if k != "reward"]
+
+
+def _number(key: Any, v: Any) -> float:
+    if not isinstance(key, str):
+        raise TypeError(f"returned the key {key!r} ({type(key).__name__}), expected str")
+    if isinstance(v, (str, bytes, bytearray)):
+        raise TypeError(f"{key!r} is {v!r:.40}, expected a number")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{key!r} is a {type(v).__name__}, expected a number") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{key!r} is {x}, not finite")
+    return x
+
+
+def _where(sample: dict[str, Any]) -> str:
+    return f"dataset index {sample['index']}" if "index" in sample else "a sample without index"
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".replace("\r", "").replace("\n", "\\n")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+_RUNNERS: dict[tuple[str, float], RewardRunner] = {}
+_RUNNERS_LOCK = threading.Lock()
 
 
 def score(response: str, sample: dict[str, Any], functions: list[dict[str, Any]],
           timeout_s: float = 5.0) -> dict[str, float]:
-    """Weighted sum of the configured reward functions for one response.
+    """One response scored as by :meth:`RewardRunner.score`, for one-off use and tests.
 
-    ``functions`` is a list of ``{"name": str, "weight": float, **params}``. Returns
-    ``{"reward": total, <part>: value, ..., "errors": n}``. A function that raises, returns
-    something without ``"reward"``, or runs past ``timeout_s`` contributes 0 and counts as an
-    error (a thread cannot be killed, so a runaway function keeps one pool thread busy; the
-    geometry verifier bounds its own work, so this is the last line of defence).
+    One runner per distinct ``(functions, timeout_s)`` is kept for the process's life (so a
+    hung function's threads stay bounded, and a function switched off stays off); a training
+    loop should hold its own :class:`RewardRunner`.
     """
-    global _POOL
-    if _POOL is None:
-        _POOL = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
-    out: dict[str, float] = {"reward": 0.0, "errors": 0.0}
-    for spec in functions:
-        params = {k: v for k, v in spec.items() if k not in ("name", "weight")}
-        fn = get(spec["name"])
-        try:
-            parts = _POOL.submit(fn, response, sample, **params).result(timeout=timeout_s)
-            total = float(parts["reward"])
-        except Exception:  # noqa: BLE001 - any failure of user code is counted, never raised
-            out["errors"] += 1
-            continue
-        out["reward"] += float(spec.get("weight", 1.0)) * total
-        for k, v in parts.items():
-            if k != "reward":
-                out[k] = out.get(k, 0.0) + float(v)
-    return out
+    key = (repr(functions), float(timeout_s))
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(key)
+        if runner is None:
+            runner = _RUNNERS[key] = RewardRunner(functions, timeout_s)
+    return runner.score([response], [sample])[0]
