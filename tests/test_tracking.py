@@ -1,0 +1,295 @@
+"""Trackers with the real packages, offline: every metric of every step, the config and the samples
+read back from what each tracker wrote; start failures are one line naming the tracker; a tracker
+failing mid-run is reported once and the others keep logging."""
+from __future__ import annotations
+
+import glob
+import html
+import json
+import math
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+import tracking as T
+from tests.util import ROOT
+
+STEPS = 4
+CONFIG = {"run": {"steps": STEPS, "report_to": ["tensorboard", "wandb", "swanlab"], "out_dir": "x"},
+          "train": {"lr": 1e-3, "kl_coef": 0.0, "warmup": None},
+          "reward": {"functions": [{"name": "format", "weight": 1.0}]}}
+RESPONSE = "<think>2*3 | a_b</think>\n<answer>6</answer>"  # HTML, markdown and a table separator
+
+
+def metrics_at(step: int) -> dict:
+    m = {"reward/mean": 0.25 * step, "time/step_s": 1.5, "train/skipped_steps": step // 2,
+         "loss": float("nan") if step == 1 else -0.5 * step,
+         "grad_norm": float("inf") if step == 2 else 1.0}
+    if step % 2:  # a key that only some steps have, like eval/*
+        m["eval/accuracy"] = 0.1 * step
+    return m
+
+
+def rows_at(step: int) -> list[dict]:
+    return [{"index": 0, "response": RESPONSE, "reward": 1.0,
+             "parts": {"format": 1.0, "accuracy": 0.0}, "version": step},
+            {"index": 1, "response": f"step {step}", "reward": float("nan"),
+             "parts": {"format": 0.0, "accuracy": 0.0}, "version": step}]
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No credentials, offline modes, HOME and CWD inside tmp_path (the CWD must stay empty)."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    for k in ("WANDB_API_KEY", "SWANLAB_API_KEY", "WANDB_DIR", "SWANLAB_LOG_DIR",
+              "SWANLAB_SAVE_DIR", "WANDB_PROJECT", "SWANLAB_PROJ_NAME", "WANDB_CACHE_DIR",
+              "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield tmp_path / "out"
+    assert list(cwd.iterdir()) == [], "a tracker wrote into the working directory"
+
+
+def write_run(out: Path, names: list[str]) -> None:
+    tr = T.Trackers.open(names, out, CONFIG, run_name="test-run")
+    assert tr.names == names
+    for step in range(STEPS):
+        tr.log(metrics_at(step), step)
+        tr.log_samples(step, rows_at(step))
+    tr.close()
+
+
+# ----------------------------------------------------------------------------- readers
+def tensorboard_run(out: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def wandb_records(out: Path):
+    """The records of the one offline run, read from its `.wandb` file: W&B writes its protobuf
+    records in LevelDB's log format (32 KiB blocks, CRC32 per chunk) after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    (path,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = Path(path).read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+    pos, buf = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer too short for a header: zero padding
+            pos += 32768 - pos % 32768
+            continue
+        crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + n]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc
+        pos += 7 + n
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL, FIRST | MIDDLE, LAST
+        if kind in (1, 4):
+            yield pb.Record.FromString(buf)
+
+
+def swanlab_records(out: Path) -> list[dict]:
+    from swanlab.log.backup.datastore import DataStore
+    (path,) = glob.glob(str(out / "swanlog" / "run-*" / "backup.swanlab"))
+    ds = DataStore()
+    ds.open_for_scan(path)
+    return [json.loads(r) for r in ds]
+
+
+# ----------------------------------------------------------------------------- (a) (b) (c)
+def test_tensorboard_has_every_metric_the_config_and_the_samples(offline):
+    pytest.importorskip("tensorboard")
+    write_run(offline, ["tensorboard"])
+    acc = tensorboard_run(offline)
+    expected = {}
+    for step in range(STEPS):
+        for k, v in metrics_at(step).items():
+            expected.setdefault(k, []).append((step, v))
+    assert set(acc.Tags()["scalars"]) == set(expected)
+    for k, want in expected.items():
+        got = [(e.step, e.value) for e in acc.Scalars(k)]
+        assert [s for s, _ in got] == [s for s, _ in want], k  # exactly one value per step
+        assert all(same(g, w) for (_, g), (_, w) in zip(got, want)), (k, got, want)
+    # hyperparameters: the hparams plugin's session record, flattened as section.key
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hp = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hp["run.steps"].number_value == STEPS and hp["train.lr"].number_value == 1e-3
+    assert json.loads(hp["run.report_to"].string_value) == CONFIG["run"]["report_to"]
+    assert "train.warmup" not in hp  # None has no hparams type: left out, still in the config text
+    (config_text,) = acc.Tensors("config/text_summary")
+    assert json.loads(config_text.tensor_proto.string_val[0].decode().strip("`\n")) == CONFIG
+    # samples: a markdown table per step that TensorBoard renders back to the literal response
+    from tensorboard import plugin_util
+    samples = acc.Tensors("samples/text_summary")
+    assert [e.step for e in samples] == list(range(STEPS))
+    page = plugin_util.markdown_to_safe_html(samples[-1].tensor_proto.string_val[0])
+    cells = [html.unescape(c.replace("<br>", "\n"))
+             for c in re.findall(r"<td>(.*?)</td>", page, re.S)]
+    assert cells[:6] == ["0", RESPONSE, "1", "1", "0", "3"]  # row 0 of step 3, as written
+    assert re.findall(r"<th>(.*?)</th>", page) == ["index", "response", "reward", "parts/format",
+                                                    "parts/accuracy", "version"]
+    assert "nan" in cells
+
+
+def test_wandb_offline_run_has_every_metric_the_config_and_the_samples(offline):
+    pytest.importorskip("wandb")
+    write_run(offline, ["wandb"])
+    history, config = {}, {}
+    for r in wandb_records(offline):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                   for i in r.history.item}
+            history[row["_step"]] = row
+        elif kind == "run":
+            config = {i.key: json.loads(i.value_json) for i in r.run.config.update}
+            assert r.run.display_name == "test-run" and r.run.project == T.DEFAULT_PROJECT
+    assert sorted(history) == list(range(STEPS))
+    for step, row in history.items():
+        want = metrics_at(step)
+        got = {k: v for k, v in row.items() if not k.startswith(("_", "samples"))}
+        assert set(got) == set(want), step
+        assert all(same(float(got[k]), v) for k, v in want.items()), (step, got)
+        assert row["samples/_type"] == "table-file"
+    assert {k: config[k] for k in CONFIG} == CONFIG
+    for step in range(STEPS):  # the table files the offline run keeps for `wandb sync`
+        (path,) = glob.glob(str(offline / "wandb" / "offline-run-*" / "files" / "media" / "table"
+                                / f"samples_{step}_*.table.json"))
+        table = json.loads(Path(path).read_text())
+        assert table["columns"] == ["index", "response", "reward", "parts/format", "parts/accuracy",
+                                    "version"]
+        assert table["data"][0][:2] == [0, RESPONSE] and table["data"][0][-1] == step
+
+
+def test_swanlab_offline_run_has_every_metric_the_config_and_the_samples(offline):
+    pytest.importorskip("swanlab")
+    yaml = pytest.importorskip("yaml")
+    write_run(offline, ["swanlab"])
+    records = swanlab_records(offline)
+    got: dict[str, list] = {}
+    for r in records:
+        if r["model_type"] == "Scalar":  # nan and inf are kept as the strings "NaN" and "INF"
+            d = r["data"]
+            got.setdefault(d["key"], []).append((d["step"], float(d["metric"]["data"])))
+    expected = {}
+    for step in range(STEPS):
+        for k, v in metrics_at(step).items():
+            expected.setdefault(k, []).append((step, v))
+    assert set(got) == set(expected)
+    for k, want in expected.items():
+        assert [s for s, _ in got[k]] == [s for s, _ in want], k
+        assert all(same(g, w) for (_, g), (_, w) in zip(got[k], want)), (k, got[k], want)
+    (experiment,) = [r["data"] for r in records if r["model_type"] == "Experiment"]
+    assert experiment["name"] == "test-run"
+    (run_dir,) = glob.glob(str(offline / "swanlog" / "run-*"))
+    saved = yaml.safe_load(Path(run_dir, "files", "config.yaml").read_text())
+    assert {k: saved[k]["value"] for k in CONFIG} == CONFIG
+    media = [r["data"] for r in records
+             if r["model_type"] == "Media" and r["data"]["key"] == "samples"]
+    assert [m["step"] for m in media] == list(range(STEPS))
+    (chart,) = glob.glob(str(Path(run_dir, "media", "*", media[-1]["metric"]["data"][0])))
+    table = json.loads(Path(chart).read_text())
+    assert [c["field"] for c in table["colDefs"]] == ["index", "response", "reward", "parts/format",
+                                                      "parts/accuracy", "version"]
+    assert table["rowData"][0]["response"] == RESPONSE and table["rowData"][1]["reward"] == "nan"
+
+
+def test_tensorboard_resume_keeps_one_value_per_step(offline):
+    """A run resumed at step 2 after a crash at step 3: TensorBoard drops the crashed run's
+    steps 2-3 (purge_step), so every step still has exactly one value."""
+    pytest.importorskip("tensorboard")
+    crashed = T.Trackers.open(["tensorboard"], offline, CONFIG)
+    for step in range(STEPS):
+        crashed.log({"reward/mean": -1.0}, step)
+    crashed.close(failed=True)
+    resumed = T.Trackers.open(["tensorboard"], offline, CONFIG, start_step=2)
+    for step in range(2, STEPS):
+        resumed.log({"reward/mean": 1.0}, step)
+    resumed.close()
+    got = [(e.step, e.value) for e in tensorboard_run(offline).Scalars("reward/mean")]
+    assert got == [(0, -1.0), (1, -1.0), (2, 1.0), (3, 1.0)]
+
+
+# ----------------------------------------------------------------------------- (d) start failures
+def test_unknown_or_repeated_names_are_one_line_errors(offline):
+    with pytest.raises(T.TrackerError, match=r"^run\.report_to: unknown tracker 'mlflow' "
+                                             r"\(choose from tensorboard, wandb, swanlab\)$"):
+        T.Trackers.open(["tensorboard", "mlflow"], offline, CONFIG)
+    with pytest.raises(T.TrackerError, match=r"^run\.report_to: wandb is listed twice$"):
+        T.Trackers.open(["wandb", "wandb"], offline, CONFIG)
+    assert not offline.exists()  # names are checked before anything starts
+
+
+def test_tracker_that_cannot_start_is_one_line_naming_it(offline):
+    pytest.importorskip("tensorboard")
+    offline.mkdir()
+    (offline / "tensorboard").write_text("a file where the event folder should be")
+    with pytest.raises(T.TrackerError) as e:
+        T.Trackers.open(["tensorboard"], offline, CONFIG)
+    assert str(e.value).startswith("run.report_to: tensorboard: ") and "\n" not in str(e.value)
+
+
+def test_online_without_credentials_fails_at_start_and_closes_the_others(offline, monkeypatch):
+    pytest.importorskip("wandb"), pytest.importorskip("swanlab"), pytest.importorskip("tensorboard")
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(T.TrackerError,
+                       match=r"^run\.report_to: wandb: no API key .*WANDB_MODE=offline$"):
+        T.Trackers.open(["tensorboard", "wandb"], offline, CONFIG)
+    # tensorboard, started first, was closed (flushed): its config record is on disk
+    assert "config/text_summary" in tensorboard_run(offline).Tags()["tensors"]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the refused start left no online state behind
+    T.Trackers.open(["wandb"], offline, CONFIG).close()
+    assert len(glob.glob(str(offline / "wandb" / "offline-run-*"))) == 1
+    monkeypatch.delenv("SWANLAB_MODE")
+    with pytest.raises(T.TrackerError,
+                       match=r"^run\.report_to: swanlab: no API key .*SWANLAB_MODE=offline$"):
+        T.Trackers.open(["swanlab"], offline, CONFIG)
+
+
+# ----------------------------------------------------------------------------- (e) mid-run failure
+def test_tracker_failing_mid_run_is_reported_once_and_the_others_keep_logging(offline, capsys):
+    pytest.importorskip("wandb"), pytest.importorskip("swanlab"), pytest.importorskip("tensorboard")
+    tr = T.Trackers.open(["tensorboard", "swanlab", "wandb"], offline, CONFIG)
+    tr.log(metrics_at(0), 0)
+    tr._live[1].run.finish()  # the SwanLab run ends under us: its next log raises
+    capsys.readouterr()
+    for step in range(1, STEPS):
+        tr.log(metrics_at(step), step)
+        tr.log_samples(step, rows_at(step))
+    tr.close()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "tracker" in ln]
+    assert len(err) == 1
+    assert err[0].startswith("warning: tracker swanlab failed at step 1 (log): RuntimeError: ")
+    assert tr.names == []
+    acc = tensorboard_run(offline)
+    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(STEPS))
+    assert [e.step for e in acc.Tensors("samples/text_summary")] == list(range(1, STEPS))
+    steps = [r.history for r in wandb_records(offline) if r.WhichOneof("record_type") == "history"]
+    assert len(steps) == STEPS
+    tr.close()  # a second close is a no-op
+
+
+# ----------------------------------------------------------------------------- laziness
+def test_no_tracker_is_a_no_op_and_importing_loads_no_package(offline):
+    tr = T.Trackers.open([], offline, CONFIG)
+    tr.log({"a": 1.0}, 0), tr.log_samples(0, [{"response": "x"}]), tr.close()
+    assert not offline.exists()
+    code = ("import sys, tracking; "
+            "bad = {'torch', 'wandb', 'swanlab', 'tensorboard'} & set(sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
