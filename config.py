@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -24,92 +25,125 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the key."""
 
 
+def num(default: int | float, rule: str) -> Any:
+    """A numeric field with its allowed range, checked at load (:func:`check_ranges`): "> 0",
+    ">= 1", "(0, 1]", "[0, 1)", ... Every int and float field has one (a test checks)."""
+    return field(default=default, metadata={"range": rule})
+
+
+def in_range(x: float, rule: str) -> bool:
+    """`x` satisfies `rule` (see :func:`num`); nan and inf never do."""
+    if not math.isfinite(x):
+        return False
+    if rule[0] in "<>":
+        op, bound = rule.split()
+        b = float(bound)
+        return {">": x > b, ">=": x >= b, "<": x < b, "<=": x <= b}[op]
+    lo, hi = (float(v) for v in rule[1:-1].split(","))
+    return ((x >= lo) if rule[0] == "[" else (x > lo)) and ((x <= hi) if rule[-1] == "]" else (x < hi))
+
+
+def check_ranges(cfg: "Config") -> None:
+    """Every numeric key against its declared range: one line naming the key and the range."""
+    for sec in dataclasses.fields(cfg):
+        sub = getattr(cfg, sec.name)
+        for f in dataclasses.fields(sub):
+            rule = f.metadata.get("range")
+            value = getattr(sub, f.name)
+            if rule is not None and not in_range(value, rule):
+                raise ConfigError(f"{sec.name}.{f.name} must be {_describe(rule)}, got {value!r}")
+
+
+def _describe(rule: str) -> str:
+    return rule if rule[0] in "<>" else f"in {rule}"
+
+
 @dataclass
 class RunConfig:
-    out_dir: str = "runs/tiny"      # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
-    seed: int = 0                   # seeds data order, sampling and the tiny model
-    steps: int = 20                 # optimizer steps (= weight versions) to run
-    log_samples: int = 2            # decoded responses per step appended to samples.jsonl
-    save_every: int = 0             # checkpoint every N steps (0: only at the end if keep_last > 0)
-    keep_last: int = 2              # complete checkpoints kept; 0 disables checkpointing
-    eval_every: int = 0             # evaluation every N steps and at the end (0: off); see [eval]
-    eval_size: int = 16             # evaluation problems (from the validation split)
+    out_dir: str = "runs/tiny"               # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
+    seed: int = num(0, ">= 0")               # seeds data order, sampling and the tiny model
+    steps: int = num(20, ">= 0")             # optimizer steps (= weight versions) to run
+    log_samples: int = num(2, ">= 0")        # decoded responses per step appended to samples.jsonl
+    save_every: int = num(0, ">= 0")         # checkpoint every N steps (0: only at the end if keep_last > 0)
+    keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
+    eval_every: int = num(0, ">= 0")         # evaluation every N steps and at the end (0: off); see [eval]
+    eval_size: int = num(16, ">= 1")         # evaluation problems (from the validation split)
 
 
 @dataclass
 class ClusterConfig:
-    gen_ranks: int = 1              # the LAST gen_ranks ranks of the world generate; the others train
-    timeout_s: float = 300.0        # every collective and the engine: a dead peer ends the job after this
-    nnodes: int = 1                 # for --dry-run only: the nodes the rank plan is drawn for
-    nproc_per_node: int = 3         # for --dry-run only: processes per node
+    gen_ranks: int = num(1, ">= 1")          # the LAST gen_ranks ranks of the world generate; the others train
+    timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
+    nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
+    nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node
 
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"              # HF folder or hub id; "tiny" builds a random tiny Qwen2.5-VL in the run folder
-    dtype: str = "float32"          # the engines' weights and the sync transport: float32 | bfloat16
-    min_pixels: int = 56 * 56       # image pixel bounds, shared by the trainer's processor and every engine
-    max_pixels: int = 112 * 112
-    mixed_precision: bool = False   # trainer: FSDP2 bf16 compute with fp32 master weights
-    activation_checkpointing: bool = False  # trainer: recompute activations in backward
+    path: str = "tiny"                       # HF folder or hub id; "tiny" builds a random tiny Qwen2.5-VL in the run folder
+    dtype: str = "float32"                   # the engines' weights and the sync transport: float32 | bfloat16
+    min_pixels: int = num(56 * 56, ">= 1")   # image pixel bounds, shared by the trainer's processor and every engine
+    max_pixels: int = num(112 * 112, ">= 1")
+    mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
+    activation_checkpointing: bool = False   # trainer: recompute activations in backward
 
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"       # "synthetic", a local Geometry3K-layout folder, or a hub id
-    n_synthetic: int = 256          # problems per synthetic split
-    image_size: int = 112           # synthetic diagrams are image_size x image_size
-    template: str = DEFAULT_TEMPLATE  # user-turn text; must contain {problem}
-    max_prompt_len: int = 1024      # prompts longer than this (image tokens counted) are skipped
+    source: str = "synthetic"                # "synthetic", a local Geometry3K-layout folder, or a hub id
+    n_synthetic: int = num(256, ">= 1")      # problems per synthetic split
+    image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
+    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem}
+    max_prompt_len: int = num(1024, ">= 1")  # prompts longer than this (image tokens counted) are skipped
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"              # "hf" (transformers, any device) or "vllm"
-    prompts_per_step: int = 4       # prompts per step, split evenly over the generation ranks
-    group_size: int = 4             # G: samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0              # 1.0 = off; see model.py for why off is the on-policy choice
-    top_k: int = 0                  # 0 = off
-    max_new_tokens: int = 16
-    max_staleness: int = 0          # 0: synchronous; 1: generate step k+1 while training step k
-    gpu_memory_utilization: float = 0.85  # vllm: fraction of device memory for the engine
-    max_model_len: int = 4096       # vllm: prompt + response tokens
-    enforce_eager: bool = True      # vllm: no graph capture (start here on NPU)
-    tensor_parallel_size: int = 1   # vllm: devices per engine (1 in the supported layouts)
+    engine: str = "hf"                       # "hf" (transformers, any device) or "vllm"
+    prompts_per_step: int = num(4, ">= 1")   # prompts per step, split evenly over the generation ranks
+    group_size: int = num(4, ">= 2")         # G: samples per prompt
+    temperature: float = num(1.0, "> 0")
+    top_p: float = num(1.0, "(0, 1]")        # 1.0 = off; see model.py for why off is the on-policy choice
+    top_k: int = num(0, ">= 0")              # 0 = off
+    max_new_tokens: int = num(16, ">= 1")
+    max_staleness: int = num(0, "[0, 1]")    # 0: synchronous; 1: generate step k+1 while training step k
+    gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
+    max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
+    enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
+    tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (1 in the supported layouts)
 
 
 @dataclass
 class TrainConfig:
-    lr: float = 2e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_steps: int = 0           # linear warm-up, then constant
-    grad_clip: float = 1.0          # max global gradient norm
-    micro_batch_size: int = 8       # sequences per trainer forward/backward (when micro_batch_tokens = 0)
-    micro_batch_tokens: int = 0     # > 0: group sequences by length, at most this many padded tokens each
-    max_skipped_steps: int = 3      # consecutive non-finite steps before the run stops
+    lr: float = num(2e-3, "> 0")
+    weight_decay: float = num(0.0, ">= 0")
+    beta1: float = num(0.9, "[0, 1)")
+    beta2: float = num(0.999, "[0, 1)")
+    warmup_steps: int = num(0, ">= 0")       # linear warm-up, then constant
+    grad_clip: float = num(1.0, "> 0")       # max global gradient norm
+    micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
+    micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
+    max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
 
 
 @dataclass
 class LossConfig:
-    clip_low: float = 0.2           # PPO clip: rho >= 1 - clip_low
-    clip_high: float = 0.28         # rho <= 1 + clip_high (DAPO's clip-higher)
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    scale_by_std: bool = True       # False: Dr. GRPO advantages r - mean
-    kl_coef: float = 0.0            # > 0 builds a frozen reference policy
-    kl_estimator: str = "k3"        # k1 | k2 | k3 (loss.KL_ESTIMATORS)
-    tis_cap: float = 0.0            # > 0: truncated importance sampling against the engine's logprobs
-    drop_zero_variance: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
-    exclude_truncated: bool = False  # leave responses cut at max_new_tokens out of the loss
+    clip_low: float = num(0.2, ">= 0")       # PPO clip: rho >= 1 - clip_low
+    clip_high: float = num(0.28, ">= 0")     # rho <= 1 + clip_high (DAPO's clip-higher)
+    aggregation: str = "token-mean"          # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    scale_by_std: bool = True                # False: Dr. GRPO advantages r - mean
+    kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
+    kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
+    tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
+    drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
+    exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
 
 
 @dataclass
 class RewardConfig:
     # Reward functions summed with their weights: [{name, weight, **params}]; names in rewards/.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
-    timeout_s: float = 5.0          # a reward function running longer scores 0 and counts an error
+    timeout_s: float = num(5.0, "> 0")       # a reward function running longer scores 0 and counts an error
 
 
 @dataclass
@@ -121,9 +155,9 @@ class EvalConfig:
 
 @dataclass
 class SyncConfig:
-    enabled: bool = True            # False: engines keep the initial weights (the control experiment)
-    bucket_mb: float = 256.0        # bucket size of the broadcast
-    verify: bool = False            # after every sync compare engine and trainer weights bitwise (tests)
+    enabled: bool = True                     # False: engines keep the initial weights (the control experiment)
+    bucket_mb: float = num(256.0, "> 0")     # bucket size of the broadcast
+    verify: bool = False                     # after every sync compare engine and trainer weights bitwise (tests)
 
 
 @dataclass
@@ -210,32 +244,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    r, c, ro, t, lo = cfg.run, cfg.cluster, cfg.rollout, cfg.train, cfg.loss
-    need(r.steps >= 0, f"run.steps must be >= 0, got {r.steps}")
-    need(c.gen_ranks >= 1, f"cluster.gen_ranks must be >= 1, got {c.gen_ranks}")
-    need(c.timeout_s > 0, f"cluster.timeout_s must be > 0, got {c.timeout_s}")
-    need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb must be > 0, got {cfg.sync.bucket_mb}")
+    check_ranges(cfg)
+    ro, lo = cfg.rollout, cfg.loss
     need(cfg.model.dtype in ("float32", "bfloat16"),
          f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
-    need(0 < cfg.model.min_pixels <= cfg.model.max_pixels,
-         f"model.min_pixels ({cfg.model.min_pixels}) must be > 0 and <= model.max_pixels "
+    need(cfg.model.min_pixels <= cfg.model.max_pixels,
+         f"model.min_pixels ({cfg.model.min_pixels}) must be <= model.max_pixels "
          f"({cfg.model.max_pixels})")
     need(ro.engine in ("hf", "vllm"), f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
-    need(ro.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares samples), got {ro.group_size}")
-    need(ro.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {ro.prompts_per_step}")
-    need(ro.temperature > 0, f"rollout.temperature must be > 0, got {ro.temperature}")
-    need(0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1], got {ro.top_p}")
-    need(ro.top_k >= 0, f"rollout.top_k must be >= 0, got {ro.top_k}")
-    need(ro.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {ro.max_new_tokens}")
-    need(ro.max_staleness in (0, 1), f"rollout.max_staleness must be 0 or 1, got {ro.max_staleness}")
-    need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
-    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    need(t.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be >= 0, got {t.micro_batch_tokens}")
     need(lo.aggregation in loss.AGGREGATIONS,
          f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(loss.AGGREGATIONS)})")
     need(lo.kl_estimator in loss.KL_ESTIMATORS,
          f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(loss.KL_ESTIMATORS)})")
-    need(lo.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {lo.kl_coef}")
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")

@@ -84,3 +84,35 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     p = tmp_path / "resolved.toml"
     p.write_text(text)
     assert C.to_dict(C.load(str(p))) == C.to_dict(cfg)
+
+
+def test_every_numeric_key_declares_its_range():
+    import dataclasses
+    for sec in dataclasses.fields(C.Config()):
+        for f in dataclasses.fields(getattr(C.Config(), sec.name)):
+            if f.type in ("int", "float", int, float):
+                assert "range" in f.metadata, f"{sec.name}.{f.name} has no range (config.num)"
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("--train.grad_clip=-1", "train.grad_clip must be > 0, got -1.0"),      # reversed the gradient
+    ("--train.warmup_steps=-5", "train.warmup_steps must be >= 0, got -5"),  # negative learning rate
+    ("--train.beta1=1.5", "train.beta1 must be in [0, 1), got 1.5"),
+    ("--data.image_size=0", "data.image_size must be >= 28, got 0"),
+    ("--data.n_synthetic=0", "data.n_synthetic must be >= 1, got 0"),
+    ("--train.lr=nan", "train.lr must be > 0, got nan"),
+    ("--train.lr=inf", "train.lr must be > 0, got inf"),
+    ("--rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
+    ("--cluster.timeout_s=0", "cluster.timeout_s must be > 0"),
+    ("--train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+])
+def test_numeric_ranges_are_checked_at_load(override, msg):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(TINY, [override])
+    assert str(e.value) == msg or str(e.value).startswith(msg)
+
+
+def test_in_range_rules():
+    assert C.in_range(1, "[0, 1]") and not C.in_range(1, "[0, 1)") and not C.in_range(0, "(0, 1]")
+    assert C.in_range(-1, ">= -1") and not C.in_range(-2, ">= -1")
+    assert not C.in_range(float("nan"), ">= 0") and not C.in_range(float("inf"), "> 0")
