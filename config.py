@@ -143,7 +143,8 @@ class LossConfig:
 class RewardConfig:
     # Reward functions summed with their weights: [{name, weight, **params}]; names in rewards/.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
-    timeout_s: float = num(5.0, "> 0")       # a reward function running longer scores 0 and counts an error
+    timeout_s: float = num(5.0, "> 0")       # a reward call running longer (from its own start) scores 0, counts an error
+    max_consecutive_timeouts: int = num(3, ">= 0")  # a function timing out this often in a row is switched off (0: never)
 
 
 @dataclass

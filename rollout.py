@@ -185,9 +185,10 @@ class HFEngine:
 
 
 def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, template: str,
-            reward_functions: list[dict], reward_timeout_s: float, version: int,
-            group_offset: int, seed: int) -> tuple[list[Episode], dict[str, float]]:
-    """Generate sp.n responses for each problem and score them. Returns (episodes, timings)."""
+            scorer: rewards.RewardRunner, version: int, group_offset: int,
+            seed: int) -> tuple[list[Episode], dict[str, float]]:
+    """Generate sp.n responses for each problem and score them all at once with `scorer` (the
+    reward functions; it lives across steps). Returns (episodes, timings)."""
     from data import user_text
     tokenizer = procs.tokenizer
     prompts = [(M.prompt_ids(tokenizer, user_text(p, template), 1, procs.tokens), [p.image])
@@ -195,14 +196,17 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
     t0 = time.perf_counter()
     completions = engine.generate(prompts, sp, seed) if prompts else []
     t_gen = time.perf_counter() - t0
-    episodes = []
+    rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
         for c in comps:
-            text = tokenizer.decode(c.ids, skip_special_tokens=True)
-            sample = {"answer": p.answer, "index": p.index, "response_len": len(c.ids),
-                      "truncated": c.truncated, "max_new_tokens": sp.max_new_tokens}
-            parts = rewards.score(text, sample, reward_functions, reward_timeout_s)
-            total = parts.pop("reward")
-            episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total,
-                                    parts, version, c.truncated, text))
+            rows.append((g, p, ids, c))
+            texts.append(tokenizer.decode(c.ids, skip_special_tokens=True))
+            samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
+                            "response_len": len(c.ids), "truncated": c.truncated,
+                            "max_new_tokens": sp.max_new_tokens})
+    episodes = []
+    for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
+        total = parts.pop("reward")
+        episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
+                                version, c.truncated, text))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen}

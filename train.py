@@ -41,6 +41,7 @@ import data
 import device as D
 import failures
 import model as M
+import rewards
 import rollout as R
 import sync as S
 import trainer as T
@@ -212,6 +213,8 @@ class Setup:
     n_skipped: int                 # dataset rows skipped
     eval_set: list | None          # evaluation problems, when run.eval_every > 0
     engine: R.Engine | None        # generation ranks
+    scorer: rewards.RewardRunner | None       # generation ranks: [reward] functions
+    eval_scorer: rewards.RewardRunner | None  # generation ranks: [eval] functions
     receiver: S.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
     trainer: T.Trainer | None      # trainer ranks
 
@@ -234,8 +237,13 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync, channel)
           if world.is_trainer else None)
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
+    rc = cfg.reward
+    scorer, eval_scorer = ((rewards.RewardRunner(rc.functions, rc.timeout_s, rc.max_consecutive_timeouts),
+                            rewards.RewardRunner(cfg.eval.functions, rc.timeout_s,
+                                                 rc.max_consecutive_timeouts))
+                           if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.image for p in problems}, n_skipped, eval_set,
-                 engine, receiver, tr)
+                 engine, scorer, eval_scorer, receiver, tr)
 
 
 def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
@@ -276,7 +284,8 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         progress.step = step + 1
         if s.eval_set and (progress.step % max(1, cfg.run.eval_every) == 0
                            or progress.step == cfg.run.steps):
-            metrics.update(evaluate(world, s.engine, s.eval_set, s.procs, cfg, progress.version))
+            metrics.update(evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg,
+                                    progress.version))
         save_checkpoint(cfg, world, s, dev, out_dir, progress)
         if logger:
             logger.log(metrics, episodes)
@@ -299,8 +308,8 @@ def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return R.rollout(s.engine, mine, s.procs, sampling, cfg.data.template, cfg.reward.functions,
-                     cfg.reward.timeout_s, version, group_offset=world.gen_index * per_gen,
+    return R.rollout(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer, version,
+                     group_offset=world.gen_index * per_gen,
                      seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index)
 
 
@@ -384,16 +393,16 @@ def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(world: W.World, engine: R.Engine | None, problems: list, procs: M.Processors,
-             cfg: C.Config, version: int) -> dict[str, float]:
+def evaluate(world: W.World, engine: R.Engine | None, scorer: rewards.RewardRunner | None,
+             problems: list, procs: M.Processors, cfg: C.Config, version: int) -> dict[str, float]:
     """Greedy decoding of the evaluation problems on the generation ranks, graded by the
     `[eval] functions`; every part's mean is logged as eval/<part>."""
     local: tuple[list, dict] = ([], {})
     if world.is_gen:
         n_gen, j = len(world.gens), world.gen_index
         sp = R.Sampling(n=1, greedy=True, max_new_tokens=cfg.rollout.max_new_tokens)
-        local = R.rollout(engine, problems[j::n_gen], procs, sp, cfg.data.template,
-                          cfg.eval.functions, cfg.reward.timeout_s, version, group_offset=0, seed=0)
+        local = R.rollout(engine, problems[j::n_gen], procs, sp, cfg.data.template, scorer,
+                          version, group_offset=0, seed=0)
     got: list = [None] * world.size
     dist.all_gather_object(got, local, group=world.ctrl)
     eps = [e for g, _ in got for e in g]
@@ -418,7 +427,9 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
                              device=rank_device(cfg, world, dev), local_rank=world.local_rank,
                              seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
               if world.is_gen else None)
-    m = evaluate(world, engine, problems, procs, cfg, version=-1)
+    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
+                                   cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
+    m = evaluate(world, engine, scorer, problems, procs, cfg, version=-1)
     if world.is_root:
         print(json.dumps(m))
         with open(out_dir / "eval.jsonl", "a") as f:
