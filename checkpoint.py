@@ -108,3 +108,36 @@ def load(path: Path, *, policy, opt, sched, train_group, rank_in_group: int) -> 
 
 def read_meta(path: Path) -> dict:
     return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
+
+
+def resume_plan(cfg, out_dir: str | Path, resume: str | None, world_size: int) -> dict:
+    """Where a run starts (rank 0, before anything is built): the checkpoint (`resume`, else the
+    latest complete one), its progress, whether the run is already finished, and what changed.
+
+    Keys that change what the run means (config.MEANING_KEYS, and the number of ranks) must
+    match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
+    the one line naming every difference. Optimizer keys (config.OPTIMIZER_KEYS) may change;
+    they are listed in "optimizer_changes" (the trainer applies them after the restore), with
+    run.steps when a decaying schedule is stretched or shortened by it.
+    """
+    import config as C
+    plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
+            "optimizer_changes": [], "error": None}
+    path = Path(resume) if resume else latest(out_dir)
+    if path is None:
+        return plan
+    meta = read_meta(path)
+    old = meta.get("config", {})
+    changes = C.changed_keys(old, cfg, C.MEANING_KEYS)
+    if meta.get("world_size", world_size) != world_size:
+        changes.append(("ranks (world size)", meta["world_size"], world_size))
+    schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
+    plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
+                optimizer_changes=C.changed_keys(old, cfg, schedule),
+                meta={k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total")})
+    if changes and not cfg.run.allow_config_change:
+        plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+                         + " would change what the run means; set --run.allow_config_change=true "
+                         "to resume anyway, or use another run.out_dir")
+    return plan
+

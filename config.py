@@ -21,6 +21,9 @@ import loss
 from data import DEFAULT_TEMPLATE
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the key."""
 
@@ -63,11 +66,13 @@ class RunConfig:
     out_dir: str = "runs/tiny"               # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = num(0, ">= 0")               # seeds data order, sampling and the tiny model
     steps: int = num(20, ">= 0")             # optimizer steps (= weight versions) to run
-    log_samples: int = num(2, ">= 0")        # decoded responses per step appended to samples.jsonl
+    log_samples: int = num(2, ">= -1")       # decoded responses per step appended to samples.jsonl (-1: every episode)
     save_every: int = num(0, ">= 0")         # checkpoint every N steps (0: only at the end if keep_last > 0)
     keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
     eval_every: int = num(0, ">= 0")         # evaluation every N steps and at the end (0: off); see [eval]
-    eval_size: int = num(16, ">= 1")         # evaluation problems (from the validation split)
+    eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
+    report_to: list = field(default_factory=list)  # trackers: any of "tensorboard", "wandb", "swanlab"
+    allow_config_change: bool = False        # resume although keys that change what the run means differ
 
 
 @dataclass
@@ -95,6 +100,9 @@ class DataConfig:
     image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
     template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem}
     max_prompt_len: int = num(1024, ">= 1")  # prompts longer than this (image tokens counted) are skipped
+    problem_column: str = "problem"          # the dataset's own column names (local JSONL/parquet and hub ids)
+    answer_column: str = "answer"
+    images_column: str = "images"            # one image per row, or a list of exactly one
 
 
 @dataclass
@@ -119,7 +127,9 @@ class TrainConfig:
     weight_decay: float = num(0.0, ">= 0")
     beta1: float = num(0.9, "[0, 1)")
     beta2: float = num(0.999, "[0, 1)")
-    warmup_steps: int = num(0, ">= 0")       # linear warm-up, then constant
+    warmup_steps: int = num(0, ">= 0")       # linear warm-up over this many optimizer steps, then lr_schedule
+    lr_schedule: str = "constant"            # constant | linear | cosine (decay to min_lr_ratio x lr by the last step)
+    min_lr_ratio: float = num(0.0, "[0, 1]")  # linear / cosine: the final LR as a fraction of lr
     grad_clip: float = num(1.0, "> 0")       # max global gradient norm
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
     micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
@@ -152,6 +162,10 @@ class EvalConfig:
     # Reward functions that grade evaluation, as [reward] functions: the mean of each part
     # (e.g. `accuracy`, `format` for the geometry verifier) is logged as eval/<part>.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
+    split: str = "validation"                # validation | test
+    n: int = num(1, ">= 1")                  # samples per problem: 1 = greedy (Geometry3K-style); > 1 at temperature: pass@1 and pass@n
+    temperature: float = num(1.0, "> 0")     # sampling temperature when n > 1
+    before_start: bool = False               # also evaluate the initial weights before the first step
 
 
 @dataclass
@@ -267,6 +281,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
              "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
+    need(cfg.train.lr_schedule in LR_SCHEDULES,
+         f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
+    need(cfg.eval.split in ("validation", "test"),
+         f"eval.split must be 'validation' or 'test', got {cfg.eval.split!r}")
+    import tracking
+    for i, name in enumerate(cfg.run.report_to):
+        need(name in tracking.NAMES, f"run.report_to: unknown tracker {name!r} "
+             f"(known: {', '.join(tracking.NAMES)})")
+        need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
+    for key in ("problem_column", "answer_column", "images_column"):
+        need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions)):
         need(len(specs) > 0, f"{key}: at least one reward function is needed")
         for i, spec in enumerate(specs):
@@ -331,3 +356,35 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
+
+
+# ----------------------------------------------------------------------------- resume checks
+# Keys that change what a run means: resuming a checkpoint with other values would silently
+# continue a different experiment, so they stop the run unless run.allow_config_change is set.
+MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
+                "data.problem_column", "data.answer_column", "data.images_column", "data.template",
+                "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
+                "loss.advantage", "loss.aggregation", "cluster.gen_ranks")
+# Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
+# schedule (and says so).
+OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2",
+                  "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio", "train.grad_clip")
+
+
+def lookup(tree: dict, dotted: str, default: Any = None) -> Any:
+    section, key = dotted.split(".", 1)
+    return tree.get(section, {}).get(key, default)
+
+
+def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for each of `keys` that differs between the config dict a checkpoint saved
+    and `new`; a key the old config lacks (an older checkpoint) counts as its default."""
+    now, defaults = to_dict(new), to_dict(Config())
+    out = []
+    for k in keys:
+        if lookup(defaults, k, KeyError) is KeyError:  # not a key of this version
+            continue
+        before, after = lookup(old, k, lookup(defaults, k)), lookup(now, k)
+        if before != after:
+            out.append((k, before, after))
+    return out

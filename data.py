@@ -27,7 +27,7 @@ from PIL import Image
 log = logging.getLogger("data")
 
 SPLITS = ("train", "validation", "test")
-COLUMNS = ("images", "problem", "answer")
+COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` maps a dataset's own
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
@@ -92,8 +92,10 @@ def _to_problem(index: int, row: Any) -> Problem:
     if not isinstance(answer, str) or not answer.strip():
         raise _BadRow("answer is empty or not a string")
     if not isinstance(row, Problem):
+        if isinstance(images, (str, Mapping, Image.Image)):  # a column of single images
+            images = [images]
         if not isinstance(images, (list, tuple)) or len(images) != 1:
-            raise _BadRow("images is not a list of exactly one image")
+            raise _BadRow("images is not one image or a list of exactly one image")
         image = _open_image(images[0])
     elif not isinstance(image, Image.Image):
         raise _BadRow("no image")
@@ -130,7 +132,26 @@ def _split_files(root: Path, split: str) -> list[Path]:
     raise ValueError(f"{root}: no split file {split}.jsonl, {split}.parquet or data/{split}-*.parquet")
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
+def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
+    """canonical name -> the dataset's own column name (identity where not mapped)."""
+    return {c: (columns or {}).get(c, c) for c in COLUMNS}
+
+
+def _missing(where: str, have: Iterable[str], cols: dict[str, str]) -> None:
+    have = list(have)
+    for canon in ("problem", "answer", "images"):
+        name = cols[canon]
+        if name not in have:
+            key = f" (data.{canon}_column)" if name != canon else ""
+            raise ValueError(f"{where}: missing column {name!r}{key}; has {sorted(have)}")
+
+
+def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
+    return {canon: row[name] for canon, name in cols.items()}
+
+
+def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict]:
+    cols = _mapping(columns)
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -140,11 +161,13 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        for col in COLUMNS:
-            if col not in row:
-                raise ValueError(f"{path}:{n}: missing column {col!r}")
-        if isinstance(row["images"], list):  # image paths are relative to the jsonl's folder
-            row["images"] = [str(path.parent / i) if isinstance(i, str) else i for i in row["images"]]
+        _missing(f"{path}:{n}", row, cols)
+        row = _canonical(row, cols)
+        images = row["images"]
+        if isinstance(images, str):
+            images = [images]
+        if isinstance(images, list):  # image paths are relative to the jsonl's folder
+            row["images"] = [str(path.parent / i) if isinstance(i, str) else i for i in images]
         yield row
 
 
@@ -157,34 +180,39 @@ def _pyarrow():
     return pyarrow, pyarrow.parquet
 
 
-def _read_parquet(paths: list[Path]) -> Iterator[dict]:
+def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -> Iterator[dict]:
     pa, pq = _pyarrow()
+    cols = _mapping(columns)
     for path in paths:
         try:
             table = pq.read_table(path)
         except Exception as e:
             raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
-        for col in COLUMNS:
-            if col not in table.column_names:
-                raise ValueError(f"{path}: missing column {col!r} (has {table.column_names})")
-        images_type = table.schema.field("images").type
-        if not pa.types.is_list(images_type):
-            raise ValueError(f"{path}: column 'images' is {images_type}, not a list")
-        yield from table.select(list(COLUMNS)).to_pylist()
+        _missing(str(path), table.column_names, cols)
+        for row in table.select(list(cols.values())).to_pylist():
+            yield _canonical(row, cols)
 
 
-def _read_hub(name: str, split: str):
+def _read_hub(name: str, split: str, columns: Mapping[str, str] | None = None) -> Iterator[dict]:
     try:
         import datasets
     except ImportError:
         raise ImportError(f"loading {name!r} needs `pip install datasets`; or pass a local folder") from None
-    return datasets.load_dataset(name, split=split)
+    ds = datasets.load_dataset(name, split=split)
+    cols = _mapping(columns)
+    _missing(f"{name} [{split}]", ds.column_names, cols)
+    return (_canonical(row, cols) for row in ds)
 
 
 def load_split(
-    source: str, split: str, *, seed: int = 0, n_synthetic: int = 256, image_size: int = 112
+    source: str, split: str, *, seed: int = 0, n_synthetic: int = 256, image_size: int = 112,
+    columns: Mapping[str, str] | None = None,
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
-    """(problems, skipped) for one split of "synthetic", a local folder, or a hub id."""
+    """(problems, skipped) for one split of "synthetic", a local folder, or a hub id.
+
+    `columns` maps the canonical names ("problem", "answer", "images") to the dataset's own
+    column names; a mapped column that is missing is a ValueError naming the file and column.
+    The images column may hold one image per row or a list of exactly one."""
     if source == "synthetic":
         if split not in SPLITS:
             raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
@@ -194,20 +222,22 @@ def load_split(
     root = Path(source).expanduser()
     if root.is_dir():
         files = _split_files(root, split)
-        rows = _read_jsonl(files[0]) if files[0].suffix == ".jsonl" else _read_parquet(files)
+        rows = (_read_jsonl(files[0], columns) if files[0].suffix == ".jsonl"
+                else _read_parquet(files, columns))
         return skip_bad_rows(rows)
     if root.exists() or source.startswith(("/", ".", "~")):
         raise ValueError(f"{source}: not a dataset folder")
-    return skip_bad_rows(_read_hub(source, split))
+    return skip_bad_rows(_read_hub(source, split, columns))
 
 
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,
-                  prompt_len: Callable[[Problem], int], max_prompt_len: int) -> tuple[list[Problem], int]:
+                  prompt_len: Callable[[Problem], int], max_prompt_len: int,
+                  columns: Mapping[str, str] | None = None) -> tuple[list[Problem], int]:
     """(problems, skipped count) of one split: bad rows and prompts longer than `max_prompt_len`
     (by `prompt_len`, image tokens counted) are skipped. Prompts are never truncated: the image
     tokens would be cut."""
     rows, skipped = load_split(source, split, seed=seed, n_synthetic=n_synthetic,
-                               image_size=image_size)
+                               image_size=image_size, columns=columns)
     rows, more = skip_bad_rows(rows, is_too_long=lambda p: prompt_len(p) > max_prompt_len)
     if not rows:
         raise ValueError(f"data.source: no usable rows in split {split!r} of {source} "

@@ -135,14 +135,19 @@ def on_sigterm(live: Liveness) -> None:
 
 def guarded(live: Liveness, job: Callable[[], int]) -> int:
     """Run `job`; any failure ends THIS rank at once with a line naming the culprit (torchrun
-    then stops the others, which print their own view). Config errors pass through."""
+    then stops the others, which print their own view). A config error found after start-up
+    (every rank finds it) is printed once and every rank exits 2."""
     rank, role = live.rank, live.roles[live.rank]
     try:
         code = job()
         live.close()
         return code
-    except C.ConfigError:
-        raise
+    except C.ConfigError as e:  # the same verdict on every rank (e.g. a refused resume)
+        if rank == 0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        live.close()
+        sys.stdout.flush()
+        os._exit(2)  # no teardown of the process group that could hang or abort
     except Exception as e:  # noqa: BLE001 - report, then exit without a hanging teardown
         live.failing = True  # this rank reports its own failure; keep beating meanwhile
         report = live.report()

@@ -1,4 +1,12 @@
-"""Experiment trackers: TensorBoard, Weights & Biases, SwanLab (any subset, `run.report_to`).
+"""What a run writes about itself: files, the console, experiment trackers.
+
+- :class:`Recorder` (rank 0): `metrics.jsonl` (one object per step), `samples.jsonl` (a few or,
+  with `run.log_samples = -1`, every episode), `eval.jsonl` (one object per evaluation) and
+  `eval/step_N.jsonl` (every evaluation's generations), one console line per step (step k/N,
+  ETA, throughput, the configured reward parts), and the trackers below.
+- :func:`quiet_other_ranks`: library warnings are printed once (by rank 0), not once per rank.
+
+Experiment trackers: TensorBoard, Weights & Biases, SwanLab (any subset, `run.report_to`).
 
 Rank 0 opens them once; each gets every metric of every step under its key (`reward/mean`,
 `time/step_s`, ...), the resolved config as hyperparameters, and a few decoded samples per step
@@ -21,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -100,6 +109,161 @@ class Trackers:
                 print(f"warning: tracker {b.name} failed at {where} ({method}): "
                       f"{type(e).__name__}: {_one_line(e)}; no further calls to it",
                       file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the run's records
+class Recorder:
+    """Everything rank 0 writes about the run while it trains (see the module docstring)."""
+
+    def __init__(self, out_dir: Path, n_samples: int, start: int, total: int, trackers: Trackers):
+        self.out_dir, self.n_samples, self.total, self.trackers = Path(out_dir), n_samples, total, trackers
+        # A resumed run drops what a crashed run logged after its last checkpoint.
+        _truncate(self.out_dir / "metrics.jsonl", lambda r: r["step"] < start)
+        _truncate(self.out_dir / "samples.jsonl", lambda r: r["step"] < start)
+        _truncate(self.out_dir / "eval.jsonl", lambda r: "checkpoint" in r or r.get("after", 0) <= start)
+        self.metrics = open(self.out_dir / "metrics.jsonl", "a")
+        self.samples = open(self.out_dir / "samples.jsonl", "a")
+        self.t_last = time.perf_counter()
+        self.step_times: list[float] = []
+        self.evals: list[tuple[int, dict]] = []
+
+    def step(self, m: dict, episodes: list) -> None:
+        """One step: its metrics and samples to the files and trackers, one console line."""
+        self.metrics.write(json.dumps(m) + "\n")
+        self.metrics.flush()
+        chosen = episodes if self.n_samples < 0 else episodes[:self.n_samples]
+        rows = [{"index": e.index, "group": e.group, "version": e.version, "reward": e.reward,
+                 "parts": e.parts, "length": len(e.response_ids), "truncated": e.truncated,
+                 "response": e.text} for e in chosen]
+        for r in rows:
+            self.samples.write(json.dumps({"step": m["step"], **r}) + "\n")
+        self.samples.flush()
+        self.trackers.log(m, m["step"])
+        self.trackers.log_samples(m["step"], rows[:8] if self.n_samples < 0 else rows)
+        now = time.perf_counter()
+        self.step_times.append(now - self.t_last)
+        self.t_last = now
+        print(self.line(m), flush=True)
+
+    def line(self, m: dict) -> str:
+        """The console line of one step."""
+        recent = sorted(self.step_times[-10:])
+        eta = recent[len(recent) // 2] * (self.total - m["step"] - 1) if recent else 0.0
+        parts = " ".join(f"{k[7:]} {v:.3f}" for k, v in m.items()
+                         if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
+        evals = " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
+                         and k not in ("eval/n", "eval/samples", "eval/response_len"))
+        return (f"step {m['step'] + 1}/{self.total} | v{m['weight_version']} | "
+                f"reward {m['reward/mean']:.3f} ({parts}) | len {m['response_len/mean']:.1f} | "
+                f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} "
+                f"ent {m.get('entropy', 0):.2f} lpdiff {m.get('logprob_diff/max', 0):.1e} | "
+                f"gen {m['time/generate_s']:.2f}s {m.get('throughput/gen_tokens_per_s', 0):.0f} tok/s"
+                f" | train {m['time/train_s']:.2f}s {m.get('throughput/train_tokens_per_s', 0):.0f} "
+                f"tok/s | sync {m['time/sync_s']:.2f}s | step {m['time/step_s']:.2f}s "
+                f"ETA {_duration(eta)}" + (f" | eval {evals}" if evals else ""))
+
+    def evaluation(self, after: int, version: int, metrics: dict, rows: list[dict]) -> None:
+        """One evaluation (after `after` optimizer steps), see :func:`write_evaluation`."""
+        write_evaluation(self.out_dir, after, version, metrics, rows)
+        self.evals.append((after, metrics))
+        if after == 0:  # before the first step: no step row carries it, so the trackers get it here
+            self.trackers.log(metrics, 0)
+
+    def summary(self, wall_s: float, steps: int, checkpoint: str | None) -> str:
+        """The end-of-run line: wall time, best and last evaluation, where the checkpoint is."""
+        out = f"done: {steps} steps in {_duration(wall_s)}"
+        if self.evals:
+            key = next((k for k in ("eval/accuracy", "eval/reward") if k in self.evals[-1][1]),
+                       next((k for k in self.evals[-1][1] if k.startswith("eval/")), None))
+            if key:
+                best = max(self.evals, key=lambda e: e[1].get(key, float("-inf")))
+                out += (f" | {key} best {best[1][key]:.4f} (after step {best[0]}), "
+                        f"last {self.evals[-1][1][key]:.4f} (after step {self.evals[-1][0]})")
+        return out + f" | checkpoint: {checkpoint or 'none written (run.keep_last = 0)'}"
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self, failed: bool = False) -> None:
+        self.trackers.close(failed=failed)
+        self.metrics.close()
+        self.samples.close()
+
+
+def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problems: int,
+                    n_skipped: int, n_eval: int, plan: dict, sources: str) -> str:
+    """Who does what, on what, with which data and config, and where the run starts."""
+    by_role: dict[str, list[int]] = {}
+    for r, role in enumerate(roles):
+        by_role.setdefault(role, []).append(r)
+    who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs[0]}{f'-{rs[-1]}' if len(rs) > 1 else ''} "
+                    f"{role}" for role, rs in by_role.items())
+    ev = cfg.eval
+    lines = [f"== {len(roles)} rank(s) on {device}: {who} ({cfg.rollout.engine} engine)",
+             f"   model {cfg.model.path} ({n_params / 1e6:.2f}M parameters; engines in "
+             f"{cfg.model.dtype}) | data {cfg.data.source}: {n_problems} training problems "
+             f"({n_skipped} rows skipped)" + (f", {n_eval} {ev.split} problems for evaluation"
+                                              if n_eval else ""),
+             f"   config {sources} -> {Path(cfg.run.out_dir) / 'config.toml'} | trackers: "
+             f"{', '.join(cfg.run.report_to) or 'none'}"]
+    missing = sorted({f["name"] for f in cfg.reward.functions} - {f["name"] for f in ev.functions})
+    if n_eval and missing:
+        lines.append(f"   note: reward {', '.join(missing)} is used for training but not for "
+                     f"evaluation ([eval] functions: {', '.join(f['name'] for f in ev.functions)})")
+    p = plan["progress"]
+    lines.append(f"== RESUMED from {plan['path']} at step {p.step} (weight version {p.version}); "
+                 f"steps {p.step} -> {cfg.run.steps}" if plan["path"] else
+                 f"== fresh start: steps 0 -> {cfg.run.steps}, {cfg.rollout.prompts_per_step} "
+                 f"prompts x {cfg.rollout.group_size} samples per step")
+    return "\n".join(lines)
+
+
+def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, rows: list[dict],
+                     checkpoint: str | None = None) -> Path:
+    """An evaluation's metrics as one line of `eval.jsonl` and its generations (one row per
+    sample: problem index, sample, response, reward parts, length) as
+    `eval/step_<after>.jsonl`, or `eval/<checkpoint folder>.eval-only.jsonl` for `--eval-only`."""
+    folder = Path(out_dir) / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (f"{Path(checkpoint).name}.eval-only.jsonl" if checkpoint else f"step_{after:06d}.jsonl")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(Path(out_dir) / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"after": after, "weight_version": version, **metrics,
+                            **({"checkpoint": str(checkpoint)} if checkpoint else {})}) + "\n")
+    return path
+
+
+def _truncate(path: Path, keep) -> None:
+    """Keep the rows of `path` (JSON lines) for which `keep(row)` holds."""
+    if path.exists():
+        rows = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
+        path.write_text("".join(ln + "\n" for ln in rows))
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Library warnings (transformers, torch, FSDP) once for the job: only rank 0 prints them;
+    no rank draws weight-loading progress bars. Errors and this project's lines stay."""
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    if rank == 0:
+        return
+    import logging
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "torch", "data", "py.warnings"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 # ----------------------------------------------------------------------------- the three backends

@@ -27,6 +27,7 @@ vllm_engine.py, the weight transport in sync.py, failure handling in failures.py
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,11 +40,13 @@ import checkpoint as ckpt
 import config as C
 import data
 import device as D
+import evaluation as E
 import failures
 import model as M
 import rewards
 import rollout as R
 import sync as S
+import tracking
 import trainer as T
 import world as W
 
@@ -96,10 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg)
         if flags.get("--eval-only") and not flags.get("--checkpoint"):
             raise C.ConfigError("--eval-only needs --checkpoint DIR")
+        sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")
         return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
-                   if flags.get("--eval-only") else None)
+                   if flags.get("--eval-only") else None, sources=sources or "defaults")
     except C.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank reaches the same verdict: say it once
+            print(f"config error: {e}", file=sys.stderr)
         return 2
 
 
@@ -124,16 +129,18 @@ def dry_run(cfg: C.Config) -> int:
     return 0
 
 
-def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None) -> int:
+def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None,
+        sources: str = "") -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
     C.validate_world(cfg, W.launched_size())  # before any process group exists
     world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend)
+    tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_sigterm(live)
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, eval_checkpoint))
-    return failures.guarded(live, lambda: train(cfg, world, dev, live, resume))
+    return failures.guarded(live, lambda: train(cfg, world, dev, live, resume, sources))
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -155,10 +162,9 @@ def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
 
 
 def prepare_run_dir(cfg: C.Config, world: W.World, out_dir: Path) -> str:
-    """Rank 0 writes the resolved config and builds the tiny model once; returns the model path."""
+    """Rank 0 builds the tiny model once (if configured); returns the model path."""
     if world.is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.toml").write_text(C.dump_toml(cfg))
         M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
     dist.barrier(group=world.ctrl)
     return M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
@@ -171,36 +177,41 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
         return data.load_problems(
             d.source, split, seed=cfg.run.seed, n_synthetic=d.n_synthetic, image_size=d.image_size,
             max_prompt_len=d.max_prompt_len,
+            columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
             prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.image))
-    except ValueError as e:
-        if str(e).startswith("data.source"):
-            raise C.ConfigError(str(e)) from None
-        raise
+    except ValueError as e:  # no usable rows, a missing split file or column: a data setting
+        raise C.ConfigError(str(e)) from None
 
 
-def resume_point(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, out_dir: Path,
-                 resume: str | None) -> Progress:
-    """Rank 0 picks the checkpoint (`--resume`, else the latest complete one); trainers restore
-    their state, every rank learns the progress, and the engines get the resumed weights."""
-    pick = [str(resume or ckpt.latest(out_dir) or "") or None] if world.is_root else [None]
-    dist.broadcast_object_list(pick, 0, group=world.ctrl)
-    if not pick[0]:
-        return Progress()
-    tr = s.trainer
+def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None) -> dict:
+    """Rank 0 decides where the run starts (checkpoint.resume_plan), before anything is built;
+    every rank learns it. A refused resume is a config error on every rank."""
+    plan = [ckpt.resume_plan(cfg, out_dir, resume, world.size) if world.is_root else None]
+    dist.broadcast_object_list(plan, 0, group=world.ctrl)
+    if plan[0]["error"]:
+        raise C.ConfigError(plan[0]["error"])
+    m = plan[0].pop("meta")
+    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"])
+                           if m else Progress())
+    return plan[0]
+
+
+def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict) -> None:
+    """Trainers load the checkpoint's state (optimizer keys as configured now, said on the
+    console); the engines then receive the resumed weights."""
+    tr, progress = s.trainer, plan["progress"]
     if tr is not None:
-        meta = ckpt.load(Path(pick[0]), policy=tr.policy, opt=tr.opt, sched=tr.sched,
+        meta = ckpt.load(Path(plan["path"]), policy=tr.policy, opt=tr.opt, sched=tr.sched,
                          train_group=world.train_group, rank_in_group=world.trainer_index)
         D.set_rng_state(dev, meta["rng"])
-    meta = [ckpt.read_meta(Path(pick[0])) if world.is_root else None]
-    dist.broadcast_object_list(meta, 0, group=world.ctrl)
-    m = meta[0]
-    progress = Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"])
+        T.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
+        if world.is_root and plan["optimizer_changes"]:
+            print("resumed with changed optimizer keys, applied to the restored optimizer and "
+                  "schedule: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in
+                                           plan["optimizer_changes"])
+                  + f" (learning rate now {tr.sched.get_last_lr()[0]:.3g})", flush=True)
     if cfg.sync.enabled:  # the engines start from the resumed weights
         S.sync_weights(world, tr and tr.sender, s.receiver, s.engine, progress.version)
-    if world.is_root:
-        print(f"resumed from {pick[0]} at step {progress.step} (weight version {progress.version})",
-              flush=True)
-    return progress
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -224,8 +235,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
     D.manual_seed_all(cfg.run.seed)
     procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
-    eval_set = (load_problems(cfg, "validation", procs)[0][:cfg.run.eval_size]
-                if cfg.run.eval_every else None)
+    eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
+                if cfg.run.eval_every or cfg.eval.before_start else None)
     engine = (R.build_engine(ro, cfg.model, model_path, procs, dev=dev, device=device,
                              local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
                              timeout_s=cfg.cluster.timeout_s) if world.is_gen else None)
@@ -234,8 +245,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
         channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device)
-    tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync, channel)
-          if world.is_trainer else None)
+    tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
+                  cfg.run.steps, channel) if world.is_trainer else None)
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc = cfg.reward
     scorer, eval_scorer = ((rewards.RewardRunner(rc.functions, rc.timeout_s, rc.max_consecutive_timeouts),
@@ -247,10 +258,29 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
 
 
 def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
-          resume: str | None) -> int:
-    s, out_dir, ro = set_up(cfg, world, dev, live), Path(cfg.run.out_dir), cfg.rollout
-    progress = resume_point(cfg, world, s, dev, out_dir, resume)
-    logger = Logger(out_dir, cfg.run.log_samples, progress.step) if world.is_root else None
+          resume: str | None, sources: str) -> int:
+    out_dir, ro, t_start = Path(cfg.run.out_dir), cfg.rollout, time.perf_counter()
+    plan = plan_resume(cfg, world, out_dir, resume)
+    if plan["finished"]:
+        if world.is_root:
+            print(f"run already finished: {plan['path']} holds step {plan['progress'].step} of "
+                  f"run.steps = {cfg.run.steps}; nothing to do (raise --run.steps to train on, or "
+                  f"use another run.out_dir)", flush=True)
+        dist.destroy_process_group()
+        return 0
+    progress = plan["progress"]
+    first = progress.step
+    rec = open_recorder(cfg, world, out_dir, progress.step)
+    s = set_up(cfg, world, dev, live)
+    if plan["path"]:
+        restore(cfg, world, s, dev, plan)
+    if rec:
+        roles = [world.role(r) for r in range(world.size)]
+        n_params = sum(p.numel() for p in s.trainer.policy.parameters())
+        rec.say(tracking.startup_summary(cfg, roles, D.detect().kind, n_params, len(s.problems),
+                                         s.n_skipped, len(s.eval_set or []), plan, sources))
+    if cfg.eval.before_start and progress.step == 0:
+        run_eval(cfg, world, s, rec, after=0, version=progress.version)
     pending = None
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     for step in range(progress.step, cfg.run.steps):
@@ -282,21 +312,37 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         # 5. evaluation, checkpoint, log
         live.phase(step, "eval/checkpoint")
         progress.step = step + 1
-        if s.eval_set and (progress.step % max(1, cfg.run.eval_every) == 0
-                           or progress.step == cfg.run.steps):
-            metrics.update(evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg,
-                                    progress.version))
+        if cfg.run.eval_every and (progress.step % cfg.run.eval_every == 0
+                                   or progress.step == cfg.run.steps):
+            metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
         save_checkpoint(cfg, world, s, dev, out_dir, progress)
-        if logger:
-            logger.log(metrics, episodes)
+        if rec:
+            rec.step(metrics, episodes)
         if too_many_skipped(cfg, world, progress):
+            rec and rec.close(failed=True)
             dist.destroy_process_group()
             return 3
     dist.barrier(group=world.ctrl)
+    if rec:
+        rec.say(rec.summary(time.perf_counter() - t_start, cfg.run.steps - first,
+                            str(ckpt.latest(out_dir) or "") or None))
+        rec.close()
     if s.engine is not None:
         s.engine.shutdown()
     dist.destroy_process_group()
     return 0
+
+
+def open_recorder(cfg: C.Config, world: W.World, out_dir: Path, start: int) -> tracking.Recorder | None:
+    """Rank 0: config.toml (what runs now), the trackers (a tracker that cannot start stops the
+    run here, before anything is built), the run's files."""
+    if not world.is_root:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.toml").write_text(C.dump_toml(cfg))
+    trackers = tracking.Trackers.open(cfg.run.report_to, out_dir, C.to_dict(cfg),
+                                      run_name=out_dir.resolve().name, start_step=start)
+    return tracking.Recorder(out_dir, cfg.run.log_samples, start, cfg.run.steps, trackers)
 
 
 def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
@@ -333,6 +379,8 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
         progress.skipped_total += out["train/skipped"]
         out["train/skipped_steps"] = progress.skipped_total
     out["time/train_s"] = time.perf_counter() - t0
+    if "train/tokens" in out:
+        out["throughput/train_tokens_per_s"] = out["train/tokens"] / max(1e-9, out["time/train_s"])
     return out
 
 
@@ -362,6 +410,9 @@ def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) 
     for k in sorted({k for e in episodes for k in e.parts}):
         out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
     out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
+    out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
+    if out["time/generate_s"] > 0:
+        out["throughput/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
     return out
 
 
@@ -376,7 +427,8 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
               sched=tr.sched, rng=D.rng_state(dev),
               meta={"step": done, "version": progress.version,
                     "skipped_in_row": progress.skipped_in_row,
-                    "skipped_total": progress.skipped_total},
+                    "skipped_total": progress.skipped_total,
+                    "config": C.to_dict(cfg), "world_size": world.size},
               tokenizer=procs.tokenizer, image_processor=procs.image_processor,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
               is_root=world.is_root, keep_last=r.keep_last)
@@ -393,86 +445,44 @@ def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(world: W.World, engine: R.Engine | None, scorer: rewards.RewardRunner | None,
-             problems: list, procs: M.Processors, cfg: C.Config, version: int) -> dict[str, float]:
-    """Greedy decoding of the evaluation problems on the generation ranks, graded by the
-    `[eval] functions`; every part's mean is logged as eval/<part>."""
-    local: tuple[list, dict] = ([], {})
-    if world.is_gen:
-        n_gen, j = len(world.gens), world.gen_index
-        sp = R.Sampling(n=1, greedy=True, max_new_tokens=cfg.rollout.max_new_tokens)
-        local = R.rollout(engine, problems[j::n_gen], procs, sp, cfg.data.template, scorer,
-                          version, group_offset=0, seed=0)
-    got: list = [None] * world.size
-    dist.all_gather_object(got, local, group=world.ctrl)
-    eps = [e for g, _ in got for e in g]
-    n = max(1, len(eps))
-    parts = sorted({k for e in eps for k in e.parts} - {"errors"})
-    out = {f"eval/{k}": sum(e.parts.get(k, 0.0) for e in eps) / n for k in parts}
-    out.update({"eval/response_len": sum(len(e.response_ids) for e in eps) / n,
-                "eval/n": len(eps)})
-    return out
+def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder | None,
+             after: int, version: int) -> dict[str, float]:
+    """Evaluate after `after` optimizer steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
+    metrics, eps = E.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
+                              seed=cfg.run.seed * 7919 + after)
+    if rec:
+        rec.evaluation(after, version, metrics, E.eval_rows(eps))
+    return metrics
 
 
 def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint: str) -> int:
-    """`--eval-only`: the engines evaluate a saved HF export; the result goes to eval.jsonl."""
+    """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
+    to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
     prepare_run_dir(cfg, world, out_dir)
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     D.manual_seed_all(cfg.run.seed)
     procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
-    problems = load_problems(cfg, "validation", procs)[0][:cfg.run.eval_size]
-    engine = (R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
-                             device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                             seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
-              if world.is_gen else None)
-    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
-                                   cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
-    m = evaluate(world, engine, scorer, problems, procs, cfg, version=-1)
+    eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
+    engine = scorer = None
+    if world.is_gen:
+        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
+                                device=rank_device(cfg, world, dev), local_rank=world.local_rank,
+                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
+        scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
+                                      cfg.reward.max_consecutive_timeouts)
+    step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
+    m, eps = E.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
+                        seed=cfg.run.seed * 7919 + max(step, 0))
     if world.is_root:
         print(json.dumps(m))
-        with open(out_dir / "eval.jsonl", "a") as f:
-            f.write(json.dumps({"checkpoint": str(checkpoint), **m}) + "\n")
+        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps), checkpoint=checkpoint)
+        print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()
     dist.destroy_process_group()
     return 0
-
-
-# ----------------------------------------------------------------------------- logging
-class Logger:
-    """metrics.jsonl (one object per step), samples.jsonl, one readable stdout line per step."""
-
-    def __init__(self, out_dir: Path, n_samples: int, start: int):
-        # A resumed run drops what a crashed run logged after its last checkpoint.
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            p = out_dir / name
-            if p.exists():
-                keep = [ln for ln in p.read_text().splitlines() if json.loads(ln)["step"] < start]
-                p.write_text("".join(ln + "\n" for ln in keep))
-        self.metrics = open(out_dir / "metrics.jsonl", "a")
-        self.samples = open(out_dir / "samples.jsonl", "a")
-        self.n_samples = n_samples
-
-    def log(self, m: dict, episodes: list[R.Episode]) -> None:
-        self.metrics.write(json.dumps(m) + "\n")
-        self.metrics.flush()
-        for e in episodes[:self.n_samples]:
-            self.samples.write(json.dumps({"step": m["step"], "index": e.index, "reward": e.reward,
-                                           "parts": e.parts, "response": e.text}) + "\n")
-        self.samples.flush()
-        parts = " ".join(f"{k[7:]} {v:.3f}" for k, v in m.items()
-                         if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
-        print(f"step {m['step']:4d} | v{m['weight_version']} | reward {m['reward/mean']:.3f} "
-              f"({parts}) | len {m['response_len/mean']:.1f} | loss {m.get('loss', 0):+.4f} "
-              f"gnorm {m.get('grad_norm', 0):.3f} ent {m.get('entropy', 0):.2f} "
-              f"lpdiff {m.get('logprob_diff/max', 0):.1e} | gen {m['time/generate_s']:.2f}s "
-              f"train {m['time/train_s']:.2f}s sync {m['time/sync_s']:.2f}s "
-              f"step {m['time/step_s']:.2f}s"
-              + (" | eval " + " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
-                                       and k not in ("eval/n", "eval/response_len"))
-                 if "eval/n" in m else ""), flush=True)
 
 
 if __name__ == "__main__":

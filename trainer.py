@@ -13,6 +13,7 @@ equals the full-batch gradient whatever the micro-batching or the number of rank
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -37,10 +38,10 @@ class Trainer:
     device: torch.device
 
 
-def build(model_path: str, world, device: torch.device, mc, tc, lc, sc,
+def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
           channel: S.CommChannel | None = None) -> Trainer:
-    """Policy (FSDP2), optional frozen reference, AdamW, LR schedule, weight sender, from
-    `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
+    """Policy (FSDP2), optional frozen reference, AdamW, LR schedule over `total_steps` optimizer
+    steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     policy = M.load_model(model_path, dtype=torch.float32, device=device)
@@ -55,11 +56,53 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc,
         ref.requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             weight_decay=tc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, sc.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device)
+
+
+def lr_factor(step: int, tc, total_steps: int) -> float:
+    """The LR multiplier at optimizer step `step` (0-based): linear warm-up over
+    `tc.warmup_steps` ((step + 1) / warmup), then `tc.lr_schedule`: "constant" 1; "linear" from 1
+    down to `min_lr_ratio`; "cosine" half a cosine from 1 to `min_lr_ratio`; the decay runs over
+    the steps after the warm-up, t = (step - warmup) / (total - warmup), as transformers'
+    schedules do. A pure function of (step, config): a resumed run continues it exactly."""
+    w = tc.warmup_steps
+    if w and step < w:
+        return (step + 1) / w
+    if tc.lr_schedule == "constant":
+        return 1.0
+    t = min(1.0, max(0.0, (step - w) / max(1, total_steps - w)))
+    low = tc.min_lr_ratio
+    if tc.lr_schedule == "linear":
+        return 1.0 - (1.0 - low) * t
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def apply_optimizer_config(tr: Trainer, tc, total_steps: int) -> dict[str, tuple]:
+    """After a resume: make the restored optimizer and schedule follow `[train]` as configured
+    now (lr, betas, weight decay, schedule, warm-up; grad_clip is read every step anyway). The
+    schedule keeps its position. Returns {key: (restored, now)} for what changed."""
+    changed: dict[str, tuple] = {}
+    for g in tr.opt.param_groups:
+        for key, new in (("betas", (tc.beta1, tc.beta2)), ("weight_decay", tc.weight_decay),
+                         ("initial_lr", tc.lr)):
+            old = tuple(g[key]) if key == "betas" else g[key]
+            if old != new:
+                changed[{"initial_lr": "lr"}.get(key, key)] = (old, new)
+            g[key] = new
+    sched = tr.sched
+    old_lr = sched.get_last_lr()[0]
+    sched.base_lrs = [tc.lr for _ in sched.base_lrs]
+    sched.lr_lambdas = [lambda s: lr_factor(s, tc, total_steps) for _ in sched.lr_lambdas]
+    lrs = [base * lr_factor(sched.last_epoch, tc, total_steps) for base in sched.base_lrs]
+    for g, lr in zip(tr.opt.param_groups, lrs):
+        g["lr"] = lr
+    sched._last_lr = lrs
+    if lrs[0] != old_lr:
+        changed["current lr"] = (old_lr, lrs[0])
+    return changed
 
 
 def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
@@ -194,6 +237,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
            "train/skipped": float(skipped), "train/dropped_groups": float(n_dropped),
            "train/lr": tr.sched.get_last_lr()[0],
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
+           "train/tokens": tot["tokens"],
            "train/micro_batches": tot["micro_batches"] / len(world.trainers)}
     for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
         out[f"train/{k}"] = tot[k] / ntok

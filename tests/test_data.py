@@ -233,9 +233,51 @@ def test_parquet_schema_error(tmp_path):
     pq.write_table(pa.table({"images": [[]], "problem": ["Find x."]}), tmp_path / "test.parquet")
     with pytest.raises(ValueError, match=r"test\.parquet: missing column 'answer'"):
         data.load_split(str(tmp_path), "test")
+    # a column of single images is fine; a path that does not exist is a bad row, not a crash
     pq.write_table(pa.table({"images": ["a.png"], "problem": ["p"], "answer": ["1"]}), tmp_path / "test.parquet")
-    with pytest.raises(ValueError, match=r"test\.parquet: column 'images' is string, not a list"):
-        data.load_split(str(tmp_path), "test")
+    rows, skipped = data.load_split(str(tmp_path), "test")
+    assert rows == [] and skipped == [(0, "missing image file a.png")]
+
+
+def _own_schema_rows(tmp_path, n=3):
+    """Rows in another dataset's schema: question / solution / a single `image` path."""
+    (tmp_path / "img").mkdir(exist_ok=True)
+    rows = []
+    for i, p in enumerate(synthetic.make_synthetic(n, seed=1)):
+        p.image.save(tmp_path / "img" / f"{i}.png")
+        rows.append({"question": f"<image>{p.problem}", "solution": p.answer, "image": f"img/{i}.png",
+                     "extra": i})
+    return rows
+
+
+COLS = {"problem": "question", "answer": "solution", "images": "image"}
+
+
+def test_column_mapping_jsonl(tmp_path):
+    rows = _own_schema_rows(tmp_path)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got, skipped = data.load_split(str(tmp_path), "train", columns=COLS)
+    assert skipped == [] and [p.problem for p in got] == [r["question"][7:] for r in rows]
+    assert [p.answer for p in got] == [r["solution"] for r in rows] and got[0].image.mode == "RGB"
+    # without the mapping: the file and the missing column are named
+    with pytest.raises(ValueError, match=r"train\.jsonl:1: missing column 'problem'"):
+        data.load_split(str(tmp_path), "train")
+    # a mapped column that is missing names the config key too
+    with pytest.raises(ValueError, match=r"train\.jsonl:1: missing column 'prompt' \(data\.problem_column\)"):
+        data.load_split(str(tmp_path), "train", columns={**COLS, "problem": "prompt"})
+
+
+def test_column_mapping_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = _own_schema_rows(tmp_path)
+    for r in rows:
+        r["image"] = {"bytes": (tmp_path / r["image"]).read_bytes(), "path": r["image"]}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "validation.parquet")
+    got, skipped = data.load_split(str(tmp_path), "validation", columns=COLS)
+    assert skipped == [] and len(got) == 3 and got[2].answer == rows[2]["solution"]
+    with pytest.raises(ValueError, match=r"validation\.parquet: missing column 'img' \(data\.images_column\)"):
+        data.load_split(str(tmp_path), "validation", columns={**COLS, "images": "img"})
 
 
 def test_hub_id_without_datasets_says_what_to_do(monkeypatch):
@@ -256,7 +298,7 @@ def test_bad_rows_are_skipped_and_reported(tmp_path, caplog):
         {"images": ["good.png"], "problem": "<image> ", "answer": "5"},
         {"images": ["good.png"], "problem": "Find y.", "answer": 5},
         {"images": ["good.png"], "problem": "Find z.", "answer": "\\frac { 40 } { 3 }"},
-        {"images": "good.png", "problem": "Find x.", "answer": "5"},
+        {"images": ["good.png", "good.png"], "problem": "Find x.", "answer": "5"},  # two images
         {"images": ["truncated.png"], "problem": "Find x.", "answer": "5"},
     ]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -312,9 +354,13 @@ def is_valid(row) -> bool:
 
 
 def is_well_typed(row) -> bool:
-    """Rows that could be kept at all: anything else must be skipped."""
-    return (isinstance(row, dict) and isinstance(row["images"], list) and len(row["images"]) == 1
-            and isinstance(row["images"][0], dict) and isinstance(row["images"][0].get("bytes"), bytes)
+    """Rows that could be kept at all (one image, alone or as a list of one): anything else must
+    be skipped."""
+    if not isinstance(row, dict):
+        return False
+    images = row["images"] if isinstance(row["images"], list) else [row["images"]]
+    return (len(images) == 1 and isinstance(images[0], dict)
+            and isinstance(images[0].get("bytes"), bytes)
             and isinstance(row["problem"], str) and isinstance(row["answer"], str))
 
 

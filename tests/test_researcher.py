@@ -1,0 +1,242 @@
+"""What a researcher forking the project relies on, through real runs (world of one, CPU):
+trackers fed from the loop, evaluation for any task, any dataset schema, resume that never lies,
+LR schedules, the console, full rollout dumps and the plot."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import synthetic
+import trainer as T
+from tests.test_tracking import tensorboard_run, wandb_records
+from tests.util import ROOT, TINY, env, metrics
+
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+
+
+def train(out: Path, *args: str, extra_env: dict | None = None, timeout: float = 300):
+    e = env()
+    e.update(extra_env or {})
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
+                           *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(p):
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def no_time(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+
+
+# ----------------------------------------------------------------------------- trackers
+@pytest.mark.slow
+def test_trackers_get_every_metric_of_every_step_from_the_loop(tmp_path):
+    out = tmp_path / "run"
+    p = ok(train(out, "--run.steps=3", "--run.keep_last=0", "--run.eval_every=3", "--run.eval_size=2",
+                 '--run.report_to=["tensorboard", "wandb"]',
+                 extra_env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HOME": str(tmp_path)}))
+    rows = metrics(out)
+    acc = tensorboard_run(out)
+    tags = set(acc.Tags()["scalars"])
+    for key in {k for r in rows for k in r if k != "step"}:
+        want = [r["step"] for r in rows if key in r and isinstance(r[key], (int, float))]
+        assert [e.step for e in acc.Scalars(key)] == want, key    # one value per step
+    assert "reward/target_fraction" in tags and "eval/accuracy" in tags
+    history = [r.history for r in wandb_records(out) if r.HasField("history")]
+    keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
+    assert {"reward/mean", "loss", "train/lr", "time/step_s"} <= keys, keys
+    assert "trackers: tensorboard, wandb" in p.stdout
+
+
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
+    p = train(tmp_path / "run", "--run.steps=1", '--run.report_to=["wandb"]',
+              extra_env={"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": ""})
+    assert p.returncode != 0
+    line = [ln for ln in p.stderr.splitlines() if "run.report_to: wandb" in ln]
+    assert len(line) == 1, p.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()       # stopped before any step
+
+
+# ----------------------------------------------------------------------------- evaluation
+@pytest.mark.slow
+def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
+    out = tmp_path / "run"
+    p = ok(train(out, "--run.steps=2", "--run.eval_every=2", "--run.eval_size=3", "--eval.n=4",
+                 "--eval.split=test", "--eval.before_start=true", *TOY,
+                 '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]'))
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["after"] for e in evals] == [0, 2]
+    for e in evals:
+        assert e["eval/n"] == 3 and e["eval/samples"] == 12
+        assert 0 <= e["eval/target_fraction"] <= e["eval/target_fraction/pass@4"] <= 1
+    dump = [json.loads(x) for x in (out / "eval" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(dump) == 12 and sorted({d["sample"] for d in dump}) == [0, 1, 2, 3]
+    assert {"index", "response", "reward", "parts", "length"} <= set(dump[0])
+    mean = sum(d["parts"]["target_fraction"] for d in dump) / 12
+    assert math.isclose(mean, evals[0]["eval/target_fraction"], rel_tol=1e-9)
+    best = {}
+    for d in dump:
+        best[d["index"]] = max(best.get(d["index"], 0.0), d["parts"]["target_fraction"])
+    assert math.isclose(sum(best.values()) / 3, evals[0]["eval/target_fraction/pass@4"], rel_tol=1e-9)
+    assert metrics(out)[1]["eval/target_fraction/pass@4"] == evals[1]["eval/target_fraction/pass@4"]
+    assert "note: reward" not in p.stdout                   # the same reward trains and grades
+
+    # --eval-only: the same keys, its own generations file
+    q = ok(subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
+                           "--run.eval_size=3", "--eval.n=2", "--eval.split=test",
+                           '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
+                           "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+    last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
+    assert len((out / "eval" / "step_000002.eval-only.jsonl").read_text().splitlines()) == 6
+    assert "generations:" in q.stdout
+
+
+def test_training_reward_missing_from_evaluation_is_stated(tmp_path):
+    p = ok(train(tmp_path / "run", "--run.steps=1", "--run.keep_last=0", "--run.eval_every=1",
+                 "--run.eval_size=2", *TOY))
+    assert "note: reward target_fraction is used for training but not for evaluation" in p.stdout
+
+
+# ----------------------------------------------------------------------------- data schema
+def test_any_dataset_schema_through_column_mapping(tmp_path):
+    d = tmp_path / "mine"
+    (d / "img").mkdir(parents=True)
+    for split, n in (("train", 8), ("validation", 2)):
+        lines = []
+        for i, p in enumerate(synthetic.make_synthetic(n, seed=3 + n)):
+            p.image.save(d / "img" / f"{split}{i}.png")
+            lines.append(json.dumps({"question": p.problem, "solution": p.answer,
+                                     "picture": f"img/{split}{i}.png"}))
+        (d / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    cols = ["--data.problem_column=question", "--data.answer_column=solution",
+            "--data.images_column=picture"]
+    ok(train(tmp_path / "run", f"--data.source={d}", *cols, "--run.steps=1", "--run.keep_last=0",
+             "--run.eval_every=1", "--run.eval_size=2", "--rollout.prompts_per_step=2"))
+    p = train(tmp_path / "bad", f"--data.source={d}", *cols[:2], "--run.steps=1")
+    assert p.returncode == 2
+    assert "train.jsonl:1: missing column 'images'" in p.stderr and p.stderr.count("config error") == 1
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.slow
+def test_resume_never_lies(tmp_path):
+    out = tmp_path / "run"
+    ok(train(out, "--run.steps=2"))
+    before = (out / "config.toml").read_text()
+    # a key that changes what the run means: one line, exit 2, config.toml untouched
+    p = train(out, "--run.steps=4", "--rollout.group_size=8", "--loss.aggregation=seq-mean-token-mean")
+    assert p.returncode == 2
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("config error")]
+    assert len(err) == 1 and "rollout.group_size 4 -> 8" in err[0]
+    assert "loss.aggregation 'token-mean' -> 'seq-mean-token-mean'" in err[0]
+    assert "run.allow_config_change" in err[0]
+    assert (out / "config.toml").read_text() == before
+    # optimizer keys are applied to the restored optimizer, said, and written
+    p = ok(train(out, "--run.steps=4", "--train.lr=1e-3"))
+    assert "RESUMED from" in p.stdout and "step_000002 at step 2" in p.stdout
+    assert "train.lr 0.002 -> 0.001" in p.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["train/lr"] for r in rows] == [2e-3, 2e-3, 1e-3, 1e-3]
+    assert "lr = 0.001" in (out / "config.toml").read_text()
+    # a finished run says so
+    p = ok(train(out, "--run.steps=4", "--train.lr=1e-3"))
+    assert "run already finished" in p.stdout and "RESUMED" not in p.stdout
+    # a meaning change can be forced
+    p = ok(train(out, "--run.steps=5", "--train.lr=1e-3", "--rollout.group_size=8",
+                 "--run.allow_config_change=true"))
+    assert metrics(out)[-1]["step"] == 4
+
+
+# ----------------------------------------------------------------------------- LR schedules
+def test_lr_factor_by_hand():
+    tc = SimpleNamespace(warmup_steps=2, lr_schedule="linear", min_lr_ratio=0.1)
+    f = [T.lr_factor(s, tc, 10) for s in range(10)]
+    assert f[:2] == [0.5, 1.0]                                   # warm-up (s + 1) / 2
+    assert f[2:] == pytest.approx([1 - 0.9 * t / 8 for t in range(8)])
+    tc.lr_schedule = "cosine"
+    f = [T.lr_factor(s, tc, 10) for s in range(12)]
+    assert f[2] == pytest.approx(1.0) and f[6] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f[10] == pytest.approx(0.1) and f[11] == pytest.approx(0.1)   # floor after the end
+    tc.lr_schedule, tc.warmup_steps = "constant", 0
+    assert {T.lr_factor(s, tc, 10) for s in range(10)} == {1.0}
+
+
+def test_cosine_schedule_continues_exactly_on_resume(tmp_path):
+    """A run killed after its step-2 checkpoint and restarted equals an uninterrupted run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["--run.steps=4", "--run.save_every=2", "--train.lr_schedule=cosine",
+            "--train.warmup_steps=1", "--train.min_lr_ratio=0.1"]
+    ok(train(a, *args))
+    assert train(b, *args, extra_env={"GRPO_FAULT": "die@2"}).returncode != 0
+    assert [r["step"] for r in metrics(b)] == [0, 1]
+    p = ok(train(b, *args))
+    assert "RESUMED from" in p.stdout and "changed optimizer keys" not in p.stdout
+    ra, rb = metrics(a), metrics(b)
+    lrs = [r["train/lr"] for r in ra]
+    assert lrs[0] == pytest.approx(2e-3 * 1.0) and lrs[-1] < lrs[1]      # warmed up, decaying
+    assert no_time(ra) == no_time(rb)                                    # bit for bit
+
+
+# ----------------------------------------------------------------------------- console, dumps
+def test_console_line_summaries_and_full_rollout_dump(tmp_path):
+    out = tmp_path / "run"
+    p = ok(train(out, "--run.steps=3", "--run.log_samples=-1", "--run.eval_every=3",
+                 "--run.eval_size=2"))
+    lines = p.stdout.splitlines()
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert [ln.split(" |")[0] for ln in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all("ETA" in ln and "tok/s" in ln and "target_fraction" in ln for ln in steps)
+    assert any(ln.startswith("== 1 rank(s) on cpu: rank 0 trainer+generation") for ln in lines)
+    assert any(ln.startswith("== fresh start: steps 0 -> 3") for ln in lines)
+    done = [ln for ln in lines if ln.startswith("done: 3 steps")]
+    assert len(done) == 1 and "eval/accuracy best" in done[0] and "step_000003" in done[0]
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 16                                # every episode of every step
+    assert {"step", "index", "group", "version", "reward", "parts", "length", "response"} <= set(samples[0])
+    assert all(r["throughput/gen_tokens_per_s"] > 0 for r in metrics(out))
+
+
+def test_plot_overlays_runs_with_smoothing(tmp_path):
+    for name, shift in (("a", 0.0), ("b", 0.1)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": i, "reward/mean": i / 10 + shift, "reward/format": shift, "entropy": 1 - i / 20,
+                 "kl": 0.01 * i, "grad_norm": 1.0, "train/clip_frac_low": 0.0, "train/clip_frac_high": 0.1,
+                 "logprob_diff/max": 1e-6, "response_len/mean": 16.0} for i in range(8)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "eval.jsonl").write_text(json.dumps({"after": 0, "eval/accuracy": 0.0}) + "\n"
+                                      + json.dumps({"after": 8, "eval/accuracy": 0.5}) + "\n")
+    out = tmp_path / "ab.png"
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "plot.py"), str(tmp_path / "a"),
+                        str(tmp_path / "b"), "--smooth", "0.6", "-o", str(out)],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
+    bad = subprocess.run([sys.executable, str(ROOT / "launch" / "plot.py"), str(tmp_path / "a"),
+                          "--smooth", "1.5"], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert bad.returncode == 2 and "--smooth" in bad.stderr
+
+
+@pytest.mark.slow
+def test_three_ranks_print_library_warnings_once(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=3", str(ROOT / "train.py"), *TINY,
+                        f"--run.out_dir={tmp_path}", "--run.steps=2", "--run.keep_last=0"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    both = p.stdout + p.stderr
+    assert both.count("returned a view tensor") <= 1               # was once per trainer rank
+    assert "Loading weights" not in both                           # no per-rank progress bars
+    assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1
