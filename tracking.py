@@ -127,6 +127,10 @@ class Recorder:
         self.step_times: list[float] = []
         self.evals: list[tuple[int, dict]] = []
 
+    def begin(self) -> None:
+        """The loop starts now (the ETA measures steps, not start-up)."""
+        self.t_last = time.perf_counter()
+
     def step(self, m: dict, episodes: list) -> None:
         """One step: its metrics and samples to the files and trackers, one console line."""
         self.metrics.write(json.dumps(m) + "\n")

@@ -283,6 +283,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
     pending = None
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
+    rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
         t_step = time.perf_counter()
         failures.inject(step, live)
