@@ -210,3 +210,22 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 version, c.truncated, text))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen}
+
+
+def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) -> dict[str, float]:
+    """A step's rollout metrics (reward parts, lengths, staleness, generation time and rate);
+    `stats` holds each generation rank's timings, `version` the trainers' weight version."""
+    n = max(1, len(episodes))
+    out = {"reward/mean": sum(e.reward for e in episodes) / n,
+           "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
+           "response/truncated_frac": sum(e.truncated for e in episodes) / n,
+           "rollout/staleness": max((version - e.version for e in episodes), default=0),
+           # generation ranks run in parallel: the step waits for the slowest
+           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0)}
+    for k in sorted({k for e in episodes for k in e.parts}):
+        out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
+    out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
+    out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
+    if out["time/generate_s"] > 0:
+        out["throughput/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
+    return out

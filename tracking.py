@@ -127,6 +127,17 @@ class Recorder:
         self.step_times: list[float] = []
         self.evals: list[tuple[int, dict]] = []
 
+    @classmethod
+    def open(cls, cfg, out_dir: Path, start: int) -> "Recorder":
+        """Rank 0, once the run is known to start: config.toml (what runs now), the trackers (one
+        that cannot start stops the run here, before anything is built), the run's files."""
+        import config as C
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.toml").write_text(C.dump_toml(cfg))
+        trackers = Trackers.open(cfg.run.report_to, out_dir, C.to_dict(cfg),
+                                 run_name=out_dir.resolve().name, start_step=start)
+        return cls(out_dir, cfg.run.log_samples, start, cfg.run.steps, trackers)
+
     def begin(self) -> None:
         """The loop starts now (the ETA measures steps, not start-up)."""
         self.t_last = time.perf_counter()

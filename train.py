@@ -113,19 +113,10 @@ def dry_run(cfg: C.Config) -> int:
     print(C.dump_toml(cfg))
     c = cfg.cluster
     C.validate_world(cfg, c.nnodes * c.nproc_per_node)
-    plan = W.rank_plan(c.nnodes * c.nproc_per_node, c.gen_ranks, c.nproc_per_node)
-    for row in plan:
-        row["device"] = row["device"].format(dev=D.planned_kind())
+    channel = R.engine_class(cfg.rollout.engine).OWN_CHANNEL
+    for row in W.plan_rows(c.nnodes * c.nproc_per_node, c.gen_ranks, c.nproc_per_node,
+                           D.planned_kind(), cfg.rollout.tensor_parallel_size if channel else 0):
         print(json.dumps(row))
-    trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
-    gens = [r["rank"] for r in plan if r["role"] == "generation"]
-    groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
-              "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
-    if R.engine_class(cfg.rollout.engine).OWN_CHANNEL:
-        groups["vLLM weight channel (outside torch's world)"] = (
-            ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens
-                                  for w in range(cfg.rollout.tensor_parallel_size)])
-    print(json.dumps({"groups": groups}))
     return 0
 
 
@@ -257,20 +248,20 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                  engine, scorer, eval_scorer, receiver, tr)
 
 
-def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
-          resume: str | None, sources: str) -> int:
-    out_dir, ro, t_start = Path(cfg.run.out_dir), cfg.rollout, time.perf_counter()
+def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+          resume: str | None, sources: str) -> tuple[Setup, Progress, tracking.Recorder | None] | None:
+    """Everything before the first step: where the run starts, the records, the models and
+    engines, the resumed state, the start-up summary. None when the run is already finished."""
+    out_dir = Path(cfg.run.out_dir)
     plan = plan_resume(cfg, world, out_dir, resume)
+    progress = plan["progress"]
     if plan["finished"]:
         if world.is_root:
-            print(f"run already finished: {plan['path']} holds step {plan['progress'].step} of "
+            print(f"run already finished: {plan['path']} holds step {progress.step} of "
                   f"run.steps = {cfg.run.steps}; nothing to do (raise --run.steps to train on, or "
                   f"use another run.out_dir)", flush=True)
-        dist.destroy_process_group()
-        return 0
-    progress = plan["progress"]
-    first = progress.step
-    rec = open_recorder(cfg, world, out_dir, progress.step)
+        return None
+    rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None
     s = set_up(cfg, world, dev, live)
     if plan["path"]:
         restore(cfg, world, s, dev, plan)
@@ -281,7 +272,18 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
                                          s.n_skipped, len(s.eval_set or []), plan, sources))
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
-    pending = None
+    return s, progress, rec
+
+
+def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+          resume: str | None, sources: str) -> int:
+    out_dir, ro, t_start = Path(cfg.run.out_dir), cfg.rollout, time.perf_counter()
+    started = start(cfg, world, dev, live, resume, sources)
+    if started is None:
+        dist.destroy_process_group()
+        return 0
+    s, progress, rec = started
+    first, pending = progress.step, None
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -302,7 +304,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
             pending = generate(s, cfg, world, step + 1, progress.version)
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
-                   "data/skipped": s.n_skipped, **rollout_metrics(episodes, stats, progress.version)}
+                   "data/skipped": s.n_skipped, **R.episode_metrics(episodes, stats, progress.version)}
         # 3. train
         live.phase(step, "train")
         metrics.update(train_phase(cfg, world, s, episodes, progress, step))
@@ -332,18 +334,6 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         s.engine.shutdown()
     dist.destroy_process_group()
     return 0
-
-
-def open_recorder(cfg: C.Config, world: W.World, out_dir: Path, start: int) -> tracking.Recorder | None:
-    """Rank 0: config.toml (what runs now), the trackers (a tracker that cannot start stops the
-    run here, before anything is built), the run's files."""
-    if not world.is_root:
-        return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.toml").write_text(C.dump_toml(cfg))
-    trackers = tracking.Trackers.open(cfg.run.report_to, out_dir, C.to_dict(cfg),
-                                      run_name=out_dir.resolve().name, start_step=start)
-    return tracking.Recorder(out_dir, cfg.run.log_samples, start, cfg.run.steps, trackers)
 
 
 def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
@@ -397,23 +387,6 @@ def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> d
     out["time/sync_s"] = time.perf_counter() - t0
     if cfg.sync.enabled and cfg.sync.verify:
         out["sync/checksum_ok"] = float(S.verify(world, tr and tr.policy, s.engine, cfg.model.dtype))
-    return out
-
-
-def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) -> dict[str, float]:
-    n = max(1, len(episodes))
-    out = {"reward/mean": sum(e.reward for e in episodes) / n,
-           "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
-           "response/truncated_frac": sum(e.truncated for e in episodes) / n,
-           "rollout/staleness": max((version - e.version for e in episodes), default=0),
-           # generation ranks run in parallel: the step waits for the slowest
-           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0)}
-    for k in sorted({k for e in episodes for k in e.parts}):
-        out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
-    out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
-    out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
-    if out["time/generate_s"] > 0:
-        out["throughput/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
     return out
 
 

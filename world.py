@@ -100,6 +100,23 @@ def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int) -> list[dict
              "device": f"{{dev}}:{r % nproc_per_node}"} for r in range(world_size)]
 
 
+def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind: str,
+              channel_members: int) -> list[dict]:
+    """The dry run's lines: one per rank, then one with every group's members
+    (`channel_members` > 0: workers per engine on the engines' own weight channel)."""
+    plan = rank_plan(world_size, gen_ranks, nproc_per_node)
+    for row in plan:
+        row["device"] = row["device"].format(dev=device_kind)
+    trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
+    gens = [r["rank"] for r in plan if r["role"] == "generation"]
+    groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
+              "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
+    if channel_members:
+        groups["vLLM weight channel (outside torch's world)"] = (
+            ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(channel_members)])
+    return plan + [{"groups": groups}]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,4 +106,4 @@ def test_world_of_one_every_phase_parity_and_eval_reward(tmp_path):
     assert "eval/target_fraction" in rows[1] and "eval/accuracy" not in rows[1]
     assert rows[1]["eval/n"] == 4
     # the step line names the configured reward parts
-    assert "target_fraction" in p.stdout and "step    1" in p.stdout
+    assert "target_fraction" in p.stdout and "step 2/2 |" in p.stdout
