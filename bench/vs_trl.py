@@ -1,7 +1,7 @@
 """This trainer vs Hugging Face TRL's GRPOTrainer on the same work, alternated, one JSON object.
 
     python bench/vs_trl.py --make-trl-env runs/trl-env    # once: TRL in its own venv (see below)
-    python bench/vs_trl.py                                # 3 rounds x 40 steps of each side
+    python bench/vs_trl.py                                # 5 rounds x 40 steps of each side
     python bench/vs_trl.py --rounds 2 --steps 60 --keep runs/vs_trl --trl-python ENV/bin/python
 
 The work (one optimizer step = one batch): a random tiny Qwen2.5-VL built ONCE here (text hidden
@@ -19,7 +19,10 @@ ours_3rank_overlap, trl, ...) and pooled after `--warmup` steps per run, so mach
   --loss.tis_cap=2.0` (2 FSDP2 trainer ranks + 1 generation rank, one-step overlap).
 Per side: median step time and generation time per step, completion tokens/s (completion tokens
 / step wall, over the pooled steps), the first step whose mean reward reaches `--threshold`
-(per run; median over runs, null when most runs never reach it), and ratios ours / trl.
+(per run; median over runs, null when most runs never reach it), and ratios ours / trl. Round r
+runs every side with run seed `--seed + r` (sampling; the model is built once from `--seed`), and
+each side is deterministic in its seed up to thread timing, so the reward figures compare seeds
+(more rounds, more seeds), while the timings also average machine drift.
 
 TRL 1.16.0 defaults overridden so both sides do the same work (grpo_config.py / base_config.py /
 grpo_trainer.py of the installed trl 1.16.0):
@@ -45,8 +48,10 @@ grpo_trainer.py of the installed trl 1.16.0):
   no per-step logging work (the project writes one metrics line per step, outside its step time);
 - generation_kwargs={"suppress_tokens": the project's `model.Tokens.suppressed`}: TRL itself
   suppresses only the image-pad token when the processing class is a processor
-  (grpo_trainer.py `__init__`: `generation_kwargs["suppress_tokens"] = [model.config.image_token_id]`,
-  commented "A sampled image token would mismatch the image features"); the project also
+  (trl 1.16.0 trainer/grpo_trainer.py line 1170, in `__init__`'s non-vLLM branch:
+  `if isinstance(processing_class, ProcessorMixin): generation_kwargs["suppress_tokens"] =
+  [model.config.image_token_id]`, commented "A sampled image token would mismatch the image
+  features"; `generation_kwargs` from the config then update that dict, line 1172); the project also
   suppresses the other special tokens except eos, so TRL gets the same list and both sample from
   the same distribution.
 Left at TRL's defaults on purpose (they are TRL's own implementation, not different work):
@@ -367,6 +372,16 @@ def ratios(ours: dict, trl: dict, threshold: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+def versions(trl_python: str | None) -> dict:
+    import torch
+    import transformers
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if trl_python:
+        out["trl"] = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
+                                    capture_output=True, text=True).stdout.strip()
+    return out
+
+
 def run_one(cmd: list[str], out: Path, timeout_s: float, what: str) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GRPO_DEVICE="cpu",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
@@ -393,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
                         "BENCH_TRL_PYTHON", str(ROOT / "runs" / "trl-env" / "bin" / "python")),
                     help="a Python with trl 1.16.0 (default $BENCH_TRL_PYTHON, else runs/trl-env)")
     ap.add_argument("--make-trl-env", metavar="DIR", help="create that environment and exit")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of trl, ours_world1, ours_3rank")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of trl, ours_world1, ours_3rank")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped from each run's timing")
     ap.add_argument("--threshold", type=float, default=0.5, help="mean reward to reach")
@@ -453,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
             "params": n_params(model_dir), "prompts_per_step": PROMPTS, "group_size": GROUP,
             "max_new_tokens": NEW_TOKENS, "image_px": IMAGE_PX, "image_tokens": 4, "dtype": "float32",
             "threads_per_process": 1, "lr": LR, "rounds": a.rounds, "steps": a.steps,
-            "warmup": a.warmup, "threshold": a.threshold, "cpus": os.cpu_count()}}
+            "warmup": a.warmup, "threshold": a.threshold, "cpus": os.cpu_count(),
+            "versions": versions(a.trl_python if "trl" in sides else None)}}
         for side in sides:
             result[side] = summarise(runs[side], walls[side], a.warmup, a.threshold)
         if "trl" in sides:
