@@ -472,10 +472,9 @@ def main(argv: list[str] | None = None) -> None:
             "versions": versions(a.trl_python if "trl" in sides else None)}}
         for side in sides:
             result[side] = summarise(runs[side], walls[side], a.warmup, a.threshold)
-        if "trl" in sides:
-            for side in sides[0:]:
-                if side != "trl":
-                    result[f"ratio_{side}_over_trl"] = ratios(result[side], result["trl"], a.threshold)
+        for side in sides:
+            if side != "trl" and "trl" in sides:
+                result[f"ratio_{side}_over_trl"] = ratios(result[side], result["trl"], a.threshold)
         print(json.dumps(result))
     finally:
         if not a.keep:
