@@ -302,15 +302,15 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
 def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
              version: int) -> tuple[list[R.Episode], dict]:
     """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
-    ro = cfg.rollout
-    per_gen = ro.prompts_per_step // len(world.gens)
+    ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = data.step_problems(s.problems, step, ro.prompts_per_step, cfg.run.seed)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return R.rollout(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer, version,
-                     group_offset=world.gen_index * per_gen,
-                     seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index)
+    return R.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
+                              version, group_offset=world.gen_index * per_gen, pool=s.problems,
+                              seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
+                              rounds=cfg.loss.drop_zero_variance and ro.max_refill_rounds)
 
 
 def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode], list[dict]]:
@@ -328,7 +328,7 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     t0 = time.perf_counter()
     if s.trainer is not None:
         out = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
-                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step)
+                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
         out["train/skipped_steps"] = progress.skipped_total
@@ -358,7 +358,8 @@ def rollout_metrics(episodes: list[R.Episode], stats: list[dict], version: int) 
            "response/truncated_frac": sum(e.truncated for e in episodes) / n,
            "rollout/staleness": max((version - e.version for e in episodes), default=0),
            # generation ranks run in parallel: the step waits for the slowest
-           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0)}
+           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0),
+           **R.refill_metrics(stats)}
     for k in sorted({k for e in episodes for k in e.parts}):
         out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
     out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
