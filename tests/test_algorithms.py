@@ -606,3 +606,22 @@ def test_train_step_several_updates_in_one_process(tmp_path):
         assert four["train/micro_batches"] == 4 * 3          # 8 episodes per mini-batch, 3 a pass
     finally:
         dist.destroy_process_group()
+
+
+def test_easyr1_recipe_dry_run():
+    e = env()
+    e["GRPO_DEVICE"] = "cuda"
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
+                        str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cfg = C.load(str(ROOT / "configs" / "vl3b_easyr1.toml"))
+    C.validate_world(cfg, 16)
+    # 4 updates per rollout batch of 512 prompts x 5 samples, KL 1e-2 low_var_kl, lr 1e-6
+    assert (cfg.train.mini_batches, cfg.train.ppo_epochs) == (4, 1)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (512, 5)
+    assert (cfg.loss.kl_coef, cfg.loss.kl_estimator, cfg.loss.kl_clamp) == (0.01, "k3", 10.0)
+    assert (cfg.train.lr, cfg.loss.clip_low, cfg.loss.clip_high) == (1e-6, 0.2, 0.3)
+    assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_len) == (2048, 2048)
+    assert (cfg.model.min_pixels, cfg.model.max_pixels) == (262144, 4194304)
+    assert "mini_batches = 4" in p.stdout
