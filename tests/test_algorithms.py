@@ -487,7 +487,8 @@ def test_two_mini_batches_two_epochs_clip_binds_and_learns(tmp_path):
     rows = metrics(tmp_path)
     assert all(r["train/updates"] == 4 and r["sync/checksum_ok"] == 1.0 for r in rows)
     assert [r["weight_version"] for r in rows] == list(range(20))      # one sync per rollout step
-    assert all(r["train/approx_kl"] > 0 for r in rows)                  # the ratio moves
+    # the ratio moves once there is a gradient (at step 0 every reward is 0: no advantage)
+    assert all(r["train/approx_kl"] > 0 for r in rows if r["advantage/abs_mean"] > 0)
     assert max(r["train/clip_frac_low"] for r in rows) > 0, rows
     assert max(r["train/clip_frac_high"] for r in rows) > 0, rows
     rewards = [r["reward/mean"] for r in rows]
