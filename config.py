@@ -119,6 +119,12 @@ class RolloutConfig:
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (1 in the supported layouts)
+    # DAPO dynamic sampling (with loss.drop_zero_variance): while a generation rank has fewer than
+    # its share of groups with non-zero reward variance, it draws another share of prompts from a
+    # seeded stream (seed, step, round, rank), at most this many extra rounds; zero-variance groups
+    # are then not sent to the trainers. If the bound is hit, the share is filled with dropped
+    # groups, which the update masks out (train/dropped_groups). 0: no refill (they stay masked).
+    max_refill_rounds: int = num(4, ">= 0")
 
 
 @dataclass
@@ -127,13 +133,20 @@ class TrainConfig:
     weight_decay: float = num(0.0, ">= 0")
     beta1: float = num(0.9, "[0, 1)")
     beta2: float = num(0.999, "[0, 1)")
-    warmup_steps: int = num(0, ">= 0")       # linear warm-up over this many optimizer steps, then lr_schedule
+    warmup_steps: int = num(0, ">= 0")       # linear warm-up over this many rollout steps, then lr_schedule
     lr_schedule: str = "constant"            # constant | linear | cosine (decay to min_lr_ratio x lr by the last step)
     min_lr_ratio: float = num(0.0, "[0, 1]")  # linear / cosine: the final LR as a fraction of lr
     grad_clip: float = num(1.0, "> 0")       # max global gradient norm
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
     micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
+    # Several updates per rollout batch (verl ppo_mini_batch_size / ppo_epochs, TRL
+    # steps_per_generation / num_iterations, EasyR1 global_batch_size < rollout_batch_size): the
+    # step's episodes are split into mini_batches (each with its own global loss denominator),
+    # and ppo_epochs passes over them, in a seeded shuffled order, make mini_batches x ppo_epochs
+    # optimizer steps against logprobs computed once before the first. 1 x 1 = one step, ratio 1.
+    mini_batches: int = num(1, ">= 1")
+    ppo_epochs: int = num(1, ">= 1")
 
 
 @dataclass
@@ -141,9 +154,12 @@ class LossConfig:
     clip_low: float = num(0.2, ">= 0")       # PPO clip: rho >= 1 - clip_low
     clip_high: float = num(0.28, ">= 0")     # rho <= 1 + clip_high (DAPO's clip-higher)
     aggregation: str = "token-mean"          # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-    scale_by_std: bool = True                # False: Dr. GRPO advantages r - mean
+    scale_by_std: bool = True                # False: Dr. GRPO advantages r - mean (advantage = "grpo" only)
+    advantage: str = "grpo"                  # grpo | rloo (r_i - mean of the other G-1; never std-scaled)
+    objective: str = "ppo"                   # ppo (token clip) | gspo (sequence ratio) | cispo (clipped IS weight)
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
+    kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
     tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
@@ -271,6 +287,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(loss.AGGREGATIONS)})")
     need(lo.kl_estimator in loss.KL_ESTIMATORS,
          f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(loss.KL_ESTIMATORS)})")
+    need(lo.objective in loss.OBJECTIVES,
+         f"loss.objective: unknown {lo.objective!r} (known: {', '.join(loss.OBJECTIVES)})")
+    need(lo.advantage in loss.ADVANTAGES,
+         f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(loss.ADVANTAGES)})")
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")
@@ -327,6 +347,11 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if n % n_train:
         raise ConfigError(f"rollout.prompts_per_step * rollout.group_size = {n} must divide evenly "
                           f"over {n_train} trainer ranks")
+    mb = cfg.train.mini_batches
+    if n % (n_train * mb):
+        raise ConfigError(f"train.mini_batches={mb}: the {n} episodes of a step must split into "
+                          f"{mb} mini-batches of equal shares over {n_train} trainer ranks "
+                          f"({n} % ({n_train} x {mb}) != 0)")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,11 +1,18 @@
 """GRPO advantages and policy losses: pure functions on tensors.
 
-Owns the maths of one update and every fact about it: group-relative advantages, which responses
-are trained on (:func:`keep_mask`), the clipped policy-gradient term, truncated importance
-sampling (TIS) for the engine/trainer mismatch, the KL penalty to a reference policy, and loss
-aggregation with an explicit global denominator (:func:`loss_denominator`). No model, no
-optimizer, no torch.distributed: the trainer asks this module for the step's denominator and
-passes it to every micro-batch.
+Owns the maths of one update and every fact about it: group-relative advantages (GRPO, RLOO),
+which responses are trained on (:func:`keep_mask`), the policy-gradient term of each objective
+(PPO's clipped surrogate, GSPO, CISPO), truncated importance sampling (TIS) for the
+engine/trainer mismatch, the KL penalty to a reference policy, and loss aggregation with an
+explicit global denominator (:func:`loss_denominator`). No model, no optimizer, no
+torch.distributed: the trainer asks this module for each update's denominator and passes it to
+every micro-batch of that update.
+
+``old_logprobs`` are the proximal policy's: with one update per rollout batch the trainer passes
+the current logprobs detached (ratio 1 in value); with several updates (``[train]
+mini_batches`` / ``ppo_epochs``) it passes logprobs computed once before the first update, so
+from the second update on the ratio moves and the clip binds. TIS corrects engine -> proximal
+(``behaviour_logprobs`` are the engine's), which is AReaL's decoupled objective.
 
 Shapes: ``B`` responses of up to ``T`` tokens; ``logprobs``, ``old_logprobs``, ``mask`` are
 ``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens).
@@ -17,13 +24,17 @@ tokens leave "token-mean"'s count, it leaves the sequence count of "seq-mean-tok
 "seq-mean-token-sum-norm" normalises by (kept responses) x max_response_len. (TRL instead keeps
 masked responses in its sequence counts; here a dropped response never dilutes the others.)
 
-A new objective is one new function: build the per-token loss (e.g. a variant of
-:func:`clipped_pg`), add :func:`kl_penalty` if wanted, and reduce with :func:`aggregate`;
-:func:`policy_loss` is itself only that composition.
+The convention holds for every objective: GSPO's sequence ratio of an excluded response is
+never formed from its tokens (its mask is zero), and it adds nothing to any denominator.
 
-Left out on purpose: dual-clip PPO, value functions, entropy bonus, the ``[-20, 20]`` log-ratio
-and ``[-10, 10]`` KL clamps verl adds for stability (the formulas here are exactly those in
-the docstrings, so an independent implementation matches to rounding).
+A new objective is one new function with the signature of :func:`ppo_term` (per-token loss,
+the ratio it clips, which tokens its clip bounds), registered in :data:`OBJECTIVES`;
+:func:`policy_loss` composes it with TIS, :func:`kl_penalty` and :func:`aggregate`.
+
+Left out on purpose: dual-clip PPO (EasyR1's ``clip_ratio_dual = 3``), value functions, entropy
+bonus, and the ``[-20, 20]`` log-ratio clamps verl and EasyR1 put on the policy ratio for
+stability (the formulas here are exactly those in the docstrings, so an independent
+implementation matches to rounding). The KL clamp is opt-in (``kl_clamp``, :func:`kl_penalty`).
 """
 from __future__ import annotations
 
@@ -34,19 +45,32 @@ from torch import Tensor
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGES = ("grpo", "rloo")
 
 
 # --------------------------------------------------------------------------- advantages
-def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: ``A = (r - mean_g) / (std_g + eps)``, or ``r - mean_g`` (Dr. GRPO).
+def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool | None = None,
+                     eps: float = 1e-6, estimator: str = "grpo") -> Tensor:
+    """Group-relative advantages, one per response.
+
+    - ``estimator="grpo"``: ``A = (r - mean_g) / (std_g + eps)``, or ``r - mean_g`` with
+      ``scale_by_std=False`` (Dr. GRPO). ``scale_by_std=None`` means True.
+    - ``estimator="rloo"`` (REINFORCE leave-one-out, Ahmadian et al. 2024):
+      ``A_i = r_i - (sum_g - r_i) / (G - 1)``, the reward minus the mean of the OTHER G - 1
+      rewards of its group, which equals ``G / (G - 1) * (r_i - mean_g)``. Never std-scaled:
+      ``scale_by_std=None`` or False; ``scale_by_std=True`` raises (a contradiction, not a
+      request to ignore). As verl and EasyR1 compute it.
 
     ``rewards`` is ``[N]`` in consecutive groups of ``group_size`` (the G samples of one prompt).
-    ``std_g`` is torch's default, unbiased (N-1) std. A zero-variance group gives A = 0.
-    ``group_size`` must be >= 2: the unbiased std of one sample is nan, and a group of one has
-    no baseline to compare with (verl silently uses mean 0, std 1 there, i.e. A = r; a GRPO run
-    with G = 1 is a configuration mistake, so this raises instead).
+    ``std_g`` is torch's default, unbiased (N-1) std. A zero-variance group gives A = 0 under
+    both estimators (up to the rounding of its sum). ``group_size`` must be >= 2: the unbiased std of one sample is nan, and a
+    group of one has no baseline to compare with (verl silently uses mean 0, std 1 there, i.e.
+    A = r; a run with G = 1 is a configuration mistake, so this raises instead).
     """
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGES}")
+    if estimator == "rloo" and scale_by_std:
+        raise ValueError("the rloo estimator has no std scaling; pass scale_by_std=False or None")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -54,8 +78,11 @@ def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True
     if rewards.numel() % group_size != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.view(-1, group_size)                      # [N/G, G]
+    if estimator == "rloo":
+        others = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)   # mean of the other G-1
+        return (r - others).reshape(-1)
     adv = r - r.mean(dim=1, keepdim=True)
-    if scale_by_std:
+    if scale_by_std is None or scale_by_std:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)                                # [N]
 
@@ -119,20 +146,125 @@ def tis_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> 
     return torch.clamp(torch.exp(old_logprobs - behaviour_logprobs), max=cap).detach()
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+# --------------------------------------------------------------------------- objectives
+# Each objective: (logprobs, old_logprobs, advantages, mask, clip_low, clip_high) ->
+# (per-token loss [B, T], the ratio it clips [B, T], low clip active [B, T], high clip active
+# [B, T]). The flags feed train/clip_frac_low / _high: the share of response tokens where that
+# bound changes the gradient.
+def _signed_clips(ratio: Tensor, advantages: Tensor, clip_low: float,
+                  clip_high: float) -> tuple[Tensor, Tensor]:
+    a = advantages.unsqueeze(-1)
+    return (a < 0) & (ratio < 1.0 - clip_low), (a > 0) & (ratio > 1.0 + clip_high)
+
+
+def ppo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+             clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Objective "ppo": :func:`clipped_pg`, the token-level clipped surrogate (PPO, GRPO, DAPO).
+
+    Clip flags: low where ``A < 0`` and ``rho < 1 - clip_low``, high where ``A > 0`` and
+    ``rho > 1 + clip_high``: exactly where the min picks the clipped, gradient-free branch.
+    ``mask`` is unused (the term is per token).
+    """
+    loss, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    return (loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
+
+
+def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+              clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Objective "gspo" (Zheng et al. 2025, Group Sequence Policy Optimization).
+
+    Sequence-level ratio, with gradient: ``S_i = exp(sum_t m_it (logp_it - old_it) / sum_t m_it)``
+    (the geometric mean of the token ratios of response i); every token t of response i gets
+    ``l_it = -min(S_i A_i, clip(S_i, 1 - clip_low, 1 + clip_high) A_i)``, then the configured
+    aggregation (GSPO proper: "seq-mean-token-mean", clips around 3e-4 / 4e-4). A response with
+    no masked-in token has ``S = 1`` and leaves the loss through its zero mask.
+
+    Against the peers: TRL (``importance_sampling_level="sequence"``) computes the same ``S_i``
+    (shape [B, 1]) and per-token loss. verl's ``compute_policy_loss_gspo`` (and EasyR1's
+    ``gspo_token``) use ``sg[S_i] * pi_it / sg[pi_it]``: the same value, and the same gradient
+    whenever every token of a response carries the same aggregation weight (all three
+    aggregations here, without TIS); with per-token TIS weights the two differ (here a token's
+    TIS weight scales its share of the sequence term). verl also forces "seq-mean-token-mean"
+    whatever the configured mode and clamps ``log S <= 10``; neither is done here.
+
+    Clip flags: as PPO's but on ``S_i`` (sign of ``A_i``), broadcast to every token of the
+    response, so ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence
+    (verl counts per token like this; TRL counts sequences).
+    """
+    m = mask.to(logprobs.dtype)
+    diff = torch.where(m > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    seq_ratio = torch.exp(diff.sum(-1) / m.sum(-1).clamp(min=1.0))        # [B]
+    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_seq = -torch.minimum(seq_ratio * advantages, clipped * advantages)  # [B]
+    ratio = seq_ratio.unsqueeze(-1).expand_as(logprobs)                   # [B, T]
+    loss = per_seq.unsqueeze(-1).expand_as(logprobs)
+    return (loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
+
+
+def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+               clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Objective "cispo" (MiniMax-M1, Clipped IS-weight Policy Optimization).
+
+    ``l_it = -sg(clip(rho_it, 1 - clip_low, 1 + clip_high)) * A_i * logp_it``: REINFORCE on every
+    token, weighted by the clipped and detached importance ratio, so a clipped token still gets a
+    (bounded) gradient instead of none. ``clip_low >= 1`` means no lower bound (rho > 0). With
+    ``rho = 1`` the gradient equals PPO's (``-A``), the value does not (it is ``-A * logp``).
+
+    Against the peers: verl's ``compute_policy_loss_cispo`` and EasyR1's ``cispo`` use both
+    bounds like this (verl clamps the log-ratio to [-20, 20] first). TRL's ``loss_type="cispo"``
+    has only an upper bound and takes ``epsilon_high`` as the ratio cap itself: TRL's
+    recommended 5.0 is ``clip_high = 4.0`` here, with ``clip_low >= 1``.
+
+    Clip flags: where the weight is clipped, whatever the sign of A (the weight scales the
+    gradient of both signs): low ``rho < 1 - clip_low``, high ``rho > 1 + clip_high``. (TRL
+    counts only ``A > 0`` above its cap; verl counts both bounds together.)
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    loss = -weight * advantages.unsqueeze(-1) * logprobs
+    return loss, ratio, ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+
+
+OBJECTIVES = {"ppo": ppo_term, "gspo": gspo_term, "cispo": cispo_term}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
+               clamp: float = 0.0) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's k1/k2/k3).
 
     k1: ``logp - ref`` (unbiased, can be negative); k2: ``0.5 * (logp - ref)^2``;
-    k3: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0; GRPO/DeepSeekMath, TRL).
+    k3: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0; GRPO/DeepSeekMath, TRL, verl's
+    and EasyR1's "low_var_kl").
+
+    Why a clamp: with ``d = ref - logp`` the k3 gradient per token is ``d k3 / d logp = 1 - e^d``,
+    unbounded where the reference is far more likely than the policy (-19 at d = 3 nats,
+    -162,754 at d = 12): one such token can dominate a step. ``clamp = c > 0`` does what verl's
+    and EasyR1's low_var_kl do (``kl = clamp(d, -20, 20)``, ``kld = clamp(exp(kl) - kl - 1,
+    -10, 10)``, there with c = 10 fixed and only for k3), here for any estimator:
+
+    - value: the estimate is clamped to ``[-c, c]`` (k3 and k2 are >= 0, so ``min(kl, c)``);
+      for k3 the log-ratio is first limited to ``[-20, 20]`` so that ``exp`` cannot overflow to
+      inf (inf clamped has gradient 0 * inf = nan);
+    - gradient: unchanged where the estimate is inside ``[-c, c]``; ZERO where it is outside
+      (clamp's gradient): such tokens stop being pulled towards the reference at all. For k3 with
+      c = 10 the edges are d = 2.611 (gradient 1 - e^2.611 = -12.6 just inside) and d = -11.0, so
+      every KL gradient is bounded by 12.6 per token.
+    ``clamp = 0`` (the default) is off: exactly the unclamped formulas.
     """
+    if clamp < 0:
+        raise ValueError(f"kl clamp must be >= 0 (0 = off), got {clamp}")
     if estimator == "k1":
-        return logprobs - ref_logprobs
-    if estimator == "k2":
-        return 0.5 * (logprobs - ref_logprobs) ** 2
-    if estimator == "k3":
+        kl = logprobs - ref_logprobs
+    elif estimator == "k2":
+        kl = 0.5 * (logprobs - ref_logprobs) ** 2
+    elif estimator == "k3":
         d = ref_logprobs - logprobs
-        return torch.exp(d) - d - 1.0
-    raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+        if clamp > 0:
+            d = d.clamp(-20.0, 20.0)
+        kl = torch.exp(d) - d - 1.0
+    else:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    return kl.clamp(-clamp, clamp) if clamp > 0 else kl
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -214,36 +346,48 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                 kl_coef: float = 0.0, ref_logprobs: Tensor | None = None, kl_estimator: str = "k3",
                 max_response_len: int | None = None, tis_cap: float | None = None,
                 behaviour_logprobs: Tensor | None = None,
-                loss_denominator: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """GRPO / Dr. GRPO / DAPO policy loss and its metrics.
+                loss_denominator: float | None = None, objective: str = "ppo",
+                kl_clamp: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """GRPO / Dr. GRPO / DAPO / GSPO / CISPO policy loss and its metrics.
 
-    Per token: ``l = clipped_pg(...) * w + kl_coef * kl_penalty(logprobs, ref_logprobs)``, where
+    Per token: ``l = term(...) * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
+    kl_clamp)``, where ``term`` is the objective's (:data:`OBJECTIVES`: "ppo" :func:`ppo_term`,
+    "gspo" :func:`gspo_term`, "cispo" :func:`cispo_term`) and
     ``w = tis_weight(old_logprobs, behaviour_logprobs, tis_cap)`` if ``tis_cap`` is set, else 1.
     TIS multiplies only the policy-gradient term (as TRL and verl do): it corrects which
     distribution the samples came from for the advantage-weighted term; the KL term is a
     regulariser. Then ``loss = aggregate(l, mask, aggregation, loss_denominator, max_response_len)``.
 
-    ``loss_denominator`` (None: this call's own) replaces the denominator with the whole step's
-    (:func:`loss_denominator`): the kept tokens ("token-mean"), the kept responses
-    ("seq-mean-token-mean"), or kept responses x ``max_response_len``
-    ("seq-mean-token-sum-norm"); :func:`local_denominator` gives each micro-batch's share. With it, summing the losses of the
-    micro-batches (and ranks) reproduces the full-batch loss and gradient exactly.
+    ``loss_denominator`` (None: this call's own) replaces the denominator with the whole update's
+    (:func:`loss_denominator` over the update's episodes on every rank): the kept tokens
+    ("token-mean"), the kept responses ("seq-mean-token-mean"), or kept responses x
+    ``max_response_len`` ("seq-mean-token-sum-norm"); :func:`local_denominator` gives each
+    micro-batch's share. With it, summing the losses of the micro-batches (and ranks) reproduces
+    the full-batch loss and gradient exactly, for every objective (GSPO's sequence ratio lives
+    inside one response, so it never spans micro-batches).
 
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL
     is only measured. ``behaviour_logprobs`` without ``tis_cap`` is ignored.
 
-    Metrics (floats, over this call's masked tokens, no grad): ``clip_frac_low`` (A < 0 and
-    rho < 1 - clip_low: the low clip is active), ``clip_frac_high`` (A > 0 and rho > 1 +
-    clip_high), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from pi_old:
-    ``rho - 1 - log rho``), ``ratio_mean``, ``tis_weight_mean`` (1.0 when TIS is off), ``kl``
-    (mean ``kl_penalty`` to the reference, 0.0 without one), ``tokens`` (mask sum).
+    Metrics (floats, over this call's masked tokens, no grad): ``clip_frac_low`` and
+    ``clip_frac_high`` (share of tokens where the objective's low / high clip is active; see each
+    term: for "ppo" A < 0 and rho < 1 - clip_low, A > 0 and rho > 1 + clip_high), ``approx_kl``
+    (KL(pi_old || pi) by k3 on tokens sampled from pi_old: ``rho - 1 - log rho``, per token
+    for every objective), ``ratio_mean`` (the ratio the objective clips: per token, or GSPO's
+    ``S_i`` on each of its tokens), ``tis_weight_mean`` (1.0 when TIS is off), ``kl`` (mean
+    ``kl_penalty`` to the reference as in the loss, clamp included; 0.0 without one),
+    ``tokens`` (mask sum).
     """
     _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs, behaviour_logprobs)
     _check_aggregation(aggregation, max_response_len)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; expected one of {tuple(OBJECTIVES)}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {KL_ESTIMATORS}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_clamp < 0:
+        raise ValueError(f"kl_clamp must be >= 0 (0 = off), got {kl_clamp}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
     if clip_low < 0 or clip_high < 0:
@@ -254,14 +398,15 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         if tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
 
-    per_token, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    per_token, ratio, low, high = OBJECTIVES[objective](logprobs, old_logprobs, advantages, mask,
+                                                        clip_low, clip_high)
     weight = None
     if tis_cap is not None:
         weight = tis_weight(old_logprobs, behaviour_logprobs, tis_cap)
         per_token = per_token * weight
     kl = None
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator, kl_clamp)
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     loss = aggregate(per_token, mask, aggregation, loss_denominator, max_response_len)
@@ -273,10 +418,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         def mean(x: Tensor) -> float:
             return float((x * m).sum() / n) if n > 0 else 0.0
 
-        a = advantages.unsqueeze(-1)
         metrics = {
-            "clip_frac_low": mean(((a < 0) & (ratio < 1.0 - clip_low)).to(m.dtype)),
-            "clip_frac_high": mean(((a > 0) & (ratio > 1.0 + clip_high)).to(m.dtype)),
+            "clip_frac_low": mean(low.to(m.dtype)),
+            "clip_frac_high": mean(high.to(m.dtype)),
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
             "ratio_mean": mean(ratio),
             "tis_weight_mean": mean(weight) if weight is not None else 1.0,

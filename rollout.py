@@ -4,7 +4,9 @@
 (token ids with one unexpanded image placeholder per image, plus PIL images) into G sampled
 responses each, with the generation-time logprob of every sampled token (convention in
 model.py). `rollout()` runs an engine on a step's problems and scores the responses with the
-reward functions: the trainer never calls a reward function.
+reward functions: the trainer never calls a reward function. `rollout_refilled()` is DAPO's
+dynamic sampling on top of it: more prompts, in bounded rounds, until the share has enough
+groups whose rewards differ.
 
 Engines (`[rollout] engine`), each satisfying :class:`Engine`:
 - `hf`: :class:`HFEngine`, transformers `generate`, any device; what the CPU tests and demo use.
@@ -13,6 +15,7 @@ Engines (`[rollout] engine`), each satisfying :class:`Engine`:
 from __future__ import annotations
 
 import importlib
+import random
 import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
@@ -20,6 +23,7 @@ from typing import Iterable, Protocol
 import torch
 
 import device as D
+import loss as L
 import model as M
 import rewards
 
@@ -209,7 +213,71 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
         total = parts.pop("reward")
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 version, c.truncated, text))
-    return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen}
+    return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
+                      "prompts": len(problems), "refill_rounds": 0}
+
+
+def refill_problems(pool: list, n: int, seed: int, round: int) -> list:
+    """The `n` problems of refill `round` (>= 1): distinct problems drawn from the whole split
+    `pool` by a seed made of exactly (`seed`, `round`), where `seed` is the step's sampling seed
+    (train.py: a function of run seed, step and generation rank), so a resumed run draws the
+    same ones. Independent of the step's own stream (data.step_problems), which it does not
+    advance; a refill problem may also appear there."""
+    rng = random.Random(f"refill:{seed}:{round}")
+    return [pool[i] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
+
+
+def rollout_refilled(engine: Engine, problems: list, procs: M.Processors, sp: Sampling,
+                     template: str, scorer: rewards.RewardRunner, version: int, group_offset: int,
+                     seed: int, pool: list, rounds: int) -> tuple[list[Episode], dict[str, float]]:
+    """DAPO dynamic sampling: `len(problems)` groups whose rewards are not all equal.
+
+    `rounds = 0`: exactly :func:`rollout`. Else round 0 is :func:`rollout` on `problems` (same
+    seed: when every group already has reward variance the result is exactly `rollout`'s).
+    While fewer than `len(problems)` groups have non-zero variance (:func:`loss.zero_variance_groups`,
+    the rule the trainer's `keep_mask` applies) and fewer than `rounds` extra rounds have run,
+    round r rolls out `refill_problems(pool, len(problems), seed, r)` with sampling seed
+    `seed + r * 1_000_003`. The first `len(problems)` valid groups, in round order, are kept
+    and renumbered `group_offset + k`, so the exchange's sort by group stays consistent; surplus
+    groups are discarded. If the bound is hit first, the missing groups are the first
+    zero-variance ones, in round order: the trainer masks them out (train/dropped_groups) and
+    every share keeps its size. Stats: summed timings, `prompts` (drawn in all),
+    `refill_rounds` (extra rounds run).
+    """
+    if not rounds:
+        return rollout(engine, problems, procs, sp, template, scorer, version, group_offset, seed)
+    need = len(problems)
+    valid: list[list[Episode]] = []
+    zero: list[list[Episode]] = []
+    stats = {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0, "refill_rounds": 0}
+    batch, rnd = problems, 0
+    while True:
+        eps, st = rollout(engine, batch, procs, sp, template, scorer, version, 0,
+                          seed + rnd * 1_000_003)
+        for k in ("generate_s", "reward_s", "prompts"):
+            stats[k] += st[k]
+        if eps:
+            flat = torch.tensor([e.reward for e in eps], dtype=torch.float64)
+            is_zero = L.zero_variance_groups(flat, sp.n).tolist()
+            for i, z in enumerate(is_zero):
+                (zero if z else valid).append(eps[i * sp.n:(i + 1) * sp.n])
+        if len(valid) >= need or rnd >= rounds:
+            break
+        rnd += 1
+        batch = refill_problems(pool, need, seed, rnd)
+    stats["refill_rounds"] = rnd
+    kept = (valid + zero)[:need]
+    for k, group in enumerate(kept):
+        for e in group:
+            e.group = group_offset + k
+    return [e for group in kept for e in group], stats
+
+
+def refill_metrics(stats: list[dict]) -> dict[str, float]:
+    """`rollout/refill_rounds` (the most any generation rank ran) and `rollout/prompts_drawn`
+    (all ranks, refills included) from the generation ranks' stats."""
+    return {"rollout/refill_rounds": max((s["refill_rounds"] for s in stats), default=0),
+            "rollout/prompts_drawn": sum(s["prompts"] for s in stats)}
 
 
 def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) -> dict[str, float]:
@@ -221,7 +289,8 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) ->
            "response/truncated_frac": sum(e.truncated for e in episodes) / n,
            "rollout/staleness": max((version - e.version for e in episodes), default=0),
            # generation ranks run in parallel: the step waits for the slowest
-           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0)}
+           "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0),
+           **refill_metrics(stats)}
     for k in sorted({k for e in episodes for k in e.parts}):
         out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
     out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)

@@ -4,8 +4,10 @@ The world is split statically (world.py): the first ranks train (FSDP2 over a tr
 mesh), the last `cluster.gen_ranks` ranks each own one inference engine. One step:
 
     1. rollout   generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes
+                 (DAPO dynamic sampling: further prompts until the groups disagree)
     2. exchange  every rank receives every Episode (gloo object exchange)
-    3. train     trainer ranks: logprobs (+ reference) -> advantages -> loss -> optimizer step
+    3. train     trainer ranks: proximal logprobs (+ reference) -> advantages -> loss ->
+                 train.mini_batches x train.ppo_epochs optimizer steps
     4. sync      trainer rank 0 -- buckets over the sync group --> every engine (version + 1)
     5. eval / checkpoint / log
 
@@ -19,8 +21,8 @@ Launch:
     GPU / NPU: see launch/ (the same command with configs/vl3b.toml)
 `python train.py --help` lists the flags; every config key is documented in config.py.
 
-Deliberately left out: more than one optimizer step per batch (PPO epochs / mini-batches),
-sequence packing across samples, tensor/pipeline parallel trainers, and multi-turn rollouts.
+Deliberately left out: value functions (PPO with a critic), sequence packing across different
+prompts, tensor/pipeline parallel trainers, and multi-turn rollouts.
 Where things live: the update in trainer.py and loss.py, the engines in rollout.py and
 vllm_engine.py, the weight transport in sync.py, failure handling in failures.py.
 """
@@ -339,15 +341,15 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
 def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
              version: int) -> tuple[list[R.Episode], dict]:
     """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
-    ro = cfg.rollout
-    per_gen = ro.prompts_per_step // len(world.gens)
+    ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = data.step_problems(s.problems, step, ro.prompts_per_step, cfg.run.seed)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return R.rollout(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer, version,
-                     group_offset=world.gen_index * per_gen,
-                     seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index)
+    return R.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
+                              version, group_offset=world.gen_index * per_gen, pool=s.problems,
+                              seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
+                              rounds=cfg.loss.drop_zero_variance and ro.max_refill_rounds)
 
 
 def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode], list[dict]]:
@@ -365,7 +367,7 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     t0 = time.perf_counter()
     if s.trainer is not None:
         out = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
-                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step)
+                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
         out["train/skipped_steps"] = progress.skipped_total

@@ -1,19 +1,31 @@
-"""The trainer ranks' side of a step: the policy and its optimizer, and one update on episodes.
+"""The trainer ranks' side of a step: the policy and its optimizer, and the updates on episodes.
 
 - :class:`Trainer`: the record a trainer rank holds (policy sharded with FSDP2, optional frozen
   reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks.
-- :func:`train_step`: advantages -> which responses count (:func:`loss.keep_mask`) -> the step's
-  global loss denominator (:func:`loss.loss_denominator`) -> micro-batched forward/backward
-  with gradient accumulation -> clip -> optimizer step, and the step's training metrics.
+- :func:`train_step`: advantages -> which responses count (:func:`loss.keep_mask`) -> the
+  step's episodes split into `[train] mini_batches` mini-batches, each with its global loss
+  denominator (:func:`loss.loss_denominator`) -> for each of `ppo_epochs` epochs, the
+  mini-batches in a seeded shuffled order, each one optimizer step (micro-batched
+  forward/backward with gradient accumulation -> clip -> step), and the step's training metrics.
+- :func:`proximal_logprobs`: with more than one update, the "old" logprobs (and the reference's)
+  computed once, without gradient, before the first update; every update's ratio is taken
+  against them, so from the second update on the clip binds.
 - :func:`plan_micro_batches`: fixed-size or token-budget micro-batches, the same count on every
   trainer rank.
 
-Every micro-batch loss is divided by the step's GLOBAL denominator, so the accumulated gradient
-equals the full-batch gradient whatever the micro-batching or the number of ranks (tested).
+Every micro-batch loss is divided by its update's GLOBAL denominator, so the accumulated gradient
+equals the full-mini-batch gradient whatever the micro-batching or the number of ranks (tested).
+With one mini-batch and one epoch (the default) this is exactly the single update of before: no
+separate proximal pass, old = the current logprobs detached (ratio 1 in value).
+
+The LR schedule steps once per ROLLOUT step (after its updates), as in verl and EasyR1, so
+`warmup_steps` counts the same steps as `run.steps` whatever mini_batches x ppo_epochs is (TRL
+steps per optimizer step). `weight_version` still advances by one per rollout step.
 """
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -33,7 +45,7 @@ class Trainer:
     policy: Any              # the model, sharded with FSDP2 over the trainer mesh
     ref: Any                 # frozen reference policy (only when loss.kl_coef > 0), else None
     opt: torch.optim.Optimizer
-    sched: Any               # LR schedule, stepped once per optimizer step
+    sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
 
@@ -132,45 +144,82 @@ def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
     return mbs
 
 
+def _seq_lengths(episodes: list, idx: list[int], images: Mapping[int, Any], ip) -> list[int]:
+    return [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids)
+            + M.n_image_tokens_of(ip, images[episodes[i].index]) for i in idx]
+
+
+def agree_plans(lengths: list[list[int]], tc, train_group) -> list[list[list[int]]]:
+    """The micro-batch plan of each mini-batch share (`lengths[j]`: this rank's sequence lengths
+    in mini-batch j), with the same number of micro-batches per mini-batch on every trainer rank
+    (FSDP collectives); one all-reduce for all of them."""
+    plans = [plan_micro_batches(ln, tc.micro_batch_size, tc.micro_batch_tokens) for ln in lengths]
+    n = torch.tensor([len(p) for p in plans])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=train_group)
+    return [plan_micro_batches(ln, tc.micro_batch_size, tc.micro_batch_tokens, count=int(c))
+            for ln, c in zip(lengths, n.tolist())]
+
+
+@torch.no_grad()
+def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
+                      images: Mapping[int, Any], *, procs: M.Processors, lc,
+                      temperature: float) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The proximal ("old") policy's logprobs of this rank's episodes `idx`, and the reference's
+    when `loss.kl_coef > 0`, one `([b, L], [b, L] | None)` pair per micro-batch of `plan` (the
+    same plan the updates use, so the tensors line up with their batches). No gradient."""
+    ip, tk = procs.image_processor, procs.tokens
+    out = []
+    for mb in plan:
+        eps = [episodes[idx[j]] for j in mb]
+        batch = M.collate(eps, [images[e.index] for e in eps], ip, tk, tr.device)
+        lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
+        ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if lc.kl_coef > 0 else None
+        out.append((lp, ref))
+    return out
+
+
 def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch.Tensor,
                          keep: torch.Tensor, denom: float, images: Mapping[int, Any], *,
                          procs: M.Processors, train_group, n_trainers: int, lc, tc,
-                         temperature: float, max_new_tokens: int,
-                         step: int | None = None) -> dict[str, float]:
+                         temperature: float, max_new_tokens: int, step: int | None = None,
+                         plan: list[list[int]] | None = None,
+                         proximal: list | None = None) -> dict[str, float]:
     """Forward/backward over this rank's episodes `idx` in micro-batches; gradients accumulate.
 
-    `images[e.index]` is episode e's image; `denom` the step's global loss denominator. Returns
-    this rank's sums for the step's metrics.
+    `images[e.index]` is episode e's image; `denom` the update's global loss denominator; `plan`
+    the agreed micro-batches (None: plan here); `proximal` the old (and reference) logprobs per
+    micro-batch from :func:`proximal_logprobs`, or None for the single-update path (old = the
+    current logprobs detached, reference computed here). Returns this rank's sums for the
+    step's metrics.
     """
     ip, tk = procs.image_processor, procs.tokens
-    lengths = [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids)
-               + M.n_image_tokens_of(ip, images[episodes[i].index]) for i in idx]
-    plan = plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens)
-    n = torch.tensor([len(plan)])
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=train_group)
-    plan = plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens, count=int(n))
+    if plan is None:
+        plan = agree_plans([_seq_lengths(episodes, idx, images, ip)], tc, train_group)[0]
     sums = dict.fromkeys(("loss", "entropy", "tokens", "slots", "resp_tokens", *_SUMMED), 0.0)
     lp_diff = 0.0
-    for mb in plan:
+    for k, mb in enumerate(plan):
         chunk = [idx[j] for j in mb]
         eps = [episodes[i] for i in chunk]
         batch = M.collate(eps, [images[e.index] for e in eps], ip, tk, tr.device)
         mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, temperature)
-        ref_lp = None
-        if lc.kl_coef > 0:
-            with torch.no_grad():
-                ref_lp, _ = M.sequence_logprobs(tr.ref, batch, tk, temperature)
+        if proximal is None:
+            # One update per batch: the proximal ("old") policy is the current one, so the ratio
+            # is 1 in value with the gradient of the policy gradient; the engine's logprobs enter
+            # only through truncated importance sampling (engine/trainer mismatch, staleness).
+            old, ref_lp = lp.detach(), None
+            if lc.kl_coef > 0:
+                with torch.no_grad():
+                    ref_lp, _ = M.sequence_logprobs(tr.ref, batch, tk, temperature)
+        else:
+            old, ref_lp = proximal[k]
         behaviour = batch["engine_logprobs"]
-        # One update per batch: the proximal ("old") policy is the current one, so the ratio is
-        # 1 in value with the gradient of the policy gradient; the engine's logprobs enter only
-        # through truncated importance sampling (engine/trainer mismatch, one-step staleness).
         loss, m = L.policy_loss(
-            lp, lp.detach(), adv[chunk].to(lp.device), mask, clip_low=lc.clip_low,
+            lp, old, adv[chunk].to(lp.device), mask, clip_low=lc.clip_low,
             clip_high=lc.clip_high, aggregation=lc.aggregation, kl_coef=lc.kl_coef,
             ref_logprobs=ref_lp, kl_estimator=lc.kl_estimator, max_response_len=max_new_tokens,
             tis_cap=lc.tis_cap or None, behaviour_logprobs=behaviour if lc.tis_cap else None,
-            loss_denominator=float(denom))
+            loss_denominator=float(denom), objective=lc.objective, kl_clamp=lc.kl_clamp)
         if fault_active("nan_loss", step):  # tests: a non-finite loss
             loss = loss * float("nan")
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
@@ -179,52 +228,95 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
         rmask = batch["response_mask"].bool()
         ntok = float(rmask.sum())
         sums["loss"] += float(loss.detach())
-        for k in _SUMMED:
-            sums[k] += float(m[k]) * ntok
+        for key in _SUMMED:
+            sums[key] += float(m[key]) * ntok
         sums["entropy"] += float(ent.detach()[rmask].sum())
         sums["tokens"] += float(batch["attention_mask"].sum())
         sums["slots"] += float(batch["attention_mask"].numel())
         sums["resp_tokens"] += ntok
-        if rmask.any():
-            lp_diff = max(lp_diff, float((lp.detach() - behaviour)[rmask].abs().max()))
+        if rmask.any():  # engine vs the policy before the update (the proximal one)
+            lp_diff = max(lp_diff, float((old - behaviour)[rmask].abs().max()))
     sums["micro_batches"] = float(len(plan))
     sums["lp_diff"] = lp_diff
     return sums
 
 
-def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
-               procs: M.Processors, tc, lc, rc, step: int) -> dict[str, float]:
-    """One optimizer step on this trainer's share of the step's episodes (every trainer rank
-    calls it with the same `episodes`, sorted by group). `[train]` tc, `[loss]` lc, `[rollout]`
-    rc. Returns the step's training metrics (the same on every trainer rank)."""
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    adv = L.group_advantages(rewards, rc.group_size, scale_by_std=lc.scale_by_std).float()  # [N]
-    truncated = torch.tensor([e.truncated for e in episodes])
-    keep = L.keep_mask(rewards, rc.group_size, truncated, drop_zero_variance=lc.drop_zero_variance,
-                       exclude_truncated=lc.exclude_truncated)
-    n_dropped = int(L.zero_variance_groups(rewards, rc.group_size).sum()) if lc.drop_zero_variance else 0
-    # Excluded episodes stay in the micro-batches with a zero mask, so every trainer rank runs
-    # the same number of forward/backward passes (FSDP collectives); they leave the loss and its
-    # denominator (loss.py's convention). Compute is not saved; the batch is not refilled.
-    denom = L.loss_denominator([len(e.response_ids) for e in episodes], keep.tolist(),
-                               lc.aggregation, rc.max_new_tokens)
-    per = len(episodes) // len(world.trainers)
-    mine = list(range(world.trainer_index * per, (world.trainer_index + 1) * per))
-    sums = accumulate_gradients(tr, episodes, mine, adv, keep, max(1.0, denom), images,
-                                procs=procs, train_group=world.train_group,
-                                n_trainers=len(world.trainers), lc=lc, tc=tc,
-                                temperature=rc.temperature, max_new_tokens=rc.max_new_tokens,
-                                step=step)
+def update_order(n_mini_batches: int, seed: int, step: int, epoch: int) -> list[int]:
+    """The order of the mini-batches in `epoch` of `step`: shuffled by a seed made of (run seed,
+    step, epoch) only, so every trainer rank and a resumed run draw the same order."""
+    order = list(range(n_mini_batches))
+    random.Random(f"mini-batches:{seed}:{step}:{epoch}").shuffle(order)
+    return order
+
+
+def optimizer_step(tr: Trainer, tc) -> tuple[float, bool]:
+    """Clip, then step unless the global gradient norm is non-finite; gradients cleared.
+    Returns (norm before clipping, skipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), tc.grad_clip)
     grad_norm = float(S.full_tensor(grad_norm))
     # All trainer ranks see the same global norm, so they agree on skipping a non-finite step.
     skipped = not (grad_norm == grad_norm and abs(grad_norm) != float("inf"))
     if not skipped:
         tr.opt.step()
-        tr.sched.step()
     tr.opt.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
+def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
+               procs: M.Processors, tc, lc, rc, step: int, seed: int = 0) -> dict[str, float]:
+    """`[train] mini_batches x ppo_epochs` optimizer steps on this trainer's share of the step's
+    episodes (every trainer rank calls it with the same `episodes`, sorted by group). `[train]`
+    tc, `[loss]` lc, `[rollout]` rc; `seed` the run seed (mini-batch order). Returns the step's
+    training metrics (the same on every trainer rank), averaged over the updates."""
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    adv = L.group_advantages(rewards, rc.group_size,
+                             scale_by_std=lc.scale_by_std if lc.advantage == "grpo" else None,
+                             estimator=lc.advantage).float()                    # [N]
+    truncated = torch.tensor([e.truncated for e in episodes])
+    keep = L.keep_mask(rewards, rc.group_size, truncated, drop_zero_variance=lc.drop_zero_variance,
+                       exclude_truncated=lc.exclude_truncated)
+    n_dropped = int(L.zero_variance_groups(rewards, rc.group_size).sum()) if lc.drop_zero_variance else 0
+    # Excluded episodes stay in the micro-batches with a zero mask, so every trainer rank runs
+    # the same number of forward/backward passes (FSDP collectives); they leave the loss and its
+    # denominator (loss.py's convention). With rollout refill (DAPO dynamic sampling) the
+    # generation side sends zero-variance groups only when it ran out of refill rounds.
+    n_mb, n_tr = tc.mini_batches, len(world.trainers)
+    size = len(episodes) // n_mb                 # episodes per mini-batch (all ranks)
+    per = size // n_tr                           # ... per trainer rank
+    lengths = [len(e.response_ids) for e in episodes]
+    shares, denoms = [], []
+    for j in range(n_mb):
+        lo = j * size + world.trainer_index * per
+        shares.append(list(range(lo, lo + per)))
+        whole = slice(j * size, (j + 1) * size)
+        denoms.append(max(1.0, L.loss_denominator(lengths[whole], keep[whole].tolist(),
+                                                  lc.aggregation, rc.max_new_tokens)))
+    ip = procs.image_processor
+    plans = agree_plans([_seq_lengths(episodes, sh, images, ip) for sh in shares], tc,
+                        world.train_group)
+    several = n_mb * tc.ppo_epochs > 1
+    proximal = [proximal_logprobs(tr, episodes, sh, plan, images, procs=procs, lc=lc,
+                                  temperature=rc.temperature) if several else None
+                for sh, plan in zip(shares, plans)]
+    sums: dict[str, float] = {}
+    lp_diff, norms, n_skipped = 0.0, [], 0
+    for epoch in range(tc.ppo_epochs):
+        for j in update_order(n_mb, seed, step, epoch):
+            got = accumulate_gradients(tr, episodes, shares[j], adv, keep, denoms[j], images,
+                                       procs=procs, train_group=world.train_group,
+                                       n_trainers=n_tr, lc=lc, tc=tc, temperature=rc.temperature,
+                                       max_new_tokens=rc.max_new_tokens, step=step,
+                                       plan=plans[j], proximal=proximal[j])
+            lp_diff = max(lp_diff, got.pop("lp_diff"))
+            for key, v in got.items():
+                sums[key] = sums.get(key, 0.0) + v
+            grad_norm, skipped = optimizer_step(tr, tc)
+            norms.append(grad_norm)
+            n_skipped += skipped
+    n_updates = len(norms)
+    if n_skipped < n_updates:  # once per rollout step (module docstring)
+        tr.sched.step()
     # One reduction for all sums, one for the max.
-    lp_diff = sums.pop("lp_diff")
     keys = list(sums)
     vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(vec, group=world.train_group)
@@ -232,13 +324,15 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     mx = torch.tensor([lp_diff], dtype=torch.float64)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=world.train_group)
     ntok = max(1.0, tot["resp_tokens"])
-    out = {"loss": tot["loss"], "grad_norm": grad_norm, "kl": tot["kl"] / ntok,
-           "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
-           "train/skipped": float(skipped), "train/dropped_groups": float(n_dropped),
+    out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
+           "kl": tot["kl"] / ntok, "entropy": tot["entropy"] / ntok,
+           "logprob_diff/max": float(mx[0]),
+           "train/skipped": n_skipped / n_updates, "train/dropped_groups": float(n_dropped),
            "train/lr": tr.sched.get_last_lr()[0],
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
            "train/tokens": tot["tokens"],
-           "train/micro_batches": tot["micro_batches"] / len(world.trainers)}
+           "train/micro_batches": tot["micro_batches"] / n_tr,
+           "train/updates": float(n_updates)}
     for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
         out[f"train/{k}"] = tot[k] / ntok
     out["advantage/mean"] = float(adv.mean())

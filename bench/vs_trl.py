@@ -163,9 +163,9 @@ def build_model(out: Path, seed: int = 0) -> Path:
 
 def write_data(out: Path, seed: int = 0) -> Path:
     """Geometry3K layout (train.jsonl + images) holding exactly PROMPTS problems, 56 x 56 images."""
-    import data
+    import synthetic
     if not (out / "train.jsonl").exists():
-        data.write_synthetic(out, PROMPTS, 1, 1, seed=seed, image_size=IMAGE_PX)
+        synthetic.write_synthetic(out, PROMPTS, 1, 1, seed=seed, image_size=IMAGE_PX)
     return out
 
 

@@ -1,0 +1,628 @@
+"""The research-baseline algorithm surface: GSPO / CISPO objectives, RLOO advantages, the KL
+clamp, several updates per rollout batch (mini-batches x PPO epochs) and DAPO refill.
+
+Fast: hand-computed values and gradients for each objective and estimator, an independent loop
+implementation (1e-12), gradcheck, the gradient-accumulation identity for every objective, the
+refill helper with a fake rollout, the mini-batch order, the config rules. Slow (torchrun):
+M = E = 2 learns with the clip binding, the GSPO / CISPO presets run, refill in a real run, and
+exact resume with all of it switched on.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config as C
+import rollout as R
+import trainer as T
+from loss import (OBJECTIVES, group_advantages, kl_penalty, local_denominator, policy_loss,
+                  zero_variance_groups)
+from tests.util import ROOT, TINY, env, metrics, torchrun
+
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LN2 = math.log(2.0)
+# The fixture of tests/test_loss.py: ratios rho = exp(logp - old) on both sides of the clips.
+RHO = [[1.5, 1.1, 0.5], [0.5, 1.5, 10.0]]
+OLD = [[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]]
+ADV = [2.0, -1.0]
+MASK = [[1, 1, 1], [1, 1, 0]]
+F64 = torch.float64
+
+
+def _inputs():
+    old = torch.tensor(OLD, dtype=F64)
+    logp = (old + torch.tensor(RHO, dtype=F64).log()).requires_grad_(True)
+    return logp, old, torch.tensor(ADV, dtype=F64), torch.tensor(MASK, dtype=F64)
+
+
+# --------------------------------------------------------------------------- RLOO
+def test_rloo_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0, 3.0, 1.0, 2.0, 6.0], dtype=F64)
+    a = group_advantages(r, 4, estimator="rloo")
+    # group 1: 1 - mean(0,0,0) = 1; 0 - mean(1,0,0) = -1/3
+    # group 2: all equal -> 0; group 3: 3 - 3 = 0, 1 - 11/3, 2 - 10/3, 6 - 2
+    expect = [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, 0, 1 - 11 / 3, 2 - 10 / 3, 4]
+    torch.testing.assert_close(a, torch.tensor(expect, dtype=F64), rtol=0, atol=1e-15)
+    # = G / (G - 1) * (r - mean): the unscaled GRPO advantage stretched by G / (G - 1)
+    torch.testing.assert_close(a, group_advantages(r, 4, scale_by_std=False) * 4 / 3)
+    assert torch.equal(a, group_advantages(r, 4, scale_by_std=False, estimator="rloo"))
+    # G = 2: each response against the other one
+    torch.testing.assert_close(group_advantages(torch.tensor([1.0, 0.25], dtype=F64), 2, estimator="rloo"),
+                               torch.tensor([0.75, -0.75], dtype=F64))
+
+
+def test_rloo_refuses_std_scaling_and_unknown_estimators():
+    r = torch.zeros(4)
+    with pytest.raises(ValueError, match="no std scaling"):
+        group_advantages(r, 2, scale_by_std=True, estimator="rloo")
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        group_advantages(r, 2, estimator="ppo")
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(r, 1, estimator="rloo")
+    # grpo keeps its default (std scaling on) whether scale_by_std is None or True
+    g = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=F64)
+    assert torch.equal(group_advantages(g, 2), group_advantages(g, 2, scale_by_std=True))
+
+
+# --------------------------------------------------------------------------- GSPO
+S0 = 0.825 ** (1 / 3)           # row 0: exp(mean(ln 1.5, ln 1.1, ln 0.5)) = (1.5 * 1.1 * 0.5)^(1/3)
+S1 = math.sqrt(0.75)            # row 1: (0.5 * 1.5)^(1/2); the masked rho = 10 does not enter
+
+
+def test_gspo_hand_values_gradients_and_clip_fractions():
+    logp, old, adv, mask = _inputs()
+    loss, met = policy_loss(logp, old, adv, mask, objective="gspo")
+    # no clip binds (S0 = 0.938 with A > 0, S1 = 0.866 with A < 0 above 0.8):
+    # every token of row i carries -S_i A_i: (3 * -2 S0 + 2 * S1) / 5 tokens
+    assert loss.item() == pytest.approx((-6 * S0 + 2 * S1) / 5, abs=1e-14)
+    loss.backward()
+    # d/dlogp_it: row 0: 3 tokens x (-2 S0) x (1/3) / 5; row 1: 2 x S1 x (1/2) / 5; masked: 0
+    g = torch.tensor([[-2 * S0 / 5] * 3, [S1 / 5, S1 / 5, 0.0]], dtype=F64)
+    torch.testing.assert_close(logp.grad, g, rtol=0, atol=1e-15)
+    assert met["clip_frac_low"] == 0 and met["clip_frac_high"] == 0
+    assert met["ratio_mean"] == pytest.approx((3 * S0 + 2 * S1) / 5)   # S_i on each token
+
+    # clip_low 0.05 -> the low bound 0.95 binds for row 1 (A < 0, S1 < 0.95): 0.95 per token,
+    # no gradient; row 0 (A > 0) is not clipped from below. Counted per TOKEN: 2 of 5.
+    logp, old, adv, mask = _inputs()
+    loss, met = policy_loss(logp, old, adv, mask, objective="gspo", clip_low=0.05, clip_high=0.05,
+                            aggregation="seq-mean-token-mean")
+    assert loss.item() == pytest.approx((-2 * S0 + 0.95) / 2, abs=1e-14)
+    loss.backward()
+    g = torch.tensor([[-2 * S0 / 3 / 2] * 3, [0.0, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(logp.grad, g, rtol=0, atol=1e-15)
+    assert met["clip_frac_low"] == pytest.approx(2 / 5) and met["clip_frac_high"] == 0
+
+    # high side: flip the advantages (row 0 A < 0 is free, row 1 A > 0 with S1 < 1: free too);
+    # scale row 1's ratios up so S1' = sqrt(1.5 * 1.5) = 1.5 > 1.28 -> clipped high, 2 tokens
+    logp, old, adv, mask = _inputs()
+    lp2 = logp.detach().clone()
+    lp2[1, 0] = old[1, 0] + math.log(1.5)
+    lp2.requires_grad_(True)
+    loss, met = policy_loss(lp2, old, -adv, mask, objective="gspo")
+    assert loss.item() == pytest.approx((3 * 2 * S0 - 2 * 1.28) / 5, abs=1e-14)
+    assert met["clip_frac_high"] == pytest.approx(2 / 5) and met["clip_frac_low"] == 0
+
+
+def test_gspo_old_gets_the_opposite_gradient_and_padding_never_enters():
+    logp, old, adv, mask = _inputs()
+    old = old.clone().requires_grad_(True)
+    policy_loss(logp, old, adv, mask, objective="gspo")[0].backward()
+    torch.testing.assert_close(old.grad, -logp.grad)
+    # a padded position holding garbage (even inf) changes nothing: the ratio uses masked tokens
+    logp2, old2, adv2, mask2 = _inputs()
+    bad = logp2.detach().clone()
+    bad[1, 2] = float("inf")
+    a, _ = policy_loss(logp2, old2, adv2, mask2, objective="gspo")
+    b, _ = policy_loss(bad, old2, adv2, mask2, objective="gspo")
+    assert a.item() == b.item()
+
+
+# --------------------------------------------------------------------------- CISPO
+LOGP = [[-1 + math.log(1.5), -2 + math.log(1.1), -0.5 + math.log(0.5)],
+        [-1 + math.log(0.5), -1 + math.log(1.5)]]
+
+
+def test_cispo_hand_values_gradients_and_clip_fractions():
+    logp, old, adv, mask = _inputs()
+    loss, met = policy_loss(logp, old, adv, mask, objective="cispo")
+    # weights sg(clip(rho, 0.8, 1.28)): row 0 [1.28, 1.1, 0.8], row 1 [0.8, 1.28]
+    w = [[1.28, 1.1, 0.8], [0.8, 1.28]]
+    total = sum(-w[i][t] * ADV[i] * LOGP[i][t] for i in range(2) for t in range(len(w[i])))
+    assert loss.item() == pytest.approx(total / 5, abs=1e-14)
+    loss.backward()
+    # the gradient is -w * A per token (a clipped token keeps a bounded gradient)
+    g = torch.tensor([[-1.28 * 2 / 5, -1.1 * 2 / 5, -0.8 * 2 / 5], [0.8 / 5, 1.28 / 5, 0.0]], dtype=F64)
+    torch.testing.assert_close(logp.grad, g, rtol=0, atol=1e-15)
+    # clipped whatever the sign of A: low rho 0.5 (twice), high rho 1.5 (twice); rho 10 masked
+    assert met["clip_frac_low"] == pytest.approx(2 / 5) and met["clip_frac_high"] == pytest.approx(2 / 5)
+    assert met["ratio_mean"] == pytest.approx((1.5 + 1.1 + 0.5 + 0.5 + 1.5) / 5)
+
+    # clip_low >= 1: no lower bound (rho 0.5 keeps weight 0.5); TRL's epsilon_high 5.0 = 4.0 here
+    logp, old, adv, mask = _inputs()
+    loss, met = policy_loss(logp, old, adv, mask, objective="cispo", clip_low=1.0, clip_high=4.0)
+    w = [[1.5, 1.1, 0.5], [0.5, 1.5]]
+    total = sum(-w[i][t] * ADV[i] * LOGP[i][t] for i in range(2) for t in range(len(w[i])))
+    assert loss.item() == pytest.approx(total / 5, abs=1e-14)
+    assert met["clip_frac_low"] == 0 and met["clip_frac_high"] == 0
+
+
+def test_cispo_weight_is_detached_and_ratio_one_gives_ppo_gradient():
+    logp, old, adv, mask = _inputs()
+    old = old.clone().requires_grad_(True)
+    policy_loss(logp, old, adv, mask, objective="cispo")[0].backward()
+    assert old.grad is None                # old enters only through sg(w): not in the graph
+    # one update per batch (old = logp.detach(), rho = 1): PPO's and CISPO's gradients agree
+    grads = []
+    for obj in ("ppo", "cispo"):
+        lp = torch.tensor(OLD, dtype=F64).requires_grad_(True)
+        policy_loss(lp, lp.detach(), torch.tensor(ADV, dtype=F64), torch.tensor(MASK, dtype=F64),
+                    objective=obj)[0].backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-15)
+
+
+# --------------------------------------------------------------------------- KL clamp
+def _ref(logp):
+    # ref - logp per token: [[0, ln2, -ln2], [ln2, 0, 5 (masked)]]
+    return logp.detach() + torch.tensor([[0.0, LN2, -LN2], [LN2, 0.0, 5.0]], dtype=F64)
+
+
+def test_kl_clamp_hand_value_and_gradient():
+    logp, _, _, mask = _inputs()
+    ref = _ref(logp)
+    # k3 = e^d - d - 1: [0, 1 - ln2 (0.307), ln2 - 0.5 (0.193), 1 - ln2, 0]; clamp 0.25 caps the
+    # two 0.307 values, whose gradient (1 - e^d = -1) becomes 0; 0.193 keeps 1 - 1/2 = 0.5
+    kl = kl_penalty(logp, ref, "k3", clamp=0.25)
+    m = mask.bool()
+    torch.testing.assert_close(kl[m], torch.tensor([0.0, 0.25, LN2 - 0.5, 0.25, 0.0], dtype=F64))
+    kl[m].sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.5], [0.0, 0.0, 0.0]], dtype=F64))
+    # k1 = logp - ref can be negative: clamped to [-c, c]
+    k1 = kl_penalty(logp, ref, "k1", clamp=0.5)
+    torch.testing.assert_close(k1[m], torch.tensor([0.0, -0.5, 0.5, -0.5, 0.0], dtype=F64))
+    # 0 = off: exactly the unclamped formula
+    assert torch.equal(kl_penalty(logp, ref, "k3", clamp=0.0), kl_penalty(logp, ref, "k3"))
+    with pytest.raises(ValueError, match="clamp"):
+        kl_penalty(logp, ref, "k3", clamp=-1.0)
+
+
+def test_kl_clamp_bounds_the_k3_gradient_at_a_12_nat_gap():
+    # d = ref - logp = 12 nats: the k3 gradient per token is 1 - e^12 = -162,754 unclamped;
+    # verl's clamp (10) caps the value at 10 and zeroes the gradient; d = 2 is untouched.
+    for d, clamp, value, grad in [(12.0, 0.0, math.exp(12) - 13, 1 - math.exp(12)),
+                                  (12.0, 10.0, 10.0, 0.0),
+                                  (2.0, 10.0, math.exp(2) - 3, 1 - math.exp(2)),
+                                  (-12.0, 10.0, 10.0, 0.0)]:            # k3 = 11 + e^-12 > 10
+        lp = torch.zeros(1, 1, dtype=F64, requires_grad=True)
+        kl = kl_penalty(lp, torch.full((1, 1), d, dtype=F64), "k3", clamp=clamp)
+        kl.sum().backward()
+        assert kl.item() == pytest.approx(value, rel=1e-12) and lp.grad.item() == pytest.approx(grad, rel=1e-12)
+    # fp32 with a 100-nat gap: exp would overflow to inf (and a clamped inf has a nan gradient);
+    # the log-ratio is limited to [-20, 20] first, as verl does, so it stays finite
+    lp = torch.zeros(1, 1, requires_grad=True)
+    kl = kl_penalty(lp, torch.full((1, 1), 100.0), "k3", clamp=10.0)
+    kl.sum().backward()
+    assert kl.item() == 10.0 and lp.grad.item() == 0.0
+
+
+def test_kl_clamp_in_the_loss():
+    logp, old, adv, mask = _inputs()
+    loss, met = policy_loss(logp, old, adv, mask, kl_coef=0.1, ref_logprobs=_ref(logp), kl_clamp=0.25)
+    k = 0.25 + (LN2 - 0.5) + 0.25
+    assert loss.item() == pytest.approx((-3.46 + 0.1 * k) / 5, abs=1e-12)
+    assert met["kl"] == pytest.approx(k / 5)
+    with pytest.raises(ValueError, match="kl_clamp"):
+        policy_loss(logp, old, adv, mask, kl_clamp=-1.0)
+    with pytest.raises(ValueError, match="unknown objective"):
+        policy_loss(logp, old, adv, mask, objective="grpo")
+
+
+# --------------------------------------------------------------------------- independent reference
+def _loop_loss(lp, old, adv, mask, *, objective, clip_low, clip_high, aggregation, kl_coef, ref,
+               max_response_len, tis_cap, beh, kl_clamp):
+    """The issue's formulas written token by token with Python control flow (no shared code)."""
+    b, t = lp.shape
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    rows = []
+    for i in range(b):
+        a = adv[i].item()
+        toks = [j for j in range(t) if float(mask[i, j]) > 0]
+        if objective == "gspo" and toks:
+            s = torch.exp(sum(lp[i, j] - old[i, j] for j in toks) / len(toks))
+            sv = s.item()
+            seq = -(s * a if sv * a <= min(max(sv, lo), hi) * a else min(max(sv, lo), hi) * a)
+        row = []
+        for j in range(t):
+            if float(mask[i, j]) == 0:
+                row.append(torch.zeros((), dtype=lp.dtype))
+                continue
+            rho = torch.exp(lp[i, j] - old[i, j])
+            r = rho.item()
+            if objective == "ppo":
+                c = min(max(r, lo), hi)
+                term = -(rho * a if r * a <= c * a else torch.tensor(c * a, dtype=lp.dtype))
+            elif objective == "gspo":
+                term = seq if isinstance(seq, torch.Tensor) else torch.tensor(seq, dtype=lp.dtype)
+            else:   # cispo
+                term = -min(max(r, lo), hi) * a * lp[i, j]
+            if tis_cap is not None:
+                term = term * min(math.exp(float(old[i, j]) - float(beh[i, j])), tis_cap)
+            if kl_coef > 0:
+                d = (ref[i, j] - lp[i, j])
+                k = torch.exp(d) - d - 1
+                if kl_clamp and not -kl_clamp <= k.item() <= kl_clamp:
+                    k = torch.tensor(math.copysign(kl_clamp, k.item()), dtype=lp.dtype)
+                term = term + kl_coef * k
+            row.append(term)
+        rows.append(row)
+    kept = [i for i in range(b) if float(mask[i].sum()) > 0]
+    if aggregation == "token-mean":
+        return sum(sum(r) for r in rows) / float(mask.sum())
+    if aggregation == "seq-mean-token-mean":
+        return sum(sum(rows[i]) / float(mask[i].sum()) for i in kept) / len(kept)
+    return sum(sum(r) for r in rows) / (len(kept) * max_response_len)
+
+
+def _random(b=5, t=6, seed=0, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=F64) * 3
+    logp = old + spread * torch.randn(b, t, generator=g, dtype=F64)
+    adv = torch.randn(b, generator=g, dtype=F64)
+    mask = (torch.rand(b, t, generator=g) < 0.7).to(F64)
+    mask[:, 0] = 1.0
+    ref = logp + 0.8 * torch.randn(b, t, generator=g, dtype=F64)
+    beh = old + 0.5 * torch.randn(b, t, generator=g, dtype=F64)
+    return logp, old, adv, mask, ref, beh
+
+
+OBJS = ("gspo", "cispo", "ppo")
+COMBOS = list(itertools.product(OBJS, AGGS, [False, True], [None, 1.2]))
+
+
+@pytest.mark.parametrize("objective, aggregation, kl, tis_cap", COMBOS)
+def test_matches_loop_reference(objective, aggregation, kl, tis_cap):
+    # GSPO's sequence ratios sit closer to 1, so clip it tighter to hit both bounds
+    clip_low, clip_high = (0.05, 0.06) if objective == "gspo" else (0.2, 0.28)
+    logp, old, adv, mask, ref, beh = _random(b=8, seed=1)
+    kw = dict(clip_low=clip_low, clip_high=clip_high, aggregation=aggregation,
+              kl_coef=0.05 if kl else 0.0, max_response_len=9, tis_cap=tis_cap)
+    a = logp.clone().requires_grad_(True)
+    loss, met = policy_loss(a, old, adv, mask, ref_logprobs=ref if kl else None, objective=objective,
+                            behaviour_logprobs=beh if tis_cap else None, kl_clamp=0.3 if kl else 0.0,
+                            **kw)
+    loss.backward()
+    b = logp.clone().requires_grad_(True)
+    expect = _loop_loss(b, old, adv, mask, objective=objective, ref=ref, beh=beh,
+                        kl_clamp=0.3 if kl else 0.0, **kw)
+    expect.backward()
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+    # both clip bounds really bind somewhere (or this checks less than it claims)
+    assert met["clip_frac_low"] > 0 and met["clip_frac_high"] > 0, met
+    if kl:   # and the KL clamp too
+        d = ref - logp
+        assert bool((((d.exp() - d - 1) > 0.3) & (mask > 0)).any())
+
+
+# Not CISPO: its gradient is by design not the derivative of its value (the weight depends on
+# logp but is detached); its gradient is checked by hand and against the loop reference.
+@pytest.mark.parametrize("objective, aggregation", list(itertools.product(("ppo", "gspo"), AGGS)))
+def test_gradcheck(objective, aggregation):
+    logp, old, adv, mask, ref, beh = _random(b=3, t=4, seed=2)
+
+    def f(lp):
+        return policy_loss(lp, old, adv, mask, aggregation=aggregation, max_response_len=5,
+                           kl_coef=0.1, ref_logprobs=ref, tis_cap=1.3, behaviour_logprobs=beh,
+                           objective=objective)[0]
+
+    assert torch.autograd.gradcheck(f, (logp.clone().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("objective, aggregation, kl, tis_cap", COMBOS)
+def test_micro_batches_equal_full_batch(objective, aggregation, kl, tis_cap):
+    logp, old, adv, mask, ref, beh = _random(b=7, t=6, seed=4)
+    mask[3] = 0.0                                # an excluded response
+    kw = dict(aggregation=aggregation, max_response_len=8, kl_coef=0.1 if kl else 0.0,
+              tis_cap=tis_cap, objective=objective, kl_clamp=0.5 if kl else 0.0)
+
+    def run(lp, s, denom=None):
+        return policy_loss(lp[s], old[s], adv[s], mask[s], ref_logprobs=ref[s] if kl else None,
+                           behaviour_logprobs=beh[s] if tis_cap else None, loss_denominator=denom,
+                           **kw)[0]
+
+    full_lp = logp.clone().requires_grad_(True)
+    full = run(full_lp, slice(None))
+    full.backward()
+    splits = [slice(0, 1), slice(1, 4), slice(4, 5), slice(5, 7)]
+    denom = sum(local_denominator(mask[s], aggregation, 8) for s in splits)
+    micro_lp = logp.clone().requires_grad_(True)
+    total = 0.0
+    for s in splits:
+        loss = run(micro_lp, s, denom)
+        loss.backward()
+        total = total + loss.detach()
+    torch.testing.assert_close(total, full.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(micro_lp.grad, full_lp.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("objective, aggregation", list(itertools.product(OBJS, AGGS)))
+def test_excluded_response_is_as_if_never_sampled(objective, aggregation):
+    logp, old, adv, mask, _, _ = _random(b=4, t=5, seed=5)
+    with_excluded, m1 = policy_loss(logp, old, adv, torch.cat([mask[:3], torch.zeros_like(mask[3:])]),
+                                    aggregation=aggregation, max_response_len=6, objective=objective)
+    without, m2 = policy_loss(logp[:3], old[:3], adv[:3], mask[:3], aggregation=aggregation,
+                              max_response_len=6, objective=objective)
+    assert with_excluded.item() == pytest.approx(without.item(), abs=1e-14)
+    assert m1 == pytest.approx(m2)
+
+
+def test_objectives_registry_and_config_rules():
+    assert set(OBJECTIVES) == {"ppo", "gspo", "cispo"}
+    cfg = C.load(TINY[1], ["--loss.objective=gspo", "--loss.advantage=rloo", "--loss.kl_clamp=10",
+                           "--train.mini_batches=2", "--train.ppo_epochs=3",
+                           "--rollout.max_refill_rounds=0"])
+    assert (cfg.loss.objective, cfg.loss.advantage, cfg.loss.kl_clamp) == ("gspo", "rloo", 10.0)
+    assert (cfg.train.mini_batches, cfg.train.ppo_epochs, cfg.rollout.max_refill_rounds) == (2, 3, 0)
+    for over, msg in [("--loss.objective=dpo", "loss.objective: unknown 'dpo'"),
+                      ("--loss.advantage=gae", "loss.advantage: unknown 'gae'"),
+                      ("--loss.kl_clamp=-1", "loss.kl_clamp must be >= 0"),
+                      ("--train.mini_batches=0", "train.mini_batches must be >= 1"),
+                      ("--train.ppo_epochs=0", "train.ppo_epochs must be >= 1"),
+                      ("--rollout.max_refill_rounds=-1", "rollout.max_refill_rounds must be >= 0")]:
+        with pytest.raises(C.ConfigError, match=msg.replace("(", r"\(")):
+            C.load(TINY[1], [over])
+    # tiny: 4 prompts x 4 samples = 16 episodes over 2 trainers: 8 mini-batches of 1 per rank
+    # work, 3 do not (16 % 6), 16 do not (16 % 32)
+    C.validate_world(C.load(TINY[1], ["--train.mini_batches=8"]), 3)
+    for m in (3, 16):
+        with pytest.raises(C.ConfigError, match=f"train.mini_batches={m}"):
+            C.validate_world(C.load(TINY[1], [f"--train.mini_batches={m}"]), 3)
+
+
+# --------------------------------------------------------------------------- mini-batch order
+def test_update_order_is_seeded_by_seed_step_epoch_only():
+    a = [T.update_order(8, 0, 5, e) for e in range(4)]
+    assert all(sorted(o) == list(range(8)) for o in a)
+    assert a == [T.update_order(8, 0, 5, e) for e in range(4)]        # every rank, a resumed run
+    assert len({tuple(o) for o in a}) > 1                             # reshuffled per epoch
+    assert len({tuple(T.update_order(8, 0, s, 0)) for s in range(5)}) > 1     # and per step
+    assert len({tuple(T.update_order(8, s, 5, 0)) for s in range(5)}) > 1     # and per run seed
+    assert T.update_order(1, 3, 7, 2) == [0]
+
+
+# --------------------------------------------------------------------------- DAPO refill
+G = 4
+
+
+def _fake_rollout(calls):
+    """rollout() stand-in: problem p's group has reward variance iff p.index % 3 == 0."""
+    def fake(engine, problems, procs, sp, template, scorer, version, group_offset, seed):
+        calls.append(([p.index for p in problems], seed))
+        eps = []
+        for g, p in enumerate(problems):
+            for k in range(sp.n):
+                r = float(k % 2) if p.index % 3 == 0 else 0.5
+                eps.append(R.Episode(p.index, group_offset + g, [1], [2], [0.0], r, {}, version, False))
+        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0}
+    return fake
+
+
+def _problems(indices):
+    return [SimpleNamespace(index=i) for i in indices]
+
+
+def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
+    calls = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
+    pool = _problems(range(60))
+    sp = R.Sampling(n=G)
+    mine = _problems([0, 1, 2, 4])          # only problem 0 has reward variance
+    eps, st = R.rollout_refilled(None, mine, None, sp, "", None, 7, group_offset=8, seed=123,
+                                 pool=pool, rounds=50)
+    assert len(eps) == 4 * G
+    assert [e.group for e in eps] == [g for g in range(8, 12) for _ in range(G)]   # renumbered
+    groups = [eps[i:i + G] for i in range(0, len(eps), G)]
+    assert not zero_variance_groups(torch.tensor([e.reward for e in eps], dtype=F64), G).any()
+    assert groups[0][0].index == 0                                   # round 0's valid group first
+    assert st["refill_rounds"] == len(calls) - 1 >= 1
+    assert st["prompts"] == 4 * len(calls) and st["generate_s"] == len(calls)
+    # the extra rounds come from the seeded stream, with their own sampling seeds
+    for rnd, (idx, seed) in enumerate(calls[1:], start=1):
+        assert idx == [p.index for p in R.refill_problems(pool, 4, 123, rnd)]
+        assert seed == 123 + rnd * 1_000_003
+    assert calls[0] == ([0, 1, 2, 4], 123)
+    # deterministic: the same call gives the same episodes
+    calls2 = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls2))
+    eps2, _ = R.rollout_refilled(None, _problems([0, 1, 2, 4]), None, sp, "", None, 7, 8, 123, pool, 50)
+    assert calls2 == calls and [(e.index, e.group) for e in eps2] == [(e.index, e.group) for e in eps]
+
+
+def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
+    calls = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
+    pool = _problems([1, 2, 4, 5, 7, 8])       # no problem of the pool has reward variance
+    eps, st = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+                                 group_offset=0, seed=5, pool=pool, rounds=2)
+    assert st["refill_rounds"] == 2 and len(calls) == 3 and st["prompts"] == 6
+    # a full share: the valid group first, then the first dropped one (the trainer masks it)
+    assert [e.index for e in eps] == [3] * G + [1] * G
+    assert [e.group for e in eps] == [0] * G + [1] * G
+    assert zero_variance_groups(torch.tensor([e.reward for e in eps], dtype=F64), G).tolist() == [False, True]
+    # rounds = 0: exactly rollout()
+    calls.clear()
+    eps0, st0 = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+                                   group_offset=4, seed=5, pool=pool, rounds=0)
+    assert len(calls) == 1 and st0["refill_rounds"] == 0 and [e.group for e in eps0] == [4] * G + [5] * G
+    assert [e.index for e in eps0] == [1] * G + [3] * G              # order kept, nothing moved
+
+
+def test_refill_problems_stream():
+    pool = _problems(range(100))
+    a = R.refill_problems(pool, 10, 1, 1)
+    assert [p.index for p in a] == [p.index for p in R.refill_problems(pool, 10, 1, 1)]
+    assert len({p.index for p in a}) == 10                             # distinct
+    assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 1, 2)]
+    assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 2, 1)]
+    assert len(R.refill_problems(pool[:3], 10, 1, 1)) == 3
+    assert R.refill_metrics([{"refill_rounds": 2, "prompts": 12}, {"refill_rounds": 0, "prompts": 4}]) == \
+        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16}
+
+
+# --------------------------------------------------------------------------- torchrun runs
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+
+
+@pytest.mark.slow
+def test_two_mini_batches_two_epochs_clip_binds_and_learns(tmp_path):
+    torchrun(3, [*TINY, *TOY, f"--run.out_dir={tmp_path}", "--run.steps=20", "--run.keep_last=0",
+                 "--train.mini_batches=2", "--train.ppo_epochs=2", "--sync.verify=true"])
+    rows = metrics(tmp_path)
+    assert all(r["train/updates"] == 4 and r["sync/checksum_ok"] == 1.0 for r in rows)
+    assert [r["weight_version"] for r in rows] == list(range(20))      # one sync per rollout step
+    # the ratio moves once there is a gradient (at step 0 every reward is 0: no advantage)
+    assert all(r["train/approx_kl"] > 0 for r in rows if r["advantage/abs_mean"] > 0)
+    assert max(r["train/clip_frac_low"] for r in rows) > 0, rows
+    assert max(r["train/clip_frac_high"] for r in rows) > 0, rows
+    rewards = [r["reward/mean"] for r in rows]
+    print("reward M=2 E=2:", [round(x, 3) for x in rewards])
+    assert sum(rewards[:3]) / 3 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gspo", "cispo"])
+def test_demo_runs_with_gspo_and_cispo_presets(tmp_path, preset):
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--config",
+                        str(ROOT / "configs" / "presets" / f"{preset}.toml"), *TOY,
+                        f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0",
+                        "--train.mini_batches=2"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3 and all(r["train/updates"] == 2 for r in rows)
+    assert f'objective = "{preset}"' in (tmp_path / "config.toml").read_text()
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_refill_in_a_run_draws_more_and_stops_at_its_bound(tmp_path):
+    # A reward that is 0 for every response (responses are decoded without special tokens, so a
+    # special token is never counted): every group has zero variance, so every step runs all its
+    # refill rounds, then trains on nothing (all groups masked, counted as dropped).
+    zero = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<|im_start|>"}]']
+    torchrun(3, [*TINY, *zero, f"--run.out_dir={tmp_path / 'zero'}", "--run.steps=2",
+                 "--run.keep_last=0", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2"])
+    for r in metrics(tmp_path / "zero"):
+        assert r["rollout/refill_rounds"] == 2 and r["rollout/prompts_drawn"] == 4 * 3
+        assert r["train/dropped_groups"] == 4 and r["loss"] == 0.0
+    # The toy reward: early groups are mostly all-zero, so refill draws more prompts; whenever it
+    # stopped before its bound, every group that reached the trainers had reward variance.
+    torchrun(3, [*TINY, *TOY, f"--run.out_dir={tmp_path / 'toy'}", "--run.steps=6",
+                 "--run.keep_last=0", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=3"])
+    rows = metrics(tmp_path / "toy")
+    assert any(r["rollout/prompts_drawn"] > 4 for r in rows), rows
+    for r in rows:
+        assert r["rollout/prompts_drawn"] == 4 * (1 + r["rollout/refill_rounds"])
+        assert r["rollout/refill_rounds"] <= 3
+        if r["rollout/refill_rounds"] < 3:
+            assert r["train/dropped_groups"] == 0, r
+
+
+@pytest.mark.slow
+def test_exact_resume_with_mini_batches_epochs_and_refill(tmp_path):
+    args = [*TINY, *TOY, "--run.save_every=2", "--train.mini_batches=2", "--train.ppo_epochs=2",
+            "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2", "--loss.objective=cispo"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    torchrun(3, [*args, f"--run.out_dir={a}", "--run.steps=4"])
+    torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=2"])
+    torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=4"])
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert strip(metrics(a)) == strip(metrics(b))
+
+
+# --------------------------------------------------------------------------- the trainer, one process
+def test_train_step_several_updates_in_one_process(tmp_path):
+    """A world of one trainer: the proximal pass equals the training forward bit for bit (so the
+    first update's ratio is exactly 1), M = E = 1 keeps ratio 1 and no clipping, and M = 2,
+    E = 2 makes four optimizer steps whose later ratios move and get clipped."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import data
+    import model as M
+    import synthetic
+    from tests.util import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        path = str(M.build_tiny(tmp_path / "tiny"))
+        tok = M.load_tokenizer(path)
+        tokens = M.Tokens.of(tok, M.vocab_size(path))
+        ip = M.load_image_processor(path, 56 * 56, 112 * 112)
+        procs = M.Processors(tok, tokens, ip)
+        engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+        problems = synthetic.make_synthetic(4, seed=3)
+        prompts = [(M.prompt_ids(tok, data.user_text(p), 1, tokens), [p.image]) for p in problems]
+        out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
+        eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
+                         c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+        images = {p.index: p.image for p in problems}
+        world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
+
+        def run(over):
+            cfg = C.load(None, ["--loss.kl_coef=0", "--rollout.max_new_tokens=10", *over])
+            policy = M.load_model(path)
+            M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+            tr = T.Trainer(policy, None, opt, sched, None, torch.device("cpu"))
+            return tr, cfg, T.train_step(tr, eps, images, world=world, procs=procs, tc=cfg.train,
+                                         lc=cfg.loss, rc=cfg.rollout, step=0)
+
+        tr, cfg, one = run([])
+        assert one["train/updates"] == 1 and one["train/ratio_mean"] == 1.0
+        assert one["train/clip_frac_low"] == 0 == one["train/clip_frac_high"]
+
+        # no-grad proximal pass == the training forward, bit for bit
+        idx = list(range(8))
+        plan = T.agree_plans([T._seq_lengths(eps, idx, images, ip)], cfg.train, dist.group.WORLD)[0]
+        prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, temperature=1.0)
+        for (old, _), mb in zip(prox, plan):
+            batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb], ip,
+                              tokens, torch.device("cpu"))
+            lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
+            assert torch.equal(lp.detach(), old)
+
+        _, _, four = run(["--train.mini_batches=2", "--train.ppo_epochs=2", "--train.lr=0.05",
+                          "--train.micro_batch_size=3"])
+        assert four["train/updates"] == 4 and four["train/skipped"] == 0
+        assert four["train/approx_kl"] > 0 and four["train/ratio_mean"] != 1.0
+        assert four["train/clip_frac_low"] + four["train/clip_frac_high"] > 0, four
+        assert four["train/micro_batches"] == 4 * 3          # 8 episodes per mini-batch, 3 a pass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_easyr1_recipe_dry_run():
+    e = env()
+    e["GRPO_DEVICE"] = "cuda"
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
+                        str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cfg = C.load(str(ROOT / "configs" / "vl3b_easyr1.toml"))
+    C.validate_world(cfg, 16)
+    # 4 updates per rollout batch of 512 prompts x 5 samples, KL 1e-2 low_var_kl, lr 1e-6
+    assert (cfg.train.mini_batches, cfg.train.ppo_epochs) == (4, 1)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (512, 5)
+    assert (cfg.loss.kl_coef, cfg.loss.kl_estimator, cfg.loss.kl_clamp) == (0.01, "k3", 10.0)
+    assert (cfg.train.lr, cfg.loss.clip_low, cfg.loss.clip_high) == (1e-6, 0.2, 0.3)
+    assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_len) == (2048, 2048)
+    assert (cfg.model.min_pixels, cfg.model.max_pixels) == (262144, 4194304)
+    assert "mini_batches = 4" in p.stdout
