@@ -132,6 +132,7 @@ class Sender:
         self._bufs: list[torch.Tensor] = []
         self._plan_sent = False
 
+    @torch.no_grad()  # full_tensor() and the casts would otherwise record autograd nodes
     def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
         """Gather, pack and broadcast all parameters. Returns the bytes sent (root only).
 

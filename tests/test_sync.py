@@ -139,3 +139,23 @@ def test_sender_receiver_over_gloo_every_path_three_syncs(tmp_path):
     assert sum(len(b) == 2 for b in plan) == 5
     results = sorted((r, v, ok) for r, v, ok in (g for g in got if g[0] != "plan"))
     assert results == [(r, v, True) for r in (1, 2) for v in (1, 2, 3)]
+
+
+def test_send_gathers_without_autograd(monkeypatch):
+    """FSDP2's full_tensor() is differentiable: under autograd every sync would record a graph
+    node per parameter. Sender.send runs without grad: the gathered tensors have no grad_fn."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():  # stands in for a DTensor: an autograd op like the all-gather
+        p.full_tensor = (lambda p=p: p * 1.0)
+    gathered = []
+    real = S.full_tensor
+
+    def recording(p):
+        t = real(p)
+        gathered.append(t)
+        return t
+    monkeypatch.setattr(S, "full_tensor", recording)
+    assert model[0].weight.full_tensor().grad_fn is not None  # the stand-in does record a graph
+    S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(1, sink=lambda named: None)
+    assert len(gathered) == 4
+    assert all(t.grad_fn is None and not t.requires_grad for t in gathered)
