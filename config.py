@@ -159,6 +159,7 @@ class SyncConfig:
     enabled: bool = True                     # False: engines keep the initial weights (the control experiment)
     bucket_mb: float = num(256.0, "> 0")     # bucket size of the broadcast
     verify: bool = False                     # after every sync compare engine and trainer weights bitwise (tests)
+    channel_port: int = num(0, "[0, 65535]")  # vllm: the weight channel's TCP port on MASTER_ADDR (0: any free); engine nodes must reach it
 
 
 @dataclass

@@ -13,6 +13,7 @@ CPU machine. No other module calls `torch.cuda` / `torch.npu` directly (a test g
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -98,6 +99,36 @@ def synchronize(dev: Device) -> None:
         torch.cuda.synchronize()
     elif dev.kind == "npu":
         torch.npu.synchronize()
+
+
+def new_stream(device: torch.device):
+    """A side stream on `device` (the weight channel's own); None on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    if device.type == "npu":
+        return torch.npu.Stream(device=device)
+    return None
+
+
+def current_stream(device: torch.device):
+    """This thread's current stream on `device` (None on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    if device.type == "npu":
+        return torch.npu.current_stream(device)
+    return None
+
+
+def stream_context(stream):
+    """`with stream_context(s):` makes `s` this thread's current stream (a no-op for None).
+
+    On CUDA this goes through torch.cuda.set_stream, which vLLM patches to keep its own
+    thread-local "current stream" in step (vllm.utils.torch_utils.current_stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if stream.device.type == "cuda":
+        return torch.cuda.stream(stream)
+    return torch.npu.stream(stream)
 
 
 def peak_memory_gb(dev: Device) -> float:
