@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 def dry_run(cfg: C.Config) -> int:
     """The resolved config, one JSON line per rank, and one with every group's members."""
     print(C.dump_toml(cfg))
-    c = cfg.cluster
-    C.validate_world(cfg, c.nnodes * c.nproc_per_node)
-    plan = W.rank_plan(c.nnodes * c.nproc_per_node, c.gen_ranks, c.nproc_per_node)
+    c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
+    C.validate_world(cfg, n, D.planned_kind())
+    plan = W.rank_plan(n, c.gen_ranks, c.nproc_per_node, cfg.rollout.tensor_parallel_size)
     for row in plan:
         row["device"] = row["device"].format(dev=D.planned_kind())
         print(json.dumps(row))
@@ -127,8 +127,8 @@ def dry_run(cfg: C.Config) -> int:
 def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None) -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
-    C.validate_world(cfg, W.launched_size())  # before any process group exists
-    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend)
+    C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
+    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_sigterm(live)
     if eval_checkpoint:

@@ -179,7 +179,7 @@ class VLLMEngine:
     """vLLM / vllm-ascend generation with vLLM's default multiprocess engine.
 
     The engine (and its worker) run in processes vLLM spawns; this rank never touches the
-    accelerator itself (narrow the visible devices before constructing: device.narrow_visible).
+    accelerator itself (world.setup narrowed the visible devices to the engine's own).
     Weights arrive straight in the worker over a communicator of their own (sync.open_channel):
     `join_weight_channel` once, then `receive_weights` per sync; only metadata crosses
     `collective_rpc`, each call with a deadline of this rank's own (:meth:`_rpc`). The engine
@@ -191,10 +191,9 @@ class VLLMEngine:
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int,
                     timeout_s: float) -> "VLLMEngine":
+        # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
+        # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
-        # vLLM runs in processes it spawns, which must see only this rank's device; this
-        # process never touches the accelerator (`device` is the CPU here).
-        D.narrow_visible(dev, local_rank)
         print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
               f"{type(procs.image_processor).__name__}; every vLLM process checks it loads the same",
               flush=True)
