@@ -110,7 +110,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
-    tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (1 in the supported layouts)
+    tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
 
 
 @dataclass

@@ -128,8 +128,9 @@ def resolve_path(path: str, run_dir: Path, seed: int) -> str:
 
 # ----------------------------------------------------------------------------- processors
 def _image_processor_cls():
-    # The torchvision-backed Qwen2-VL image processor cannot import beside the CPU torch build;
-    # the PIL one computes the same pixels and is what runs on every device here.
+    # The one image processor class on every device, in the trainer and (forced and checked by
+    # vllm_engine.checked_processor) in every vLLM process: the torchvision-backed one cannot
+    # import beside the CPU torch build, and its pixels differ slightly from the PIL one's.
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil
