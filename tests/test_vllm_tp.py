@@ -14,6 +14,7 @@ from tests.test_vllm import (CPU, MAX_PX, MIN_PX, _free_port, _max_diff, _pertur
                              _problems, _prompts, _thread, tiny, world)
 
 import config as C  # noqa: E402
+import model as M  # noqa: E402
 import rollout as R  # noqa: E402
 import sync as S  # noqa: E402
 import vllm_engine as V  # noqa: E402
@@ -43,13 +44,13 @@ def tp_engine(world, tiny):  # noqa: F811
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
 
 
-def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, monkeypatch):
+def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, monkeypatch):  # noqa: F811
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # trainer rank 0 has it
     problems = _problems(2, seed=6)
     prompts = _prompts(tiny, problems)
     sp = R.Sampling(n=2, max_new_tokens=8)
-    policy = M_load(tiny)
-    original = M_load(tiny)
+    policy = M.load_model(tiny.path).eval()
+    original = M.load_model(tiny.path).eval()
     out = tp_engine.generate(prompts, sp, seed=1)
     assert _max_diff(original, tiny, problems, prompts, out, 1.0) <= 1e-4
 
@@ -70,7 +71,3 @@ def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, mon
     # a shard that kept its old weights would leave a gap to the perturbed trainer
     assert after <= 1e-4 and before > 1e-2
 
-
-def M_load(tiny):
-    import model as M
-    return M.load_model(tiny.path).eval()
