@@ -118,7 +118,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
-    tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (1 in the supported layouts)
+    tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
     # DAPO dynamic sampling (with loss.drop_zero_variance): while a generation rank has fewer than
     # its share of groups with non-zero reward variance, it draws another share of prompts from a
     # seeded stream (seed, step, round, rank), at most this many extra rounds; zero-variance groups
@@ -189,6 +189,7 @@ class SyncConfig:
     enabled: bool = True                     # False: engines keep the initial weights (the control experiment)
     bucket_mb: float = num(256.0, "> 0")     # bucket size of the broadcast
     verify: bool = False                     # after every sync compare engine and trainer weights bitwise (tests)
+    channel_port: int = num(0, "[0, 65535]")  # vllm: the weight channel's TCP port on MASTER_ADDR (0: any free); engine nodes must reach it
 
 
 @dataclass
@@ -294,6 +295,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")
+    need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
+         "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
+         "one device)")
     if ro.engine == "vllm":
         need(ro.top_p == 1.0 and ro.top_k == 0,
              "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
@@ -328,8 +332,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         validate_world(cfg, world_size)
 
 
-def validate_world(cfg: Config, world_size: int) -> None:
-    """Rules that depend on the launch: how many ranks train and generate (world.split_roles)."""
+def validate_world(cfg: Config, world_size: int, device: str | None = None) -> None:
+    """Rules that depend on the launch: how many ranks train and generate (world.split_roles),
+    and on which device kind (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without
+    GRPO_DEVICE; None: not checked)."""
     from world import split_roles
     c, ro = cfg.cluster, cfg.rollout
     try:
@@ -340,6 +346,16 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if ro.max_staleness and world_size == 1:
         raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
                           "cannot overlap generation with training)")
+    if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1:
+        raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
+                          "would share one device (NCCL/HCCL refuse that; vLLM takes "
+                          "rollout.gpu_memory_utilization of it); launch 2+ ranks or use engine 'hf'")
+    if device == "npu":
+        import device as D
+        try:
+            D.hccl_env(c.timeout_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if ro.prompts_per_step % n_gen:
         raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide evenly over "
                           f"{n_gen} generation ranks")

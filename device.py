@@ -13,6 +13,7 @@ CPU machine. No other module calls `torch.cuda` / `torch.npu` directly (a test g
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -80,17 +81,46 @@ def torch_device(dev: Device, local_rank: int) -> torch.device:
     return torch.device(dev.kind, local_rank)
 
 
-def narrow_visible(dev: Device, local_rank: int) -> None:
-    """Make only this rank's physical device visible to processes this one spawns (vLLM's engine).
+def narrow_visible(dev: Device, device_ids: list[int]) -> None:
+    """Make only `device_ids` (this node's device indices) visible to processes this one spawns
+    (vLLM's engine and its workers, which then number them from 0).
 
-    Must run before the engine starts; the engine then uses logical device 0. The value is
-    resolved through any visibility the launcher already set.
+    Must run before the engine starts. The indices are resolved through any visibility the
+    launcher already set; one beyond it is an error naming the variable.
     """
     if dev.visible_env is None:
         return
     current = os.environ.get(dev.visible_env)
     ids = current.split(",") if current else [str(i) for i in range(64)]
-    os.environ[dev.visible_env] = ids[local_rank]
+    if max(device_ids) >= len(ids):
+        raise ValueError(f"{dev.visible_env}={current}: this rank needs devices {device_ids} of its "
+                         f"node (trainers first, then tensor_parallel_size devices per engine)")
+    os.environ[dev.visible_env] = ",".join(ids[i] for i in device_ids)
+
+
+def hccl_env(timeout_s: float, environ=os.environ) -> dict[str, str]:
+    """HCCL settings of an NPU run checked against `cluster.timeout_s` (the process groups'
+    timeout, i.e. torch-npu's watchdog), before any process group exists. Returns the variables
+    to set; raises ValueError (one line) on a contradiction.
+
+    - HCCL_EXEC_TIMEOUT (how long a started collective waits for its peers) must stay below the
+      watchdog, or the watchdog kills the job first and HCCL's own report (plog) is lost; unset,
+      it becomes 90% of cluster.timeout_s (HCCL reads it when communicators are created).
+    - HCCL_OP_EXPANSION_MODE=AIV is refused: CANN documents it for inference only, not for
+      several communicators in one process, with a single-node Broadcast, and it caps
+      HCCL_EXEC_TIMEOUT at 1091 s.
+    """
+    if environ.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV":
+        raise ValueError("HCCL_OP_EXPANSION_MODE=AIV is for inference only (CANN: not for several "
+                         "communicators per process, Broadcast single-node); unset it for training")
+    exec_s = environ.get("HCCL_EXEC_TIMEOUT")
+    if exec_s is None:
+        return {"HCCL_EXEC_TIMEOUT": str(max(1, int(timeout_s * 0.9)))}
+    if not exec_s.strip().isdigit() or not 0 < int(exec_s) < timeout_s:
+        raise ValueError(f"HCCL_EXEC_TIMEOUT={exec_s} must be in [1, cluster.timeout_s={timeout_s:g}) "
+                         "(torch-npu's watchdog would fire first and HCCL's report be lost); "
+                         "lower it, raise cluster.timeout_s, or unset it (then 90% of it)")
+    return {}
 
 
 def synchronize(dev: Device) -> None:
@@ -98,6 +128,36 @@ def synchronize(dev: Device) -> None:
         torch.cuda.synchronize()
     elif dev.kind == "npu":
         torch.npu.synchronize()
+
+
+def new_stream(device: torch.device):
+    """A side stream on `device` (the weight channel's own); None on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    if device.type == "npu":
+        return torch.npu.Stream(device=device)
+    return None
+
+
+def current_stream(device: torch.device):
+    """This thread's current stream on `device` (None on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    if device.type == "npu":
+        return torch.npu.current_stream(device)
+    return None
+
+
+def stream_context(stream):
+    """`with stream_context(s):` makes `s` this thread's current stream (a no-op for None).
+
+    On CUDA this goes through torch.cuda.set_stream, which vLLM patches to keep its own
+    thread-local "current stream" in step (vllm.utils.torch_utils.current_stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if stream.device.type == "cuda":
+        return torch.cuda.stream(stream)
+    return torch.npu.stream(stream)
 
 
 def peak_memory_gb(dev: Device) -> float:

@@ -128,8 +128,9 @@ def resolve_path(path: str, run_dir: Path, seed: int) -> str:
 
 # ----------------------------------------------------------------------------- processors
 def _image_processor_cls():
-    # The torchvision-backed Qwen2-VL image processor cannot import beside the CPU torch build;
-    # the PIL one computes the same pixels and is what runs on every device here.
+    # The one image processor class on every device, in the trainer and (forced and checked by
+    # vllm_engine.checked_processor) in every vLLM process: the torchvision-backed one cannot
+    # import beside the CPU torch build, and its pixels differ slightly from the PIL one's.
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
         Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil
@@ -162,10 +163,24 @@ def load_processors(path: str, min_pixels: int, max_pixels: int) -> Processors:
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The model at `path`, as loaded (transformers leaves it in eval mode: a policy that trains
+    must call `.train()`, or activation checkpointing never runs)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype,
                                                                attn_implementation="sdpa")
+    refuse_dropout(model.config, path)
     return model.to(device)
+
+
+def refuse_dropout(config, path: str) -> None:
+    """Train mode must compute what eval mode computes: the trainer's logprobs (train mode) are
+    compared with the engines' (eval) and enter the GRPO ratio. Qwen2.5-VL's only mode-dependent
+    op is the text attention's dropout (the vision tower hard-codes 0)."""
+    p = getattr(getattr(config, "text_config", config), "attention_dropout", 0.0)
+    if p:
+        raise ValueError(f"model.path={path}: text_config.attention_dropout={p}; the policy must be "
+                         "deterministic in train mode (GRPO ratio, engine/trainer logprob parity): "
+                         "set it to 0.0 in the model's config.json")
 
 
 @dataclass(frozen=True)
@@ -325,7 +340,7 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if checkpointing:
+    if checkpointing:  # acts only in train mode (transformers checks `self.training`)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kw = {"mesh": mesh}
     if mixed_precision:  # bf16 compute, fp32 master weights and gradient reduction
@@ -335,3 +350,35 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+class CheckpointCounter:
+    """Activation checkpointing at work, counted: `calls` is the number of layer forwards that went
+    through the checkpoint function, `recomputes` the number of those the backward ran again
+    (what checkpointing is for). Both stay 0 when checkpointing is off or the model is in eval
+    mode. Wraps each layer's `_gradient_checkpointing_func` (transformers 5.x, set by
+    `gradient_checkpointing_enable`); for tests and bench/step.py."""
+
+    def __init__(self, model):
+        self.calls = self.runs = 0
+        for m in model.modules():
+            f = getattr(m, "_gradient_checkpointing_func", None)
+            if f is not None:
+                m._gradient_checkpointing_func = self._wrap(f)
+
+    def _wrap(self, checkpoint):
+        def counted(fn, *args, **kwargs):
+            self.calls += 1
+
+            def run(*a, **k):
+                self.runs += 1
+                return fn(*a, **k)
+            return checkpoint(run, *args, **kwargs)
+        return counted
+
+    @property
+    def recomputes(self) -> int:
+        return self.runs - self.calls
+
+    def reset(self) -> None:
+        self.calls = self.runs = 0

@@ -132,6 +132,7 @@ class Sender:
         self._bufs: list[torch.Tensor] = []
         self._plan_sent = False
 
+    @torch.no_grad()  # full_tensor() and the casts would otherwise record autograd nodes
     def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
         """Gather, pack and broadcast all parameters. Returns the bytes sent (root only).
 
@@ -352,6 +353,8 @@ def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
 # already holds the torchrun world). One code path; the library is chosen by device.Device.comm.
 import contextlib  # noqa: E402  (imports of this section, kept with it)
 import os  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
 
 
 def plan_to_plain(plan: list[list[Slot]]) -> list[list[dict]]:
@@ -366,31 +369,51 @@ def plan_from_plain(plain: list[list[dict]]) -> list[list[Slot]]:
 
 
 class _StreamWork:
-    """`.wait()` for a collective enqueued on the device's current stream (pynccl / pyhccl)."""
+    """`.wait()` for a collective enqueued on `stream`: its completion event is recorded on that
+    same stream object (not on whatever stream is current in the calling thread).
 
-    def __init__(self, device: torch.device):
-        self.event = torch.Event(device=device)
-        self.event.record()
+    `deadline_s`: PyNccl / PyHccl have no watchdog, so a peer that never joins a broadcast would
+    block `wait()` forever; with a deadline it raises instead (the run's failure path then stops
+    every rank)."""
+
+    def __init__(self, stream, deadline_s: float | None = None):
+        self.event = stream.record_event()
+        self.deadline_s = deadline_s
 
     def wait(self) -> None:
-        self.event.synchronize()
+        if self.deadline_s is None:
+            self.event.synchronize()
+            return
+        end = time.monotonic() + self.deadline_s
+        while not self.event.query():
+            if time.monotonic() > end:
+                raise RuntimeError(f"weight channel: a broadcast did not complete within "
+                                   f"{self.deadline_s:.0f} s (a peer is stuck or dead)")
+            time.sleep(0.0002)
 
 
 class CommChannel:
     """Broadcast from this channel's rank 0 (trainer rank 0) to every vLLM worker.
 
     The same object on both sides: `broadcast(buf)` sends `buf` on rank 0 and receives into it
-    elsewhere; every member calls it for every bucket, in the same order.
+    elsewhere; every member calls it for every bucket, in the same order. With a PyNccl/PyHccl
+    communicator the broadcasts run on the channel's own side stream, passed explicitly (their
+    default is each library's own notion of the current stream, which need not be torch's), so
+    the broadcast of one bucket overlaps the packing or loading of the next.
     """
 
-    def __init__(self, group, comm=None):
+    def __init__(self, group, comm=None, stream=None, deadline_s: float | None = None):
         self.group, self.comm = group, comm  # comm: PyNccl/PyHccl communicator; None: gloo group
+        self.stream, self.deadline_s = stream, deadline_s
 
     def broadcast(self, buf: torch.Tensor):
         if self.comm is None:
             return fan_out(self.group, buf)     # gloo; root = rank 0 within this group
-        self.comm.broadcast(buf, src=0)
-        return _StreamWork(buf.device)
+        # `buf` was just written (sender: pack) or its previous contents read (receiver: the
+        # loader) on this thread's current stream: the side stream waits for that work first.
+        self.stream.wait_stream(D.current_stream(buf.device))
+        self.comm.broadcast(buf, src=0, stream=self.stream)
+        return _StreamWork(self.stream, self.deadline_s)
 
 
 @contextlib.contextmanager
@@ -405,51 +428,93 @@ def _without_agent_store():
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
+def _stateless_group(host: str, port: int, rank: int, world_size: int, listen_socket=None):
+    from vllm.distributed.utils import StatelessProcessGroup
+    return StatelessProcessGroup.create(host, port, rank, world_size, listen_socket=listen_socket)
+
+
+def _stateless_gloo(host: str, port: int, rank: int, world_size: int, listen_socket=None):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
+                                                          listen_socket=listen_socket)
+
+
+def _communicator_class(comm: str):
+    if comm == "pynccl":
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        return PyNcclCommunicator
+    from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator
+    return PyHcclCommunicator
+
+
 def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
-                 device: torch.device) -> CommChannel:
+                 device: torch.device, *, listen_socket=None,
+                 deadline_s: float | None = None) -> CommChannel:
     """Join the weight channel: `comm` "gloo" (CPU), "pynccl" (CUDA) or "pyhccl" (Ascend).
 
-    Rank 0 (trainer rank 0) hosts the rendezvous at host:port; all `world_size` members must
-    call this concurrently (it blocks until they have). Nothing in torch's global state changes.
+    Rank 0 (trainer rank 0) hosts the rendezvous at host:port, on `listen_socket` when given
+    (already bound and listening: see :func:`listen`); all `world_size` members must call this
+    concurrently (it blocks until they have). Nothing in torch's global state changes: the
+    communicator is built inside a stream context on the channel's side stream, so PyNccl's
+    constructor does not make a new stream this thread's current one. `deadline_s` bounds every
+    broadcast's wait (see _StreamWork).
     """
     if comm not in ("gloo", "pynccl", "pyhccl"):
         raise ValueError(f"weight channel: unknown communicator {comm!r} (gloo | pynccl | pyhccl)")
-    from vllm.distributed.utils import (StatelessProcessGroup,
-                                        stateless_init_torch_distributed_process_group)
     with _without_agent_store():
         if comm == "gloo":
-            return CommChannel(stateless_init_torch_distributed_process_group(
-                host, port, rank, world_size, "gloo"))
-        group = StatelessProcessGroup.create(host, port, rank, world_size)
-    if comm == "pynccl":
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator as Comm
-    else:
-        from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator as Comm
-    communicator = Comm(group, device=device)
+            return CommChannel(_stateless_gloo(host, port, rank, world_size, listen_socket))
+        group = _stateless_group(host, port, rank, world_size, listen_socket)
+    stream = D.new_stream(device)
+    with D.stream_context(stream):
+        communicator = _communicator_class(comm)(group, device=device)
     if communicator.disabled:  # its broadcast would then return without moving a byte
         raise RuntimeError(f"weight channel: {comm} is unavailable (world_size={world_size}, "
                            "or the NCCL/HCCL library was not found)")
-    return CommChannel(group, communicator)
+    return CommChannel(group, communicator, stream, deadline_s)
+
+
+def listen(port: int) -> socket.socket:
+    """Trainer rank 0's listening socket for the weight channel's rendezvous, on every interface,
+    at `port` (`[sync] channel_port`; 0: one the OS picks). Bound here and handed to vLLM's
+    helpers, so the port announced is the one that listens (no probe-then-bind race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("", port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"sync.channel_port={port}: cannot listen on it ({e.strerror}); "
+                           "pick a free port or 0") from None
+    sock.listen()
+    return sock
 
 
 def open_engine_channel(world, comm: str, engine, members_per_engine: int,
-                        device: torch.device) -> CommChannel | None:
+                        device: torch.device, *, port: int = 0,
+                        timeout_s: float | None = None) -> CommChannel | None:
     """Trainer rank 0 and the workers of every engine whose `OWN_CHANNEL` is set join one
     communicator (`comm`: gloo / pynccl / pyhccl, by device), once, at start-up. Collective over
-    the world. Returns trainer rank 0's end (None elsewhere); engines keep theirs."""
-    from world import free_port
+    the world. Trainer rank 0 listens on `port` (0: any free one) and announces MASTER_ADDR and
+    the port to the others over the world's gloo group: every generation node must reach
+    MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns trainer
+    rank 0's end (None elsewhere); engines keep theirs."""
     size = 1 + len(world.gens) * members_per_engine
-    addr = [os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port()] if world.is_root else [None, None]
+    sock = listen(port) if world.is_root else None
+    addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]] if world.is_root
+            else [None, None])
     dist.broadcast_object_list(addr, 0, group=world.ctrl)
     host, port = addr
     if world.size == 1:  # both ends in this process: the engine joins from a thread
         import threading
         t = threading.Thread(target=engine.join_weight_channel, args=(host, port, 1, size))
         t.start()
-        chan = open_channel(comm, host, port, 0, size, device)
+        chan = open_channel(comm, host, port, 0, size, device, listen_socket=sock,
+                            deadline_s=timeout_s)
         t.join()
         return chan
     if world.is_gen:
         engine.join_weight_channel(host, port, 1 + world.gen_index * members_per_engine, size)
         return None
-    return open_channel(comm, host, port, 0, size, device) if world.is_root else None
+    return (open_channel(comm, host, port, 0, size, device, listen_socket=sock,
+                         deadline_s=timeout_s) if world.is_root else None)

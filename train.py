@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 def dry_run(cfg: C.Config) -> int:
     """The resolved config, one JSON line per rank, and one with every group's members."""
     print(C.dump_toml(cfg))
-    c = cfg.cluster
-    C.validate_world(cfg, c.nnodes * c.nproc_per_node)
-    channel = R.engine_class(cfg.rollout.engine).OWN_CHANNEL
-    for row in W.plan_rows(c.nnodes * c.nproc_per_node, c.gen_ranks, c.nproc_per_node,
-                           D.planned_kind(), cfg.rollout.tensor_parallel_size if channel else 0):
+    c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
+    C.validate_world(cfg, n, D.planned_kind())
+    for row in W.plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
+                           cfg.rollout.tensor_parallel_size,
+                           R.engine_class(cfg.rollout.engine).OWN_CHANNEL):
         print(json.dumps(row))
     return 0
 
@@ -126,8 +126,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
         sources: str = "") -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
-    C.validate_world(cfg, W.launched_size())  # before any process group exists
-    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend)
+    C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
+    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_sigterm(live)
@@ -237,7 +237,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     channel = None
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
-        channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device)
+        channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
+                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
                   cfg.run.steps, channel) if world.is_trainer else None)
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None

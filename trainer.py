@@ -56,7 +56,8 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    policy = M.load_model(model_path, dtype=torch.float32, device=device)
+    # train(): transformers loads in eval mode, where activation checkpointing never runs
+    policy = M.load_model(model_path, dtype=torch.float32, device=device).train()
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     M.apply_fsdp(policy, mesh, mixed_precision=mc.mixed_precision,

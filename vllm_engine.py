@@ -10,8 +10,8 @@ crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -66,33 +66,65 @@ def vllm_completion(token_ids, logprobs, finish_reason: str | None) -> Completio
                       truncated=finish_reason == "length")
 
 
-def _image_only_processor() -> None:
-    """Let vLLM load Qwen2.5-VL's HF processor where torchvision is missing (the CPU build).
+IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor vLLM loaded
 
-    transformers 5.x loads a video processor with every Qwen2_5_VLProcessor, and the only one
-    it has needs torchvision. A subclass without the `video_processor` argument loads from the
-    same folder with the same image processor; videos are off (limit_mm_per_prompt). Needed in
-    every vLLM process (the front end here, the engine core, the worker): `_VLLMProcessHook`
-    carries it into the spawned ones. With torchvision installed this does nothing.
+
+def _image_only_processor() -> None:
+    """Every vLLM process loads Qwen2.5-VL's HF processor with the trainer's image processor
+    class (`model._image_processor_cls`, PIL) and no video processor, on every device.
+
+    - One class on both sides: vLLM asks transformers for `use_fast=True`, i.e. the torchvision
+      image processor wherever torchvision is installed (GPU/NPU), while the trainer uses the PIL
+      one: same grids, slightly different pixels, a systematic logprob gap. `use_fast=False` is
+      forced here (a model-level setting loses to vLLM's explicit True; `backend="pil"` would
+      also reach the tokenizer), and the class is checked: anything else stops the engine.
+    - transformers 5.x loads a video processor with every Qwen2_5_VLProcessor, and the only one it
+      has needs torchvision (missing on CPU): a subclass without the `video_processor` argument
+      loads from the same folder; videos are off (limit_mm_per_prompt).
+    Needed in every vLLM process (the front end here, the engine core, the worker):
+    `_VLLMProcessHook` carries it into the spawned ones.
     """
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
 
     if getattr(Qwen2_5_VLProcessingInfo.get_hf_processor, "image_only", False):
         return
-
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+    cls = image_only_processor_cls()
 
     def get_hf_processor(self, **kwargs):
-        kwargs.pop("use_fast", None)  # a torchvision switch; the PIL image processor is used
-        return self.ctx.get_hf_processor(ImageOnlyQwen2_5_VLProcessor, **kwargs)
+        return checked_processor(lambda **kw: self.ctx.get_hf_processor(cls, **kw), **kwargs)
 
     get_hf_processor.image_only = True
     Qwen2_5_VLProcessingInfo.get_hf_processor = get_hf_processor
+
+
+_IMAGE_ONLY: list = []
+
+
+def image_only_processor_cls():
+    """Qwen2_5_VLProcessor without a video processor (loads from the same folder)."""
+    if not _IMAGE_ONLY:
+        from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+
+        class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+        _IMAGE_ONLY.append(ImageOnlyQwen2_5_VLProcessor)
+    return _IMAGE_ONLY[0]
+
+
+def checked_processor(load, **kwargs):
+    """`load(**kwargs, use_fast=False)`, refusing any image processor class but the trainer's;
+    logs the class once per process."""
+    kwargs["use_fast"] = False  # transformers: the PIL backend of AutoImageProcessor
+    proc = load(**kwargs)
+    want, got = M._image_processor_cls(), type(proc.image_processor)
+    if got is not want:
+        raise RuntimeError(f"vLLM loaded the image processor {got.__name__}; the trainer uses "
+                           f"{want.__name__} (pixels would differ)")
+    if not IMAGE_PROCESSOR_SEEN:
+        IMAGE_PROCESSOR_SEEN["class"] = got.__name__
+        print(f"vLLM process {os.getpid()}: image processor {got.__name__}", flush=True)
+    return proc
 
 
 def _vllm_process_hook() -> "_VLLMProcessHook":
@@ -147,11 +179,11 @@ class VLLMEngine:
     """vLLM / vllm-ascend generation with vLLM's default multiprocess engine.
 
     The engine (and its worker) run in processes vLLM spawns; this rank never touches the
-    accelerator itself (narrow the visible devices before constructing: device.narrow_visible).
+    accelerator itself (world.setup narrowed the visible devices to the engine's own).
     Weights arrive straight in the worker over a communicator of their own (sync.open_channel):
     `join_weight_channel` once, then `receive_weights` per sync; only metadata crosses
-    `collective_rpc`. The engine interface of rollout.py (`generate`, `receive_weights`,
-    `shutdown`), like HFEngine.
+    `collective_rpc`, each call with a deadline of this rank's own (:meth:`_rpc`). The engine
+    interface of rollout.py (`generate`, `receive_weights`, `shutdown`), like HFEngine.
     """
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over sync.open_channel
 
@@ -159,15 +191,21 @@ class VLLMEngine:
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int,
                     timeout_s: float) -> "VLLMEngine":
-        # vLLM runs in processes it spawns, which must see only this rank's device; this
-        # process never touches the accelerator (`device` is the CPU here).
-        D.narrow_visible(dev, local_rank)
+        # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
+        # narrowed them); this process never touches the accelerator (`device` is the CPU).
+        refuse_npu_nz(dev.kind)
+        print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
+              f"{type(procs.image_processor).__name__}; every vLLM process checks it loads the same",
+              flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
                    timeout_s=timeout_s)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
-                 max_pixels: int, seed: int, timeout_s: float | None = None):
+                 max_pixels: int, seed: int, timeout_s: float | None = None,
+                 llm_kwargs: dict | None = None):
+        """`llm_kwargs`: more `vllm.LLM` arguments (tests: `distributed_executor_backend`)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
+        self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         _prepare_spawn()
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
@@ -190,7 +228,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
-                disable_log_stats=True)
+                disable_log_stats=True, **(llm_kwargs or {}))
 
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -203,6 +241,33 @@ class VLLMEngine:
         return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs]
                 for o in outs]
 
+    def _rpc(self, method: str, *args):
+        """`collective_rpc(method, args)` within `timeout_s`, enforced here.
+
+        vLLM's own `timeout` is ignored by its single-process executor (tp = 1 on GPU/NPU), and
+        where it is honoured (tp > 1) a late reply is left queued for the next call. So the call
+        runs in a daemon thread (a stuck one must not block interpreter exit); past the deadline
+        the engine is stopped and one line names this rank and the method.
+        """
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = self.llm.collective_rpc(method, args=args)
+            except BaseException as e:  # re-raised in the caller's thread
+                box["error"] = e
+
+        t = threading.Thread(target=run, daemon=True, name=f"vllm-rpc:{method}")
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            self.shutdown()
+            raise RuntimeError(f"{self.who}: vLLM worker call {method!r} did not return within "
+                               f"{self.timeout_s:.0f} s (cluster.timeout_s); engine stopped")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
     def join_weight_channel(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the weight channel that trainer rank 0 opens at host:port as its rank 0.
 
@@ -210,8 +275,7 @@ class VLLMEngine:
         This engine's workers take ranks rank_offset + (0 .. tensor_parallel_size-1);
         world_size = 1 + (number of engines) * tensor_parallel_size. Call once.
         """
-        self.llm.collective_rpc("init_weight_sync", timeout=self.timeout_s,
-                                args=(host, port, rank_offset, world_size))
+        self._rpc("init_weight_sync", host, port, rank_offset, world_size, self.timeout_s)
 
     def receive_weights(self, source) -> int:
         """Receive one sync (trainer rank 0 is sending concurrently) and drop stale caches.
@@ -223,8 +287,7 @@ class VLLMEngine:
         Returns the version received.
         """
         version, plan = source.control()
-        self.llm.collective_rpc("receive_weights", timeout=self.timeout_s,
-                                args=(version, sync.plan_to_plain(plan)))
+        self._rpc("receive_weights", version, sync.plan_to_plain(plan))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
@@ -241,42 +304,64 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
 
 
+def refuse_npu_nz(kind: str) -> None:
+    """vllm-ascend stores weights as FRACTAL_NZ unless VLLM_ASCEND_ENABLE_NZ=0 (its default 1 does
+    so for quantized weights, 2 for all): an update in the trainer's plain layout would then be
+    wrong without an error. Checked before vLLM starts (the worker checks the resolved mode)."""
+    if kind == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
+        raise RuntimeError(f"VLLM_ASCEND_ENABLE_NZ={os.environ.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
+                           "weight sync needs VLLM_ASCEND_ENABLE_NZ=0 (source launch/npu_env.sh)")
+
+
 class VLLMWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); runs in vLLM's worker process.
 
-    Its methods are called by name through `llm.collective_rpc`. `self.device`, `self.rank` and
-    `self.model_runner` are the worker's own.
+    Its methods are called by name through `llm.collective_rpc`. `self.device`, `self.rank`,
+    `self.model_config` and `self.model_runner` are the worker's own.
     """
 
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
+                         deadline_s: float | None = None) -> None:
+        self.refuse_unloadable()
         # the communicator of this worker's device kind, as trainer rank 0 picks by its own
         comm = D.TABLE[self.device.type].comm
         self.weight_channel = sync.open_channel(comm, host, port, rank_offset + self.rank,
-                                                world_size, self.device)
-        self.weight_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+                                                world_size, self.device, deadline_s=deadline_s)
+
+    def refuse_unloadable(self) -> None:
+        """Weights the trainer's bf16/fp32 HF tensors cannot update: a quantized model, or
+        vllm-ascend's FRACTAL_NZ layout (any nz mode but 0; always on Atlas 300I / 310P)."""
+        q = self.model_config.quantization
+        if q is not None:
+            raise RuntimeError(f"weight sync: the engine's model is quantized ({q}); the trainer "
+                               "sends unquantized Hugging Face weights")
+        if self.device.type == "npu":
+            from vllm_ascend.ascend_config import get_ascend_config
+            from vllm_ascend.utils import is_310p
+            if is_310p() or get_ascend_config().weight_nz_mode != 0:
+                raise RuntimeError("weight sync: vllm-ascend stores weights as FRACTAL_NZ; set "
+                                   "VLLM_ASCEND_ENABLE_NZ=0 (Atlas 300I / 310P is not supported)")
 
     def receive_weights(self, version: int, plan: list) -> int:
-        """Receive every bucket of `plan` (plain data) and load it. Returns the tensor count."""
+        """Receive every bucket of `plan` (plain data) and load it. Returns the tensor count.
+
+        Through vLLM's layerwise reload on every device (the path vLLM's own RL weight updates
+        take): it re-runs each layer's post-load processing (CPU: the oneDNN repack; NPU: the
+        weight layout; quantization), which a bare `load_weights` would skip.
+        """
         buckets = sync.plan_from_plain(plan)
-        size = max(sync.bucket_size(b) for b in buckets)
-        if self.weight_buffer.numel() < size:
-            self.weight_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        named = self.weight_stream(buckets)
-        if self.device.type == "cpu":
-            # CPU linear layers are repacked for oneDNN at load (their `weight` emptied):
-            # only a reload re-runs that processing. It keeps a layer's tensors until the layer
-            # is complete, so weight_stream hands it copies.
-            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
-        else:
-            self.model_runner.get_model().load_weights(weights=named)
+        with torch.device(self.device):
+            self.model_runner.reload_weights(weights_iterator=self.weight_stream(buckets),
+                                             is_checkpoint_format=True)
+        D.synchronize(D.TABLE[self.device.type])
         self.weight_version = version
         return sum(len(b) for b in buckets)
 
     def weight_stream(self, buckets: list):
-        """(HF name, tensor) of every bucket, received in order into the reused buffer."""
-        copy = self.device.type == "cpu"
+        """(HF name, tensor) of every bucket, received in order, each bucket into a fresh buffer:
+        the reload keeps a layer's tensors until the layer is complete (a layer can span
+        buckets), and the views keep their buffer alive until then (no copies)."""
         for bucket in buckets:
-            buf = self.weight_buffer[:sync.bucket_size(bucket)]
+            buf = torch.empty(sync.bucket_size(bucket), dtype=torch.uint8, device=self.device)
             self.weight_channel.broadcast(buf).wait()
-            for name, t in sync.unpack(buf, bucket):
-                yield name, (t.clone() if copy else t)  # views are overwritten by the next bucket
+            yield from sync.unpack(buf, bucket)

@@ -73,47 +73,99 @@ class World:
         return role_of(self.rank if rank is None else rank, self.trainers, self.gens)
 
 
-def setup(gen_ranks: int, timeout_s: float, backend: str) -> World:
-    """Initialise the one process group and every subgroup, on every rank, in the same order."""
+def local_devices(rank: int, local_rank: int, local_world_size: int, n_trainers: int,
+                  engine_devices: int = 1) -> list[int]:
+    """The devices of this node (indices among those visible to the launcher) that `rank` uses.
+
+    On every node the trainer ranks come first (they are the world's lowest ranks, and torchrun
+    numbers a node's ranks contiguously) and own one device each, device = local rank; the
+    node's generation ranks follow, each owning `engine_devices` consecutive devices
+    (`rollout.tensor_parallel_size` for a vLLM engine). So a node runs trainers + engines
+    processes (torchrun's --nproc_per_node) on trainers + engines * tensor_parallel_size devices.
+    """
+    if rank < n_trainers:
+        return [local_rank]
+    first_rank_here = rank - local_rank
+    trainers_here = min(max(n_trainers - first_rank_here, 0), local_world_size)
+    first = trainers_here + (local_rank - trainers_here) * engine_devices
+    return list(range(first, first + engine_devices))
+
+
+def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> World:
+    """Initialise the one process group and every subgroup, on every rank, in the same order.
+
+    With an accelerator `dev` (device.Device), each rank first claims its devices, before any
+    NCCL/HCCL state exists (otherwise a communicator or barrier can land on device 0, trainer 0's):
+    a rank that computes in this process (trainers; generation ranks of an in-process engine)
+    makes its device current; a generation rank whose engine runs in processes of its own (vLLM,
+    `[rollout]` rc: tensor_parallel_size devices) only narrows the visible devices those
+    processes inherit, and never touches the accelerator itself. NPU: HCCL_EXEC_TIMEOUT is
+    derived from `timeout_s` when unset (device.hccl_env).
+    """
     import torch.distributed as dist
 
+    import device as D
+    from rollout import engine_class
+
+    engine_devices = None  # devices of a generation rank's engine outside this process
+    if rc is not None and engine_class(rc.engine).OWN_CHANNEL:
+        engine_devices = rc.tensor_parallel_size
+
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    trainers, gens = split_roles(size, gen_ranks)
+    if dev is not None and dev.kind == "npu":  # HCCL_EXEC_TIMEOUT below the watchdog (timeout_s)
+        os.environ.update(D.hccl_env(timeout_s))
+    if dev is not None and dev.kind != "cpu":
+        own = engine_devices is not None and rank not in trainers
+        mine = local_devices(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+                             len(trainers), engine_devices if own else 1)
+        if own:
+            D.narrow_visible(dev, mine)
+        else:
+            D.torch_device(dev, mine[0])
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout)
-    size = dist.get_world_size()
-    trainers, gens = split_roles(size, gen_ranks)
     # Object exchange (episodes, metrics, checksums) always on gloo: CPU objects.
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     train_group = dist.new_group(list(trainers), timeout=timeout) if size > 1 else dist.group.WORLD
     sync_group = dist.new_group([0, *gens], timeout=timeout) if size > 1 else None
-    return World(dist.get_rank(), size, int(os.environ.get("LOCAL_RANK", 0)), trainers, gens,
-                 ctrl, train_group, sync_group)
+    return World(dist.get_rank(), size, local_rank, trainers, gens, ctrl, train_group, sync_group)
 
 
-def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int) -> list[dict]:
-    """Every rank's role, node and device (the dry run prints it; nothing is initialised)."""
+def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int,
+              engine_devices: int = 1) -> list[dict]:
+    """Every rank's role, node and devices (the dry run prints it; nothing is initialised).
+    `engine_devices`: devices each generation rank's engine spans (see :func:`local_devices`)."""
     trainers, gens = split_roles(world_size, gen_ranks)
-    return [{"rank": r, "node": r // nproc_per_node, "local_rank": r % nproc_per_node,
-             "role": role_of(r, trainers, gens) if world_size > 1 else "trainer",
-             "device": f"{{dev}}:{r % nproc_per_node}"} for r in range(world_size)]
+    rows = []
+    for r in range(world_size):
+        local = r % nproc_per_node
+        devs = local_devices(r, local, nproc_per_node, len(trainers),
+                             engine_devices if world_size > 1 else 1)
+        rows.append({"rank": r, "node": r // nproc_per_node, "local_rank": local,
+                     "role": role_of(r, trainers, gens) if world_size > 1 else "trainer",
+                     "device": "{dev}:" + ",".join(map(str, devs))})
+    return rows
 
 
 def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind: str,
-              channel_members: int) -> list[dict]:
-    """The dry run's lines: one per rank, then one with every group's members
-    (`channel_members` > 0: workers per engine on the engines' own weight channel)."""
-    plan = rank_plan(world_size, gen_ranks, nproc_per_node)
+              engine_devices: int, own_channel: bool) -> list[dict]:
+    """The dry run's lines: one per rank, then one with every group's members (`own_channel`:
+    the engines' workers, `engine_devices` each, join their own weight channel)."""
+    plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices)
     for row in plan:
         row["device"] = row["device"].format(dev=device_kind)
     trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
     gens = [r["rank"] for r in plan if r["role"] == "generation"]
     groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
               "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
-    if channel_members:
+    if own_channel:
         groups["vLLM weight channel (outside torch's world)"] = (
-            ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(channel_members)])
+            ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(engine_devices)])
     return plan + [{"groups": groups}]
 
 

@@ -15,7 +15,9 @@ FLOPs per step (forward + backward = 3 x forward), counted as matmul FLOPs only:
 - vision: 6 * N_vision * P + 12 * depth * hidden_v * P^2 (P patches; windowed blocks counted as
   full attention, a slight over-count for images larger than one window).
 MFU = FLOPs / step time / peak. Peak: `--peak-tflops`, else a table by device name (H200/H100
-bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object.
+bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object, with
+`checkpoint_calls_per_step`: the layer forwards recomputed during the backward of one step
+(vision blocks + decoder layers with `--checkpointing`; 0 means checkpointing is not active).
 """
 from __future__ import annotations
 
@@ -106,8 +108,10 @@ def main() -> None:
     tokens = M.Tokens(image_pad=tc.image_token_id, vision_start=tc.vision_start_token_id,
                       vision_end=tc.vision_end_token_id, eos=1, pad=0,
                       vocab_size=tc.text_config.vocab_size, suppressed=())
+    model.train()  # as trainer.build: transformers checkpoints layers only in train mode
     M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
+    count = M.CheckpointCounter(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     img = Image.new("RGB", (a.image_px, a.image_px), (200, 100, 50))
@@ -131,9 +135,10 @@ def main() -> None:
     batch = {k: v.to(device) for k, v in batch.items()}
     adv = torch.randn(a.batch, device=device)
 
-    times = []
+    times, recomputed = [], []
     for i in range(a.warmup + a.steps):
         D.synchronize(dev)
+        count.reset()
         t0 = time.perf_counter()
         lp, _ = M.sequence_logprobs(model, batch, tokens, 1.0)
         mask = batch["response_mask"].float()
@@ -145,6 +150,7 @@ def main() -> None:
         D.synchronize(dev)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
+            recomputed.append(count.recomputes)
     step_s = statistics.median(times)
     flops = flops_per_step(model, T, n_patches) * a.batch
     peak = a.peak_tflops
@@ -159,7 +165,8 @@ def main() -> None:
         "tokens_per_s": round(T * a.batch / step_s, 1),
         "tflops_per_s": round(flops / step_s / 1e12, 4),
         "mfu": round(flops / step_s / 1e12 / peak, 4) if peak else None,
-        "peak_memory_gb": round(D.peak_memory_gb(dev), 2)}))
+        "peak_memory_gb": round(D.peak_memory_gb(dev), 2),
+        "checkpointing": a.checkpointing, "checkpoint_calls_per_step": max(recomputed)}))
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 # Ranks 0-1 train (FSDP2), rank 2 generates (transformers engine); about 30 s for 30 steps.
 #   bash launch/cpu_demo.sh                      # configs/tiny.toml as is
 #   bash launch/cpu_demo.sh --run.steps=5        # any --section.key=value override
+#   DRY_RUN=1 bash launch/cpu_demo.sh            # print the config and rank plan, start nothing
 # The run folder (runs/tiny by default) is created under the current directory.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,5 +14,8 @@ export OMP_NUM_THREADS=1
 # The demo is the CPU path even on a machine with an accelerator.
 export GRPO_DEVICE=cpu
 
-exec torchrun --standalone --nnodes 1 --nproc_per_node 3 \
-  "$root/train.py" --config "$root/configs/tiny.toml" "$@"
+args=(--config "$root/configs/tiny.toml" --cluster.nnodes=1 --cluster.nproc_per_node=3 "$@")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  exec "${PYTHON:-python3}" "$root/train.py" "${args[@]}" --dry-run
+fi
+exec torchrun --standalone --nnodes 1 --nproc_per_node 3 "$root/train.py" "${args[@]}"

@@ -7,6 +7,7 @@
 #   node 0 (trainers):  MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh
 #   node 1 (engines):   MASTER_ADDR=10.0.0.1 NODE_RANK=1 bash launch/multinode.sh
 #   Ascend: add GRPO_DEVICE=npu (then launch/npu_env.sh is sourced on every node).
+#   DRY_RUN=1 MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh   # the plan, start nothing
 # Variables:
 #   MASTER_ADDR     (required) address of node 0, reachable from every node
 #   NODE_RANK       (required) 0 on the trainer node, 1 on the engine node
@@ -17,6 +18,13 @@
 #   GRPO_DEVICE     (cuda) cuda | npu
 #   RDZV_TIMEOUT    (600) seconds node 0 waits for the other nodes to join
 # Extra arguments are --section.key=value overrides (the same on every node!).
+# Tensor-parallel engines (rollout.tensor_parallel_size = T > 1): the engine node runs 8 / T
+# processes, e.g. T = 2: NODE_RANK=1 NPROC_PER_NODE=4 and --cluster.gen_ranks=4 on both nodes
+# (torchrun accepts a different --nproc_per_node per node; the dry run draws equal nodes).
+# Ports node 1 must reach on node 0 (open them in a firewall): MASTER_PORT (torchrun's store),
+# sync.channel_port (the weight channel's rendezvous; 0 = any free port, so set one), and the
+# device library's own (NCCL: ephemeral ports on NCCL_SOCKET_IFNAME; HCCL: HCCL_IF_BASE_PORT,
+# default 60000 and up; gloo: ephemeral ports between every pair of nodes).
 # Several network interfaces: name the one the nodes share, for the gloo control group AND the
 # device library: GLOO_SOCKET_IFNAME=eth0, plus NCCL_SOCKET_IFNAME=eth0 (GPU) or
 # HCCL_SOCKET_IFNAME=eth0 / HCCL_IF_IP=<this node's address> (NPU; ROLL's multi-node list).
@@ -45,9 +53,11 @@ if [ "$GRPO_DEVICE" = npu ]; then
   source "$root/launch/npu_env.sh"
 fi
 
+args=(--config "$CONFIG" --cluster.nnodes="$NNODES" --cluster.nproc_per_node="$NPROC_PER_NODE" "$@")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  exec "${PYTHON:-python3}" "$root/train.py" "${args[@]}" --dry-run
+fi
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --node_rank "$NODE_RANK" \
   --rdzv_backend static --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   --rdzv_conf timeout="$RDZV_TIMEOUT" \
-  "$root/train.py" --config "$CONFIG" \
-  --cluster.nnodes="$NNODES" --cluster.nproc_per_node="$NPROC_PER_NODE" \
-  "$@"
+  "$root/train.py" "${args[@]}"

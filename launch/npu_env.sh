@@ -28,17 +28,23 @@ if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f /usr/local/Ascend/ascend-toolkit/se
   unset _grpo_had_u
 fi
 
-# --- HCCL (the collective library: FSDP2 on the trainers, the weight-sync broadcast) ----------
-# Seconds to establish an HCCL link (default 120). The weight-sync communicator between trainer
-# rank 0 and the engines is built while the engines are still loading the model and compiling
-# their first operators, which can take minutes on a first run. Value: ROLL (3600).
-export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-3600}
-# Seconds a started collective may wait for its peers. The engines enter the weight broadcast
-# right after generating and wait there for the whole training step. Value: ROLL (3600).
-export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-3600}
-# Where HCCL schedules collective kernels: AIV (the vector cores) is faster than the AI_CPU /
-# HOST modes. Value: ROLL ("AIV"), also in VA's Qwen-VL-Dense tutorial for vllm serve.
-export HCCL_OP_EXPANSION_MODE=${HCCL_OP_EXPANSION_MODE:-AIV}
+# --- HCCL (the collective library: FSDP2 on the trainers, vLLM's groups and the weight channel) --
+# Seconds to establish an HCCL link (default 120). Communicators are created at the first
+# collective (trainers) and when the weight channel opens (engines, after vLLM loaded the model
+# and, on a first run, compiled its operators). Kept at most cluster.timeout_s (vl3b: 1800).
+# ROLL uses 3600.
+export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}
+# HCCL_EXEC_TIMEOUT (seconds a started collective waits for its peers; CANN default 1836) is NOT
+# set here: it must stay below cluster.timeout_s, torch-npu's watchdog timeout, or the watchdog
+# kills the job before HCCL writes its own report (plog; torch-npu warns "The watchdog timeout
+# ... is less than or equal to HCCL execution timeout"). train.py sets it to 90% of
+# cluster.timeout_s when unset, and refuses a value at or above it (device.hccl_env). The
+# engines do not wait inside HCCL during a training step (they wait for a gloo control message
+# first), so a long HCCL wait buys nothing.
+# HCCL_OP_EXPANSION_MODE is NOT set (train.py refuses AIV): CANN documents AIV for inference
+# only, not for several communicators in one process, its Broadcast for one node (<= 8 cards;
+# vl3b's weight channel spans two nodes), and it caps HCCL_EXEC_TIMEOUT at 1091 s. The
+# defaults (A2: HOST, A3: AI_CPU) support every collective here.
 # Multi-node only (set per node, see launch/multinode.sh): HCCL_IF_IP=<this node's address>,
 # HCCL_SOCKET_IFNAME=<interface>; HCCL_BUFFSIZE (the per-communicator buffer, 200 MB by
 # default) for larger transfers. ROLL.
@@ -49,16 +55,12 @@ export HCCL_OP_EXPANSION_MODE=${HCCL_OP_EXPANSION_MODE:-AIV}
 # itself whenever sleep mode is off (VA platform.py); only sleep mode's CaMemAllocator rejects it
 # (why ROLL clears it for its vLLM workers). The engines here never use sleep mode.
 export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
-# Let memory freed on one stream be reused by another (FSDP2 all-gathers on side streams).
-# Value: ROLL (1).
-export MULTI_STREAM_MEMORY_REUSE=${MULTI_STREAM_MEMORY_REUSE:-1}
+# Not exported, torch-npu's defaults already (torch-npu 2.10 OptionsManager.cpp):
+# MULTI_STREAM_MEMORY_REUSE=1 (erase the cross-stream record of collective buffers after
+# work.wait()) and TASK_QUEUE_ENABLE=1 (asynchronous dispatch; ROLL forces 1 for its vLLM
+# workers, i.e. the default; 2 offloads more and is not needed).
 
-# --- operator dispatch and CPU ---------------------------------------------------------------
-# torch_npu's task queue: 1 = async dispatch, 2 = also offloads more work to a second-level
-# queue. ROLL recommends 2 for training but forces 1 for its vLLM workers ("vLLM-Ascend worker
-# initialization is more stable with task queue mode 1"); VA's Dockerfile sets 1. One value for
-# both roles here, so 1.
-export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-1}
+# --- CPU ------------------------------------------------------------------------------------
 # One OpenMP thread per process: 8-16 ranks plus their engine processes share the host.
 # Value: ROLL and VA's Dockerfile (1). (torchrun also sets 1 when unset.)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -68,18 +70,20 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # survives /tmp cleaning). Put it on a local disk, not NFS, when several nodes write to it.
 export ACL_OP_COMPILER_CACHE_MODE=${ACL_OP_COMPILER_CACHE_MODE:-enable}
 export ACL_OP_COMPILER_CACHE_DIR=${ACL_OP_COMPILER_CACHE_DIR:-${HOME:-/tmp}/.cache/ascend_op_cache}
-# Compiled operators kept in memory; a small cache recompiles (slows down) in long runs. ROLL (5000).
-export ASCEND_MAX_OP_CACHE_SIZE=${ASCEND_MAX_OP_CACHE_SIZE:-5000}
+# Disk space of that cache per AI processor, in MB (CANN default 500; files over it and unused
+# for 30 min are aged out). 2000 x 8 devices = up to 16 GB per node on that disk.
+export ASCEND_MAX_OP_CACHE_SIZE=${ASCEND_MAX_OP_CACHE_SIZE:-2000}
 mkdir -p "$ACL_OP_COMPILER_CACHE_DIR"
 
 # --- vllm-ascend --------------------------------------------------------------------------------
-# Do not cast weights to the FRACTAL_NZ layout. An NZ weight cannot take an in-place weight
-# update in the plain (ND) layout the trainer sends; vllm-ascend 0.23's own RL weight-update path
-# refuses to run with it ("may cause model parameter precision issues in the RL scenarios").
-# Default 1 (= quantized weights only). Value: ROLL and VA worker.py (0).
+# Do not cast weights to the FRACTAL_NZ layout. An NZ weight cannot take an update in the plain
+# (ND) layout the trainer sends; vllm-ascend 0.23's own RL weight-update path refuses to run
+# with it ("may cause model parameter precision issues in the RL scenarios"), and so does this
+# project (vllm_engine.py: before vLLM starts, and in the worker). Default 1 (= quantized weights
+# only). Value: ROLL and VA worker.py (0).
 export VLLM_ASCEND_ENABLE_NZ=${VLLM_ASCEND_ENABLE_NZ:-0}
 # (USE_OPTIMIZED_MODEL=0, in AReaL's NPU script, only exists up to vllm-ascend 0.11: not set.)
-# (VLLM_WORKER_MULTIPROC_METHOD=spawn is set by rollout.py itself before the engine starts.)
+# (VLLM_WORKER_MULTIPROC_METHOD=spawn is set by vllm_engine.py itself before the engine starts.)
 
 # --- logging: errors only (debug levels slow everything down). Value: ROLL (3 = ERROR).
 # For a hang or a device error: ASCEND_GLOBAL_LOG_LEVEL=1 ASCEND_SLOG_PRINT_TO_STDOUT=1 and,

@@ -116,3 +116,22 @@ def test_in_range_rules():
     assert C.in_range(1, "[0, 1]") and not C.in_range(1, "[0, 1)") and not C.in_range(0, "(0, 1]")
     assert C.in_range(-1, ">= -1") and not C.in_range(-2, ">= -1")
     assert not C.in_range(float("nan"), ">= 0") and not C.in_range(float("inf"), "> 0")
+
+
+def test_device_aware_world_rules(monkeypatch):
+    vllm = C.load(TINY, ["--rollout.engine=vllm"])
+    for kind in ("cuda", "npu", "cuda|npu"):
+        with pytest.raises(C.ConfigError, match=f"rollout.engine='vllm' in a world of 1 on {kind}"):
+            C.validate_world(vllm, 1, kind)
+    C.validate_world(vllm, 1, "cpu")   # CPU keeps it (tests, the demo)
+    C.validate_world(vllm, 3, "cuda")
+    C.validate_world(C.load(TINY), 1, "cuda")  # the hf engine shares the device in-process
+    with pytest.raises(C.ConfigError, match="rollout.tensor_parallel_size > 1 needs"):
+        C.load(TINY, ["--rollout.tensor_parallel_size=2"])
+    C.load(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=vllm"])
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")  # NPU: checked against cluster.timeout_s
+    with pytest.raises(C.ConfigError, match="HCCL_EXEC_TIMEOUT=3600 must be in"):
+        C.validate_world(vllm, 3, "npu")
+    C.validate_world(vllm, 3, "cuda")
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "100")  # tiny.toml: cluster.timeout_s = 120
+    C.validate_world(vllm, 3, "npu")

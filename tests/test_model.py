@@ -86,3 +86,69 @@ def test_text_only_positions_would_be_caught(tiny):
     lp, _ = M.token_logprobs(out.logits[:, :-1], batch["input_ids"][:, 1:], tokens, 1.0)
     m = batch["response_mask"][:, 1:].bool()
     assert (lp[m] - batch["engine_logprobs"][:, 1:][m]).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------- activation checkpointing
+@pytest.fixture
+def one_rank_world(tmp_path):
+    """A gloo world of one, as `python train.py` makes it (FSDP2 over one rank)."""
+    import torch.distributed as dist
+
+    import world as W
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        yield W.World(0, 1, 0, (0,), (0,), dist.group.WORLD, dist.group.WORLD, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _batch(tiny, n: int = 2):
+    path, tok, tokens, ip = tiny
+    problems = synthetic.make_synthetic(n, seed=5)
+    g = torch.Generator().manual_seed(0)
+    allowed = [i for i in range(tokens.vocab_size) if i not in tokens.suppressed]
+    eps = []
+    for i, p in enumerate(problems):
+        resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
+        eps.append(R.Episode(p.index, i, M.prompt_ids(tok, data.user_text(p), 1, tokens), resp,
+                             [0.0] * len(resp), 0.0, {}, 0, True))
+    return M.collate(eps, [p.image for p in problems], ip, tokens, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, checkpointing):
+    """trainer.build's policy is in train mode, so with model.activation_checkpointing every
+    vision block and decoder layer (2 + 2 in the tiny model) goes through the checkpoint function
+    and is recomputed during backward; train-mode logprobs equal eval-mode ones bitwise."""
+    import config as C
+    import trainer as T
+    path, tok, tokens, ip = tiny
+    mc = C.ModelConfig(activation_checkpointing=checkpointing)
+    tr = T.build(path, one_rank_world, torch.device("cpu"), mc, C.TrainConfig(), C.LossConfig(),
+                 C.SyncConfig(), total_steps=20)
+    assert tr.policy.training
+    count = M.CheckpointCounter(tr.policy)
+    batch = _batch(tiny)
+    lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
+    layers = 4 if checkpointing else 0
+    assert (count.calls, count.recomputes) == (layers, 0)
+    (lp * batch["response_mask"]).sum().backward()
+    assert (count.calls, count.recomputes) == (layers, layers)
+    assert all(p.grad is not None for p in tr.policy.parameters() if p.requires_grad)
+    tr.policy.eval()
+    with torch.no_grad():
+        lp_eval, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
+    assert count.calls == layers  # eval mode: no checkpointing
+    assert torch.equal(lp.detach(), lp_eval)
+
+
+def test_attention_dropout_is_refused_at_load(tmp_path):
+    import json
+    path = M.build_tiny(tmp_path / "tiny", seed=0)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["attention_dropout"] = 0.1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1") as e:
+        M.load_model(str(path))
+    assert "\n" not in str(e.value)

@@ -1,6 +1,7 @@
 """Bucket plan, pack/unpack round trip, and the Sender/Receiver pair over a real gloo group."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import sync as S
@@ -139,3 +140,186 @@ def test_sender_receiver_over_gloo_every_path_three_syncs(tmp_path):
     assert sum(len(b) == 2 for b in plan) == 5
     results = sorted((r, v, ok) for r, v, ok in (g for g in got if g[0] != "plan"))
     assert results == [(r, v, True) for r in (1, 2) for v in (1, 2, 3)]
+
+
+def test_send_gathers_without_autograd(monkeypatch):
+    """FSDP2's full_tensor() is differentiable: under autograd every sync would record a graph
+    node per parameter. Sender.send runs without grad: the gathered tensors have no grad_fn."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():  # stands in for a DTensor: an autograd op like the all-gather
+        p.full_tensor = (lambda p=p: p * 1.0)
+    gathered = []
+    real = S.full_tensor
+
+    def recording(p):
+        t = real(p)
+        gathered.append(t)
+        return t
+    monkeypatch.setattr(S, "full_tensor", recording)
+    assert model[0].weight.full_tensor().grad_fn is not None  # the stand-in does record a graph
+    S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(1, sink=lambda named: None)
+    assert len(gathered) == 4
+    assert all(t.grad_fn is None and not t.requires_grad for t in gathered)
+
+
+# ------------------------------------------------------------------ the engines' channel: streams
+class _FakeStream:
+    """A CUDA/NPU stream stand-in that logs what is enqueued on it."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, getattr(other, "name", None)))
+
+    def record_event(self):
+        self.log.append(("record", self.name))
+        return _FakeEvent(self.log, self.name)
+
+
+class _FakeEvent:
+    def __init__(self, log, stream, done: bool = True):
+        self.log, self.stream, self.done = log, stream, done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.log.append(("sync", self.stream))
+
+
+class _FakeComm:
+    disabled = False
+
+    def __init__(self, log):
+        self.log = log
+
+    def broadcast(self, buf, src, stream=None):
+        self.log.append(("broadcast", getattr(stream, "name", None), int(buf.numel())))
+
+
+def test_channel_broadcasts_on_its_stream_after_the_current_one(monkeypatch):
+    """Every bucket: the side stream waits for the current stream (where it was packed), the
+    broadcast is enqueued on the side stream, passed explicitly, and the completion event is
+    recorded on that same stream object; wait() synchronizes that event."""
+    log: list = []
+    cur, side = _FakeStream("current", log), _FakeStream("side", log)
+    monkeypatch.setattr(S.D, "current_stream", lambda device: cur)
+    chan = S.CommChannel(None, _FakeComm(log), side)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    sender = S.Sender(model, "float32", bucket_mb=256 / 2**20, channel=chan)
+    sender.send(1)
+    n = len(sender.plan)
+    assert n >= 3
+    sizes = [S.bucket_size(b) for b in sender.plan]
+    bcasts = [e for e in log if e[0] != "sync"]
+    assert bcasts == [e for s in sizes for e in (("wait_stream", "side", "current"),
+                                                 ("broadcast", "side", s), ("record", "side"))]
+    assert [e for e in log if e[0] == "sync"] == [("sync", "side")] * n  # every work waited
+
+
+def test_channel_wait_with_a_deadline_raises_instead_of_hanging():
+    import time
+    log: list = []
+    stream = _FakeStream("side", log)
+    stream.record_event = lambda: _FakeEvent(log, "side", done=False)  # a peer never joins
+    work = S.CommChannel(None, _FakeComm(log), stream, deadline_s=0.2).broadcast(
+        torch.zeros(4, dtype=torch.uint8))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not complete within 0 s|within 0 s"):
+        work.wait()
+    assert 0.2 <= time.monotonic() - t0 < 2
+
+
+def test_open_channel_builds_the_communicator_inside_its_stream_context(monkeypatch):
+    """PyNccl's constructor asks vLLM for the current stream: outside a stream context, in a
+    fresh thread, that makes a NEW stream the thread's current one (trainer rank 0 would then
+    train on it). Built inside the side stream's context, nothing changes."""
+    import contextlib
+    log: list = []
+    side = _FakeStream("side", log)
+    current = ["default"]
+
+    @contextlib.contextmanager
+    def ctx(stream):
+        prev, current[0] = current[0], stream.name
+        log.append(("enter", stream.name))
+        yield
+        current[0] = prev
+        log.append(("exit", stream.name))
+
+    class Comm(_FakeComm):
+        def __init__(self, group, device):
+            super().__init__(log)
+            log.append(("comm", group, current[0]))
+    monkeypatch.setattr(S, "_stateless_group", lambda host, port, rank, size, sock: "group")
+    monkeypatch.setattr(S, "_communicator_class", lambda comm: Comm)
+    monkeypatch.setattr(S.D, "new_stream", lambda device: side)
+    monkeypatch.setattr(S.D, "stream_context", ctx)
+    chan = S.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"), deadline_s=7.0)
+    assert log == [("enter", "side"), ("comm", "group", "side"), ("exit", "side")]
+    assert current == ["default"] and chan.stream is side and chan.deadline_s == 7.0
+    Comm.disabled = True
+    with pytest.raises(RuntimeError, match="pynccl is unavailable"):
+        S.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ the engines' channel: port
+def test_listen_on_a_given_or_any_port():
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    sock = S.listen(port)  # a chosen port: it is the one listening
+    try:
+        assert sock.getsockname()[1] == port
+        with pytest.raises(RuntimeError) as e:  # taken: one line naming the key
+            S.listen(port)
+        assert "sync.channel_port=" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        sock.close()
+    any_port = S.listen(0)
+    try:
+        assert any_port.getsockname()[1] > 0
+    finally:
+        any_port.close()
+
+
+def test_engine_channel_on_a_configured_port_world_of_one(tmp_path, monkeypatch):
+    """Trainer rank 0 listens on sync.channel_port and announces it; the engine (a thread, as in
+    a world of one) joins the real gloo channel there and receives a broadcast."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    # Both ends join from two threads of this process here (a real engine joins from its own
+    # worker process): vLLM's suppress_stdout around the gloo init swaps file descriptors and is
+    # not thread-safe (it left fd 1 on /dev/null). DEBUG turns it off.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        joined = {}
+
+        class Engine:
+            def join_weight_channel(self, host, p, rank, size):
+                joined.update(host=host, port=p)
+                joined["chan"] = S.open_channel("gloo", host, p, rank, size, torch.device("cpu"))
+
+        world = SimpleNamespace(size=1, is_root=True, is_gen=True, gens=(0,), gen_index=0,
+                                ctrl=dist.group.WORLD)
+        chan = S.open_engine_channel(world, "gloo", Engine(), 1, torch.device("cpu"), port=port)
+        assert joined["host"] == "127.0.0.1" and joined["port"] == port
+        got = torch.zeros(16, dtype=torch.uint8)
+        import threading
+        t = threading.Thread(target=lambda: joined["chan"].broadcast(got).wait())
+        t.start()
+        chan.broadcast(torch.arange(16, dtype=torch.uint8)).wait()
+        t.join(30)
+        assert torch.equal(got, torch.arange(16, dtype=torch.uint8))
+    finally:
+        dist.destroy_process_group()

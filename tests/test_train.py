@@ -107,3 +107,54 @@ def test_world_of_one_every_phase_parity_and_eval_reward(tmp_path):
     assert rows[1]["eval/n"] == 4
     # the step line names the configured reward parts
     assert "target_fraction" in p.stdout and "step 2/2 |" in p.stdout
+
+
+def test_local_devices_trainers_first_then_engines_of_tp_devices():
+    # tensor_parallel_size 1: device = local rank, every layout
+    assert [W.local_devices(r, r % 8, 8, 8, 1) for r in range(16)] == [[r % 8] for r in range(16)]
+    # one node, 4 trainers + 2 engines of 2 devices: 6 processes on 8 devices
+    assert [W.local_devices(r, r, 6, 4, 2) for r in range(6)] == [[0], [1], [2], [3], [4, 5], [6, 7]]
+    # node 0: 8 trainers; node 1: 4 engines of 2 devices (torchrun --nproc_per_node 4 there)
+    assert [W.local_devices(r, r - 8, 4, 8, 2) for r in range(8, 12)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # a node shared by the last trainers and the first engines (3 trainers, 2 per node)
+    assert W.local_devices(2, 0, 2, 3, 2) == [0] and W.local_devices(3, 1, 2, 3, 2) == [1, 2]
+
+
+def test_rank_plan_draws_tensor_parallel_engines():
+    plan = W.rank_plan(6, 2, 6, engine_devices=2)
+    assert [r["device"] for r in plan] == ["{dev}:0", "{dev}:1", "{dev}:2", "{dev}:3",
+                                          "{dev}:4,5", "{dev}:6,7"]
+
+
+@pytest.mark.parametrize("rank,engine,want", [
+    (1, "vllm", ("set_device", 1)),          # a trainer binds its device first
+    (3, "vllm", ("narrow", [3, 4])),         # a vLLM engine rank only narrows visibility
+    (3, "hf", ("set_device", 3)),            # an HF engine computes in this process
+])
+def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine, want):
+    from types import SimpleNamespace
+    import torch.distributed as dist
+
+    import device as D
+    calls = []
+    monkeypatch.setattr(D, "torch_device", lambda dev, i: calls.append(("set_device", i)))
+    monkeypatch.setattr(D, "narrow_visible", lambda dev, ids: calls.append(("narrow", ids)))
+
+    class Stop(Exception):
+        pass
+
+    def init(**kw):
+        calls.append(("init_process_group", kw["backend"]))
+        raise Stop
+    monkeypatch.setattr(dist, "init_process_group", init)
+    rc = SimpleNamespace(engine=engine, tensor_parallel_size=2)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "30")
+    for k, v in dict(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=4).items():
+        monkeypatch.setenv(k, str(v))
+    with pytest.raises(Stop):
+        W.setup(1, 60, "cpu:gloo,npu:hccl", D.TABLE["npu"], rc)
+    assert calls == [want, ("init_process_group", "cpu:gloo,npu:hccl")]
+    calls.clear()
+    with pytest.raises(Stop):  # CPU: nothing to claim
+        W.setup(1, 60, "gloo", D.TABLE["cpu"], rc)
+    assert calls == [("init_process_group", "gloo")]

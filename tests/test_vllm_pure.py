@@ -198,11 +198,11 @@ class _BufferingRunner:
 
 
 class _Worker(V.VLLMWorkerExtension):
-    def __init__(self, model, channel):
-        self.device, self.rank = torch.device("cpu"), 0
+    def __init__(self, model, channel, device_type: str = "cpu", quantization=None):
+        self.device, self.rank = torch.device(device_type), 0
+        self.model_config = SimpleNamespace(quantization=quantization)
         self.model_runner = _BufferingRunner(model)
         self.weight_channel = channel
-        self.weight_buffer = torch.empty(0, dtype=torch.uint8)
 
 
 def _net(seed: int) -> torch.nn.Module:
@@ -225,11 +225,135 @@ def test_worker_receives_unpacks_and_loads_bitwise():
     for name, p in trainer.named_parameters():
         assert got[name].shape == p.shape
         assert torch.equal(got[name], p.detach().to(torch.bfloat16)), name
-    # one receive buffer, reused; the loader got copies, not views of it (the next bucket
-    # overwrites a view before a buffering loader has used it)
-    buf = worker.weight_buffer
-    assert buf.numel() == max(S.bucket_size(b) for b in sender.plan)
-    assert all(b.data_ptr() == buf.data_ptr() for b in worker.weight_channel.buffers)
-    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
-    assert all(not lo <= t.data_ptr() < hi for _, t in worker.model_runner.received)
+    # a fresh receive buffer per bucket; the loader got views of them (no copies), which stay
+    # valid while a buffering loader (vLLM's layerwise reload) holds them
+    bufs = worker.weight_channel.buffers
+    assert len(bufs) == len(sender.plan)
+    assert [b.numel() for b in bufs] == [S.bucket_size(b) for b in sender.plan]
+    assert len({b.data_ptr() for b in bufs}) == len(bufs)
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
+    assert all(any(lo <= t.data_ptr() < hi for lo, hi in spans)
+               for _, t in worker.model_runner.received)
     assert [n for n, _ in worker.model_runner.received] == [s.name for b in sender.plan for s in b]
+
+
+def test_worker_refuses_quantized_and_nz_models(monkeypatch):
+    """A bf16 Hugging Face update cannot land in quantized weights or vllm-ascend's FRACTAL_NZ
+    layout: refused when the channel is joined, before any weight moves."""
+    import sys
+    with pytest.raises(RuntimeError, match="quantized \\(fp8\\)"):
+        _Worker(_net(0), None, quantization="fp8").refuse_unloadable()
+    _Worker(_net(0), None).refuse_unloadable()  # bf16 / fp32 on CPU: fine
+
+    def fake_ascend(nz_mode: int, p310: bool):
+        mods = {"vllm_ascend": SimpleNamespace(),
+                "vllm_ascend.ascend_config": SimpleNamespace(
+                    get_ascend_config=lambda: SimpleNamespace(weight_nz_mode=nz_mode)),
+                "vllm_ascend.utils": SimpleNamespace(is_310p=lambda: p310)}
+        for k, v in mods.items():
+            monkeypatch.setitem(sys.modules, k, v)
+    worker = _Worker(_net(0), None, device_type="meta")
+    worker.device = SimpleNamespace(type="npu")
+    for nz, p310, ok in ((0, False, True), (1, False, False), (2, False, False), (0, True, False)):
+        fake_ascend(nz, p310)
+        if ok:
+            worker.refuse_unloadable()
+        else:
+            with pytest.raises(RuntimeError, match="VLLM_ASCEND_ENABLE_NZ=0"):
+                worker.refuse_unloadable()
+
+
+def test_front_end_refuses_nz_before_starting_vllm(monkeypatch):
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    V.refuse_npu_nz("cuda")
+    with pytest.raises(RuntimeError, match="VLLM_ASCEND_ENABLE_NZ=1 \\(unset\\)"):
+        V.refuse_npu_nz("npu")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "2")
+    with pytest.raises(RuntimeError, match="VLLM_ASCEND_ENABLE_NZ=2"):
+        V.refuse_npu_nz("npu")
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    V.refuse_npu_nz("npu")
+
+
+# --------------------------------------------------------------------------- RPC deadline
+class _StuckLLM:
+    """vLLM's LLM whose worker never returns (as UniProcExecutor ignores `timeout`)."""
+
+    def __init__(self):
+        self.release = __import__("threading").Event()
+        self.stopped = False
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._stop))
+
+    def _stop(self):
+        self.stopped = True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.release.wait(60)
+        return [method]
+
+
+def _engine_with(llm, timeout_s):
+    eng = V.VLLMEngine.__new__(V.VLLMEngine)
+    eng.llm, eng.timeout_s, eng.who = llm, timeout_s, "rank 9 (generation)"
+    return eng
+
+
+def test_rpc_deadline_stops_the_engine_and_names_rank_and_method():
+    import time
+    llm = _StuckLLM()
+    eng = _engine_with(llm, 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        eng.join_weight_channel("127.0.0.1", 1, 1, 2)
+    took = time.monotonic() - t0
+    llm.release.set()
+    assert 0.5 <= took < 3, took
+    msg = str(e.value)
+    assert "rank 9 (generation)" in msg and "'init_weight_sync'" in msg and "\n" not in msg
+    assert llm.stopped and eng.llm is None
+
+
+def test_rpc_returns_and_reraises_within_the_deadline():
+    llm = _StuckLLM()
+    llm.release.set()
+    assert _engine_with(llm, 5)._rpc("whoami") == ["whoami"]
+
+    def boom(method, timeout=None, args=(), kwargs=None):
+        raise ValueError("worker failed")
+    llm.collective_rpc = boom
+    with pytest.raises(ValueError, match="worker failed"):
+        _engine_with(llm, 5)._rpc("receive_weights", 1, [])
+    assert not llm.stopped
+
+
+# --------------------------------------------------------------------------- image processor
+def test_checked_processor_forces_pil_and_refuses_another_class(capsys, monkeypatch):
+    want = M._image_processor_cls()
+    seen = {}
+
+    def load(**kw):
+        seen.update(kw)
+        return SimpleNamespace(image_processor=want())
+    monkeypatch.setattr(V, "IMAGE_PROCESSOR_SEEN", {})
+    V.checked_processor(load, use_fast=True, min_pixels=1)  # vLLM asks for use_fast=True
+    assert seen == {"use_fast": False, "min_pixels": 1} and "backend" not in seen
+    assert f"image processor {want.__name__}" in capsys.readouterr().out
+
+    class Other:
+        pass
+    with pytest.raises(RuntimeError, match="Other; the trainer uses Qwen2VLImageProcessorPil"):
+        V.checked_processor(lambda **kw: SimpleNamespace(image_processor=Other()))
+
+
+def test_use_fast_false_gives_the_pil_class_where_torchvision_is_installed(tmp_path, monkeypatch):
+    """transformers picks the torchvision image processor whenever torchvision is available (so
+    on GPU/NPU); the forced use_fast=False gives the trainer's PIL class there too."""
+    from transformers.models.auto import image_processing_auto as auto
+    monkeypatch.setattr(auto, "is_torchvision_available", lambda: True)  # as on GPU / NPU
+    assert auto._resolve_backend(None, None, "Qwen2VLImageProcessor") == "torchvision"
+    assert auto._resolve_backend(None, False, "Qwen2VLImageProcessor") == "pil"
+    path = str(M.build_tiny(tmp_path / "tiny", seed=0))
+    cls = V.image_only_processor_cls()
+    proc = V.checked_processor(lambda **kw: cls.from_pretrained(path, **kw),
+                               min_pixels=56 * 56, max_pixels=112 * 112)
+    assert type(proc.image_processor) is M._image_processor_cls()

@@ -1,0 +1,47 @@
+"""bench/device_check.sh, the prepared one-GPU check: its syntax, and its CPU mode (the same
+steps on CPU with the tiny model) printing the one JSON object. Not run on a GPU here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.util import ROOT
+
+SCRIPT = ROOT / "bench" / "device_check.sh"
+
+
+def test_syntax():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.slow
+def test_cpu_mode_prints_one_json_object(tmp_path):
+    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), DEMO_STEPS="4",
+             OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1, p.stdout        # one JSON object, nothing else on stdout
+    r = json.loads(lines[0])
+    for key in ("peak_memory_gb", "tokens_per_s", "mfu", "checkpoint_calls_per_step",
+                "logprob_diff/max", "versions", "step", "demo"):
+        assert key in r, key
+    assert r["checkpoint_calls_per_step"] == 4   # tiny model: 2 vision blocks + 2 decoder layers
+    assert r["step"]["dtype"] == "bf16-mixed" and r["step"]["checkpointing"] is True
+    assert r["demo"]["steps"] == 4 and 0 < r["logprob_diff/max"] < 0.1  # bf16 trainer vs fp32 engine
+    assert r["tokens_per_s"] > 0 and r["versions"]["PIL"]
+
+
+def test_missing_module_is_named(tmp_path):
+    """An image without a module the steps need stops at step 0 with its name."""
+    (tmp_path / "PIL.py").write_text("raise ImportError('not in this image')\n")
+    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"),
+             PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "missing in this image: PIL" in p.stderr, p.stderr
+    assert p.stdout == ""
