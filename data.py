@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,8 @@ def _open_image(obj: Any) -> Image.Image:
 
 
 def _to_problem(index: int, row: Any) -> Problem:
+    if isinstance(row, _BadRow):  # found by the reader (a line that is not UTF-8)
+        raise row
     if isinstance(row, Problem):
         problem, answer, image = row.problem, row.answer, row.image
     elif isinstance(row, Mapping):
@@ -130,8 +133,16 @@ def _split_files(root: Path, split: str) -> list[Path]:
     raise ValueError(f"{root}: no split file {split}.jsonl, {split}.parquet or data/{split}-*.parquet")
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+def _read_jsonl(path: Path) -> Iterator[dict | _BadRow]:
+    # Lines are split as bytes and decoded one by one: a line that is not UTF-8 is one bad row
+    # (skipped and counted), not an unreadable file; and a U+2028 inside a JSON string, which
+    # str.splitlines() would cut at, stays in its row.
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield _BadRow(f"{path.name}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+            continue
         if not line.strip():
             continue
         try:
@@ -196,9 +207,31 @@ def load_split(
         files = _split_files(root, split)
         rows = _read_jsonl(files[0]) if files[0].suffix == ".jsonl" else _read_parquet(files)
         return skip_bad_rows(rows)
-    if root.exists() or source.startswith(("/", ".", "~")):
-        raise ValueError(f"{source}: not a dataset folder")
+    problem = source_problem(source)
+    if problem:
+        raise ValueError(f"data.source: {problem}")
     return skip_bad_rows(_read_hub(source, split))
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` can be neither "synthetic", a local folder nor a hub dataset id, or None.
+
+    A hub id is `owner/name`. Anything else that is not an existing folder is a path that does
+    not exist: a relative path too (`data/g3k` whose `data/` exists here, `g3k`, `a/b/c`), which
+    would otherwise be sent to the hub and fail there with a message about repo ids."""
+    if source == "synthetic" or Path(source).expanduser().is_dir():
+        return None
+    path = Path(source).expanduser()
+    if path.exists():
+        return f"{source} is not a dataset folder"
+    if (source.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(source)
+            or Path(source.split("/")[0]).is_dir()):
+        return (f"{source} is not a dataset folder: no such folder (relative to {Path.cwd()}); "
+                "a source is \"synthetic\", a local folder, or a hub dataset id owner/name")
+    return None
 
 
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,

@@ -78,19 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE, end="")
         return 0
+    failures.on_signals(None)  # a stop during start-up: one line, no traceback
     configs, flags, overrides = [], {}, []
     it = iter(argv)
-    for a in it:
-        key, eq, val = a.partition("=")
-        if key == "--config":  # repeatable: a preset after the base config
-            configs.append(val if eq else next(it, None))
-        elif key in ("--resume", "--checkpoint"):
-            flags[key] = val if eq else next(it, None)
-        elif a in ("--dry-run", "--eval-only"):
-            flags[a] = True
-        else:
-            overrides.append(a)
     try:
+        for a in it:
+            key, eq, val = a.partition("=")
+            if key in ("--config", "--resume", "--checkpoint"):  # --config: repeatable
+                val = val if eq else next(it, "")
+                if not val or val.startswith("--"):
+                    raise C.ConfigError(f"{key} needs a value (see --help)")
+                flags[key] = val
+                configs += [val] if key == "--config" else []
+            elif a in ("--dry-run", "--eval-only"):
+                flags[a] = True
+            else:
+                overrides.append(a)
         cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
             return dry_run(cfg)
@@ -98,9 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             raise C.ConfigError("--eval-only needs --checkpoint DIR")
         return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
                    if flags.get("--eval-only") else None)
-    except C.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except C.ConfigError as e:  # also the start-up checks: once (rank 0), exit 2 on every rank
+        return failures.exit_bad_input(e)
 
 
 def dry_run(cfg: C.Config) -> int:
@@ -130,7 +132,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     C.validate_world(cfg, W.launched_size())  # before any process group exists
     world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
-    failures.on_sigterm(live)
+    failures.on_signals(live)
+    ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, eval_checkpoint))
     return failures.guarded(live, lambda: train(cfg, world, dev, live, resume))
@@ -144,6 +147,7 @@ class Progress:
     version: int = 0           # weight version the engines hold
     skipped_in_row: int = 0    # consecutive non-finite steps
     skipped_total: float = 0.0
+    resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
 
 
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
@@ -180,25 +184,22 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
 
 def resume_point(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, out_dir: Path,
                  resume: str | None) -> Progress:
-    """Rank 0 picks the checkpoint (`--resume`, else the latest complete one); trainers restore
-    their state, every rank learns the progress, and the engines get the resumed weights."""
-    pick = [str(resume or ckpt.latest(out_dir) or "") or None] if world.is_root else [None]
-    dist.broadcast_object_list(pick, 0, group=world.ctrl)
-    if not pick[0]:
-        return Progress()
+    """The checkpoint (`--resume`, else the newest intact one: checkpoint.resume); trainers
+    restore their state, every rank learns the progress, the engines get the resumed weights."""
     tr = s.trainer
-    if tr is not None:
-        meta = ckpt.load(Path(pick[0]), policy=tr.policy, opt=tr.opt, sched=tr.sched,
-                         train_group=world.train_group, rank_in_group=world.trainer_index)
-        D.set_rng_state(dev, meta["rng"])
-    meta = [ckpt.read_meta(Path(pick[0])) if world.is_root else None]
-    dist.broadcast_object_list(meta, 0, group=world.ctrl)
-    m = meta[0]
-    progress = Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"])
+    got = ckpt.resume(out_dir, resume, ctrl=world.ctrl, train_group=world.train_group,
+                      is_root=world.is_root, rank_in_group=world.trainer_index,
+                      state=(tr.policy, tr.opt, tr.sched) if tr else None)
+    if got is None:
+        return Progress()
+    if got.rng is not None:
+        D.set_rng_state(dev, got.rng)
+    m = got.meta
+    progress = Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"], str(got.path))
     if cfg.sync.enabled:  # the engines start from the resumed weights
         S.sync_weights(world, tr and tr.sender, s.receiver, s.engine, progress.version)
     if world.is_root:
-        print(f"resumed from {pick[0]} at step {progress.step} (weight version {progress.version})",
+        print(f"resumed from {got.path} at step {progress.step} (weight version {progress.version})",
               flush=True)
     return progress
 
@@ -379,7 +380,7 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
                     "skipped_total": progress.skipped_total},
               tokenizer=procs.tokenizer, image_processor=procs.image_processor,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
-              is_root=world.is_root, keep_last=r.keep_last)
+              is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
 def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
