@@ -23,8 +23,10 @@ resharded (DCP reads any layout); the RNG states then stay as seeded.
 
 The run folder belongs to one job at a time (:func:`claim_run_dir`): rank 0 holds an exclusive
 `flock` on `<out_dir>/run.lock` for the process's life (the kernel releases it when the process
-ends, crash included; on NFS the client turns it into a lock on the server, so jobs on other
-nodes see it too).
+ends, crash included). Only rank 0 takes it, so it does not matter on which node the other
+ranks run. On NFS the Linux client turns `flock` into a lock on the server, so a job on another
+node sees it too (not with the `local_lock=flock` or `nolock` mount options, where it is local
+to a node); a file system without locks is warned about, not refused.
 """
 from __future__ import annotations
 

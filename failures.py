@@ -76,6 +76,7 @@ def inject(step: int, live: "Liveness") -> None:
 class Diagnosis:
     """Who is to blame for a failed collective, as seen from one rank."""
     dead: list[int] = field(default_factory=list)            # heartbeat stopped, no exit, no signal
+    failed: list[int] = field(default_factory=list)          # reported their own failure
     signalled: dict[int, str] = field(default_factory=dict)  # rank -> "SIGTERM" / "SIGINT"
     stuck: list[int] = field(default_factory=list)           # alive, in another phase
     line: str = ""
@@ -185,7 +186,7 @@ class Liveness:
             who = ["no rank died; " + (", ".join(f"{name(r)} is stuck in '{phases[r]}'" for r in stuck)
                                        or "none is in another phase")]
         line = "; ".join(who) + "; last phases: " + " | ".join(f"{r}:{p}" for r, p in enumerate(phases))
-        return Diagnosis(dead, signalled, stuck, line)
+        return Diagnosis(dead, failed, signalled, stuck, line)
 
     def report(self) -> str:
         """One line: who is dead, and where every rank was."""
@@ -298,7 +299,7 @@ def exit_bad_input(e: C.ConfigError) -> int:
     """A config or start-up error that every rank finds alike: ONE line (rank 0 prints it) and
     exit code 2 on every rank.
 
-    Under torchrun the ranks first meet in the launcher's store (at most 10 s), so that none is
+    Under torchrun the ranks first meet in the launcher's store (at most 60 s), so that none is
     still working when torchrun sees the first exit and stops the others with SIGTERM, and a
     rank stopped that way meanwhile still exits 2 without a word. A plain process returns 2.
     """
@@ -316,11 +317,11 @@ def exit_bad_input(e: C.ConfigError) -> int:
             import torch.distributed as dist
             size = int(os.environ.get("WORLD_SIZE", "1"))
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=datetime.timedelta(seconds=10))
+                                  is_master=False, timeout=datetime.timedelta(seconds=60))
             key = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/bad_input"
             if store.add(key, 1) >= size:
                 store.set(key + "/all", "1")
-            store.wait([key + "/all"], datetime.timedelta(seconds=10))
+            store.wait([key + "/all"], datetime.timedelta(seconds=60))
         except Exception:  # noqa: BLE001 - a rank that never arrives: exit anyway
             pass
     os._exit(2)
@@ -353,7 +354,7 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
                 os._exit(5)
             d = live.diagnose() if is_communication_error(e) else Diagnosis()
             tail = f"; {d.line}" if d.line else ""
-            if not (d.dead or d.signalled):  # else this error is only a consequence
+            if not (d.dead or d.failed or d.signalled):  # else this error is only a consequence
                 traceback.print_exc()        # first: the culprit line stays the last word
             print(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}",
                   file=sys.stderr, flush=True)

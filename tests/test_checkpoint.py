@@ -190,3 +190,28 @@ def test_resume_with_more_trainer_ranks_reshards(tmp_path):
     assert rb[2]["grad_norm"] == pytest.approx(ra[2]["grad_norm"], rel=1e-4)  # the optimizer state too
     wa, wb = _weights(a, 3), _weights(b, 3)
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+@pytest.mark.slow
+def test_real_full_disk_while_saving_is_named(tmp_path):
+    """A 5 MiB tmpfs under checkpoints/ holds one checkpoint of the tiny model (3.5 MB), not
+    two (root only: mounting needs it; the fault-injected test above runs anywhere)."""
+    import os
+    import shutil
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(ck)], capture_output=True, text=True)
+    if m.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
+    try:
+        p = _one([f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.save_every=1"])
+        assert p.returncode == 4, p.stderr[-3000:]
+        [line] = _ours(p.stderr)
+        assert line.startswith("error: rank 0 (trainer+generation) failed at step 1 (eval/checkpoint): "
+                               f"checkpoint step_000002 not saved: No space left on device ({ck}: "), line
+        assert line.endswith("the previous checkpoint step_000001 is intact") and "Traceback" not in p.stderr
+        assert sorted(x.name for x in ck.iterdir()) == ["step_000001"]   # the partial folder is gone
+    finally:
+        subprocess.run(["umount", str(ck)], check=False)
