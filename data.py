@@ -2,9 +2,10 @@
 
 Every split is a list of `Problem` (stable index, RGB diagram, question text, gold answer spelled
 the way Geometry3K spells it). Loading never crashes on a bad row: a row with a missing or
-unreadable image, or an empty / non-string problem or answer, is dropped and reported as
-(index, reason). A schema problem (missing split file, missing column, a JSONL line that is not
-an object) is a ValueError naming the file: it means the folder is not Geometry3K at all.
+unreadable image, an empty / non-string problem or answer, or a JSONL line that is not UTF-8,
+is dropped and reported as (index, reason). A schema problem (missing split file, missing
+column, a JSONL line that is not an object) is a ValueError naming the file: it means the
+folder is not Geometry3K at all.
 `data.source = "synthetic"` draws the offline set of `synthetic.py`.
 
 CLI (kept here for compatibility; see synthetic.py): python data.py --write-synthetic DIR
@@ -229,8 +230,9 @@ def source_problem(source: str) -> str | None:
         return f"{source} is not a dataset folder"
     if (source.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(source)
             or Path(source.split("/")[0]).is_dir()):
-        return (f"{source} is not a dataset folder: no such folder (relative to {Path.cwd()}); "
-                "a source is \"synthetic\", a local folder, or a hub dataset id owner/name")
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        return (f"{source} is not a dataset folder: no such folder{where}; a source is "
+                "\"synthetic\", a local folder, or a hub dataset id owner/name")
     return None
 
 

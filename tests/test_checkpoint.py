@@ -63,7 +63,8 @@ def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     q = torchrun(3, [*ARGS, f"--run.out_dir={tmp_path}", "--run.steps=6"])
     assert "resumed from" in q.stdout and "step_000002" in q.stdout
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
-    assert sorted(x.name for x in ck.iterdir()) == ["step_000004", "step_000006"]  # keep_last=2
+    # keep_last=2, and rotation never deletes the checkpoint the run resumed from
+    assert sorted(x.name for x in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
 @pytest.mark.slow
@@ -181,7 +182,8 @@ def test_resume_with_more_trainer_ranks_reshards(tmp_path):
     torchrun(2, [*args, f"--run.out_dir={a}", "--run.steps=3"])
     torchrun(2, [*args, f"--run.out_dir={b}", "--run.steps=2"])
     p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"])
-    assert "resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state resharded" in p.stdout
+    assert ("resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state "
+            "resharded") in p.stdout
     assert "resumed from" in p.stdout
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == [0, 1, 2]
@@ -202,7 +204,8 @@ def test_real_full_disk_while_saving_is_named(tmp_path):
     ck.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(ck)], capture_output=True, text=True)
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(ck)],
+                       capture_output=True, text=True)
     if m.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
     try:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import fcntl
-import os
 import re
 import signal
 import subprocess
@@ -136,7 +135,8 @@ def test_own_error_on_one_rank_blames_no_other_rank(tmp_path):
     p, _ = launch(tmp_path, "raise@1:1", "--run.steps=4")
     assert p.returncode != 0
     ours = _ours(p.stderr)
-    assert ours[0] == "error: rank 1 (trainer) failed at step 0 (eval/checkpoint): ValueError: injected fault at step 1", ours
+    assert ours[0] == ("error: rank 1 (trainer) failed at step 0 (eval/checkpoint): ValueError: "
+                       "injected fault at step 1"), ours
     assert "Traceback (most recent call last)" in p.stderr and "injected fault" in p.stderr
     assert all(re.fullmatch(r"error: rank [02] \((trainer|generation)\) (stopping|stopped by the launcher "
                             r"after): rank 1 \(trainer\) failed at step 0 .*\(ValueError\)", ln)

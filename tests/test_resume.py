@@ -101,7 +101,8 @@ DAMAGE = {  # how the newest checkpoint is damaged -> the file the message must 
     "garbage .metadata": (lambda c: (c / "state" / ".metadata").write_bytes(b"\x80garbage"),
                           "state/.metadata: 8 bytes, expected"),
     "missing meta.pt": (lambda c: (c / "state" / "meta.pt").unlink(), "state/meta.pt: missing"),
-    "garbage meta.pt": (lambda c: _garbage_same_size(c / "state" / "meta.pt"), "state/meta.pt: contents changed"),
+    "garbage meta.pt": (lambda c: _garbage_same_size(c / "state" / "meta.pt"),
+                        "state/meta.pt: contents changed"),
     "garbage manifest": (lambda c: (c / "manifest.json").write_text("{"), "manifest.json: unreadable"),
 }
 
