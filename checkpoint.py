@@ -7,28 +7,55 @@ A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = optimizer steps 
   rank writes its own shards), plus `meta.pt`: step, weight version, LR schedule, RNG states of
   every trainer rank, consecutive skipped steps. The data position is the step itself (the
   problem stream is a pure function of seed and step).
+- `manifest.json`: every other file's size and CRC-32, written last; a resume checks them first,
+  so a deleted, truncated or overwritten file is named before anything is loaded.
 
 Written to `step_<N>.tmp/`, renamed when every trainer rank has finished: a folder without the
 suffix is complete. Killing the job mid-write leaves a `.tmp` folder that is ignored (and
-removed by the next save). The last `keep_last` complete checkpoints are kept.
+removed by the next save); a save that fails (a full disk) removes it and names the cause. The
+last `keep_last` complete checkpoints are kept, and never the one this run resumed from.
+
+Resume (:func:`resume`): `--resume PATH`, else the newest checkpoint that checks out and loads; a
+damaged one is named and skipped (a named one stops the run instead). The run then owns its
+branch: checkpoints newer than the resume point are moved aside, never deleted, into
+`checkpoints/abandoned-<time>/`. A checkpoint written by another number of trainer ranks is
+resharded (DCP reads any layout); the RNG states then stay as seeded.
+
+The run folder belongs to one job at a time (:func:`claim_run_dir`): rank 0 holds an exclusive
+`flock` on `<out_dir>/run.lock` for the process's life (the kernel releases it when the process
+ends, crash included). Only rank 0 takes it, so it does not matter on which node the other
+ranks run. On NFS the Linux client turns `flock` into a lock on the server, so a job on another
+node sees it too (not with the `local_lock=flock` or `nolock` mount options, where it is local
+to a node); a file system without locks is warned about, not refused.
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
 import signal
+import socket
+import sys
+import time
+import zlib
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
-from failures import fault_active
+from failures import Fatal, StartError, causes, fault_active, one_line
 
 _STEP = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+LOCK = "run.lock"
+_HELD: list = []  # the run folder's lock: an open file, held as long as this process lives
 
 
 def root(out_dir: str | Path) -> Path:
@@ -49,10 +76,97 @@ def latest(out_dir: str | Path) -> Path | None:
     return c[-1] if c else None
 
 
+# ----------------------------------------------------------------------------- the run folder
+def claim_run_dir(run, world, resume: str | None = None, eval_checkpoint: str | None = None) -> None:
+    """Before anything is built: rank 0 locks the run folder (`run.out_dir`), checks that it
+    (and `checkpoints/` when this run saves) is writable, and that the folders named by
+    `--resume` / `--checkpoint` exist; every rank raises the same :class:`StartError` (one
+    line, exit 2). Collective over `world.ctrl`."""
+    saves = run.keep_last > 0 and eval_checkpoint is None
+    problem = _bcast(_claim(Path(run.out_dir), saves, resume, eval_checkpoint)
+                     if world.is_root else None, world.ctrl)
+    if problem:
+        raise StartError(problem[1], prefix=problem[0])
+
+
+def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
+           eval_checkpoint: str | None) -> tuple[str, str] | None:
+    if resume is not None and not (Path(resume) / "state").is_dir():
+        return ("config error", f"--resume: no such checkpoint folder {resume}" if not
+                Path(resume).exists() else f"--resume: {resume} is not a checkpoint (no state/)")
+    if eval_checkpoint is not None and not Path(eval_checkpoint).is_dir():
+        return "config error", f"--checkpoint: no such folder {eval_checkpoint}"
+    if eval_checkpoint is not None and not any(
+            (Path(eval_checkpoint) / f).is_file() for f in ("hf/config.json", "config.json")):
+        return "config error", (f"--checkpoint: {eval_checkpoint} holds no model (neither "
+                                "hf/config.json nor config.json)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        f = open(out_dir / LOCK, "a+")
+    except OSError as e:
+        return "error", _unwritable(out_dir, e)
+    import fcntl
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().split()
+        f.close()
+        who = (f"host {holder[0]}, pid {holder[1]}" if len(holder) == 2 else "holder unknown")
+        return "error", (f"run folder {out_dir} is in use by another job ({who}); stop that job "
+                         "or pass another --run.out_dir")
+    except OSError as e:  # a file system without locks (Lustre without -o flock, ...)
+        print(f"warning: cannot lock {out_dir / LOCK} ({e.strerror}): a second job on this run "
+              "folder would not be detected", file=sys.stderr, flush=True)
+    f.truncate(0)
+    f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    f.flush()
+    _HELD.append(f)
+    for d in [out_dir] + ([root(out_dir)] if checkpoints else []):
+        probe = d / f".write-test-{os.getpid()}"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            return "error", _unwritable(d, e)
+    return None
+
+
+def _unwritable(d: Path, e: OSError) -> str:
+    return (f"cannot write to {d} ({type(e).__name__}: {e.strerror or e}); fix its permissions "
+            "or pass another --run.out_dir")
+
+
+# ----------------------------------------------------------------------------- saving
 def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokenizer,
-         image_processor, dtype: torch.dtype, train_group, is_root: bool, keep_last: int) -> None:
-    """Collective over the trainer ranks. Rank 0 writes the HF export and renames at the end."""
+         image_processor, dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
+         protect: str | Path | None = None) -> None:
+    """Collective over the trainer ranks. Rank 0 writes the HF export and the manifest, and
+    renames at the end. A failure raises :class:`failures.Fatal` naming the cause (a full disk
+    is named as such); the previous checkpoint stays. Rotation keeps the last `keep_last`, and
+    never deletes `protect` (the checkpoint this run resumed from)."""
     tmp = path_final.with_name(path_final.name + ".tmp")
+    try:
+        _write(tmp, policy=policy, opt=opt, sched=sched, meta=meta, rng=rng, tokenizer=tokenizer,
+               image_processor=image_processor, dtype=dtype, train_group=train_group,
+               is_root=is_root)
+    except (Exception, CheckpointException) as e:
+        raise Fatal(_save_failed(path_final, tmp, e, is_root)) from e
+    if fault_active("checkpoint_before_rename", meta["step"]):  # tests: die mid-write
+        os.kill(os.getpid(), signal.SIGKILL)
+    if is_root:
+        if path_final.exists():  # never on a normal run (the branch was cleared at resume)
+            _move_aside(path_final.parent, [path_final])
+        tmp.rename(path_final)  # the commit point
+        keep = Path(protect).resolve() if protect else None
+        for old in complete(path_final.parent.parent)[:-keep_last]:
+            if old.resolve() != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(tmp: Path, *, policy, opt, sched, meta, rng, tokenizer, image_processor, dtype,
+           train_group, is_root) -> None:
     if is_root:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
@@ -67,17 +181,46 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokeniz
     model_sd, optim_sd = get_state_dict(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"),
              process_group=train_group)
+    if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state"))
     metas: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(metas, rng, group=train_group)
     if is_root:
         torch.save({**meta, "sched": sched.state_dict(), "rng": metas}, tmp / "state" / "meta.pt")
     dist.barrier(group=train_group)
-    if fault_active("checkpoint_before_rename", meta["step"]):  # tests: die mid-write
-        os.kill(os.getpid(), signal.SIGKILL)
+    write_manifest(tmp, train_group, is_root)
+
+
+def write_manifest(folder: Path, train_group, is_root: bool) -> None:
+    """`manifest.json`: every file's size and CRC-32; each trainer rank sums a share of the
+    files (collective), rank 0 writes it, last."""
+    files = _bcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                          if p.is_file()) if is_root else None, train_group)
+    sums: list = [None] * dist.get_world_size(train_group)
+    dist.all_gather_object(sums, {f: [(folder / f).stat().st_size, _crc(folder / f)]
+                                  for f in _share(files, train_group)}, group=train_group)
     if is_root:
-        tmp.rename(path_final)  # the commit point
-        for old in complete(path_final.parent.parent)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        entries = dict(sorted((k, v) for part in sums for k, v in part.items()))
+        (folder / MANIFEST).write_text(json.dumps({"files": entries}))
+    dist.barrier(group=train_group)
+
+
+def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str:
+    """One line: which checkpoint was not saved and why (a full disk named as such); rank 0
+    removes the partial folder, so the space it took is free again."""
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = -1
+    full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC or "No space left" in str(c)
+               for c in causes(e)) or 0 <= free < 1 << 20
+    why = (f"No space left on device ({final.parent}: {free / 2**20:.1f} MiB free)" if full
+           else one_line(e))
+    if is_root:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prev = latest(final.parent.parent)
+    return (f"checkpoint {final.name} not saved: {why}; " +
+            (f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint"))
 
 
 def export_hf(out: Path, full: dict, config, tokenizer, image_processor, dtype: torch.dtype) -> None:
@@ -93,26 +236,20 @@ def export_hf(out: Path, full: dict, config, tokenizer, image_processor, dtype: 
     image_processor.save_pretrained(out)
 
 
-def load(path: Path, *, policy, opt, sched, train_group, rank_in_group: int) -> dict:
-    """Restore policy, optimizer, schedule in place; returns meta (step, version, rng, ...)."""
-    state = path / "state"
-    model_sd, optim_sd = get_state_dict(policy, opt)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(state), process_group=train_group)
-    set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    meta = torch.load(state / "meta.pt", weights_only=False)
-    sched.load_state_dict(meta["sched"])
-    meta["rng"] = meta["rng"][rank_in_group]
-    return meta
+# ----------------------------------------------------------------------------- resuming
+class Resumed(NamedTuple):
+    path: Path
+    meta: dict        # step, version, skipped_in_row, skipped_total, sched, rng (every trainer's)
+    rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
 def read_meta(path: Path) -> dict:
     return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
 
 
-def resume_plan(cfg, out_dir: str | Path, resume: str | None, world_size: int) -> dict:
-    """Where a run starts (rank 0, before anything is built): the checkpoint (`resume`, else the
-    latest complete one), its progress, whether the run is already finished, and what changed.
+def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int) -> dict:
+    """Where a run starts (rank 0, before anything is built): the picked checkpoint (:func:`pick`),
+    its progress, whether the run is already finished, and what changed.
 
     Keys that change what the run means (config.MEANING_KEYS, and the number of ranks) must
     match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
@@ -123,10 +260,9 @@ def resume_plan(cfg, out_dir: str | Path, resume: str | None, world_size: int) -
     import config as C
     plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
             "optimizer_changes": [], "error": None}
-    path = Path(resume) if resume else latest(out_dir)
-    if path is None:
+    if picked is None:
         return plan
-    meta = read_meta(path)
+    path, meta = picked
     old = meta.get("config", {})
     changes = C.changed_keys(old, cfg, C.MEANING_KEYS)
     if meta.get("world_size", world_size) != world_size:
@@ -141,3 +277,202 @@ def resume_plan(cfg, out_dir: str | Path, resume: str | None, world_size: int) -
                          "to resume anyway, or use another run.out_dir")
     return plan
 
+def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
+         is_trainer: bool) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, before anything is built; collective over every rank.
+
+    The candidates are `named` alone, else every complete checkpoint newest first. Each is
+    verified (the manifest's sizes and CRC-32, shared over the trainer ranks, and a readable
+    meta.pt); rank 0 decides for everyone. A damaged candidate is named and skipped, or, when it
+    was named by `--resume`, stops the run (:class:`StartError`). Returns (path, meta without the
+    RNG and schedule states) or None when there is no checkpoint at all."""
+    cands = _bcast(([str(p) for p in reversed(complete(out_dir))] if named is None else [named])
+                   if is_root else None, ctrl)
+    damaged = []
+    for c in cands:
+        problem = _verify(Path(c), train_group, is_root) if is_trainer else None
+        meta = None
+        if is_root and problem is None:
+            try:
+                meta = read_meta(Path(c))
+                meta = {k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total",
+                                              "config", "world_size", "rng", "sched") if k in meta}
+                for key in ("step", "version", "skipped_in_row", "skipped_total", "rng", "sched"):
+                    meta[key]  # noqa: B018 - a KeyError names what is missing
+                meta["trainers"] = len(meta.pop("rng"))
+                meta.pop("sched")
+            except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+                problem, meta = f"state/meta.pt: cannot be loaded ({one_line(e)})", None
+        problem, meta = _bcast((problem, meta) if is_root else None, ctrl)
+        if problem is None:
+            return Path(c), meta
+        if named is not None:
+            raise StartError(f"checkpoint {c} is damaged: {problem}")
+        damaged.append(f"{Path(c).name}: {problem}")
+        if is_root:
+            print(f"warning: checkpoint {c} is damaged ({problem}); trying the next older one",
+                  file=sys.stderr, flush=True)
+    if damaged:
+        raise StartError(f"no intact checkpoint in {root(out_dir)} ({'; '.join(damaged)}); "
+                         "move them away to start fresh, or pass --resume")
+    return None
+
+
+def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: int) -> dict | None:
+    """Restore (policy, optimizer, schedule) in place from the picked checkpoint on every trainer
+    rank (collective over them). Returns this rank's RNG state, or None when the checkpoint was
+    written by another number of trainer ranks: weights and optimizer state are resharded by
+    DCP, each rank keeps its seeded RNG (said once). A load that fails stops the run naming the
+    checkpoint (:class:`StartError`)."""
+    problem, meta = _load(path, state, train_group, is_root)
+    problem = _bcast(problem, train_group)
+    if problem is not None:
+        raise StartError(f"checkpoint {path} is damaged: {problem}; move it aside to resume from "
+                         "an older one")
+    n_saved = len(torch.load(path / "state" / "meta.pt", weights_only=False)["rng"])
+    n_now = dist.get_world_size(train_group)
+    if is_root and n_saved != n_now:
+        print(f"resuming a checkpoint of {n_saved} trainer rank(s) on {n_now}: weights and "
+              "optimizer state resharded; RNG states not restored (each trainer rank keeps its "
+              "seeded state), so this run is not bit-exact with an uninterrupted one", flush=True)
+    if n_saved != n_now:
+        return None
+    return torch.load(path / "state" / "meta.pt", weights_only=False)["rng"][rank_in_group]
+
+
+def resume(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
+           rank_in_group: int, state: tuple | None) -> Resumed | None:
+    """:func:`pick`, :func:`abandon_newer` and :func:`load` in one call (for scripts and tests;
+    train.py runs them apart: the pick before anything is built, the load after). `state` is
+    (policy, optimizer, schedule) on trainer ranks, None elsewhere."""
+    picked = pick(out_dir, named, ctrl=ctrl, train_group=train_group, is_root=is_root,
+                  is_trainer=state is not None)
+    if picked is None:
+        return None
+    path, meta = picked
+    if is_root:
+        abandon_newer(out_dir, meta["step"])
+    rng = load(path, state, train_group, is_root, rank_in_group) if state is not None else None
+    return Resumed(path, meta, rng)
+
+
+def abandon_newer(out_dir: Path, step: int) -> None:
+    """A resumed run owns its branch: move every checkpoint newer than `step` aside (rank 0)."""
+    newer = [p for p in complete(out_dir) if int(p.name.split("_")[1]) > step]
+    if newer:
+        dest = _move_aside(root(out_dir), newer)
+        print(f"moved {len(newer)} checkpoint(s) newer than step {step} aside (this run continues "
+              f"from step {step}): {', '.join(p.name for p in newer)} -> {dest}", flush=True)
+
+
+def _verify(path: Path, train_group, is_root: bool) -> str | None:
+    """The first damaged file of checkpoint `path` ("state/__0_0.distcp: 12 bytes, expected
+    812345"), or None; every trainer rank gets the same answer."""
+    listing = None
+    if is_root:
+        try:
+            listing = json.loads((path / MANIFEST).read_text())["files"]
+        except FileNotFoundError:
+            listing = _legacy_problem(path)  # written before manifests: a str or None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            listing = f"{MANIFEST}: unreadable ({type(e).__name__})"
+    listing = _bcast(listing, train_group)
+    if not isinstance(listing, dict):
+        return listing
+    names = sorted(listing)
+    mine = _share(names, train_group)
+    found = None
+    for name in mine:
+        size, crc = listing[name]
+        p = path / name
+        if not p.is_file():
+            found = f"{name}: missing"
+        elif p.stat().st_size != size:
+            found = f"{name}: {p.stat().st_size} bytes, expected {size}"
+        elif _crc(p) != crc:
+            found = f"{name}: contents changed since the save (CRC-32 mismatch)"
+        if found:
+            break
+    got: list = [None] * dist.get_world_size(train_group)
+    dist.all_gather_object(got, found, group=train_group)
+    return next((g for g in got if g), None)
+
+
+def _legacy_problem(path: Path) -> str | None:
+    """A checkpoint without a manifest: the required files exist, and the shards that DCP's
+    `.metadata` lists are there and long enough."""
+    for name in ("state/.metadata", "state/meta.pt", "hf/model.safetensors", "hf/config.json"):
+        if not (path / name).is_file():
+            return f"{name}: missing"
+    try:
+        md = dcp.FileSystemReader(str(path / "state")).read_metadata()
+        ends: dict[str, int] = {}
+        for info in md.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+        return f"state/.metadata: unreadable ({type(e).__name__})"
+    for rel, end in sorted(ends.items()):
+        p = path / "state" / rel
+        if not p.is_file():
+            return f"state/{rel}: missing"
+        if p.stat().st_size < end:
+            return f"state/{rel}: {p.stat().st_size} bytes, expected at least {end}"
+    return None
+
+
+def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | None, dict | None]:
+    """Restore policy, optimizer, schedule in place from `path` on every trainer rank; returns
+    (the first rank's error or None, meta on rank 0)."""
+    policy, opt, sched = state
+    problem, meta = None, None
+    try:
+        model_sd, optim_sd = get_state_dict(policy, opt)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
+        set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    except (Exception, CheckpointException) as e:
+        problem = f"state/: cannot be loaded ({one_line(e)})"
+    if problem is None:
+        try:
+            meta = torch.load(path / "state" / "meta.pt", weights_only=False)
+            sched.load_state_dict(meta["sched"])
+            for key in ("step", "version", "skipped_in_row", "skipped_total", "rng"):
+                meta[key]  # noqa: B018 - a KeyError names what is missing
+        except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+            problem = f"state/meta.pt: cannot be loaded ({one_line(e)})"
+    got: list = [None] * dist.get_world_size(train_group)
+    dist.all_gather_object(got, problem, group=train_group)
+    return next((g for g in got if g), None), meta if is_root else None
+
+
+def _move_aside(ckpt_root: Path, paths: list[Path]) -> Path:
+    dest = ckpt_root / time.strftime("abandoned-%Y%m%d-%H%M%S")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = ckpt_root / time.strftime(f"abandoned-%Y%m%d-%H%M%S-{n}")
+    dest.mkdir()
+    for p in paths:
+        p.rename(dest / p.name)
+    return dest
+
+
+# ----------------------------------------------------------------------------- helpers
+def _crc(path: Path) -> int:
+    c = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            c = zlib.crc32(chunk, c)
+    return c
+
+
+def _share(items: list, group) -> list:
+    """This rank's share of `items` (round robin over the group)."""
+    return items[dist.get_rank(group):: dist.get_world_size(group)]
+
+
+def _bcast(obj: Any, group) -> Any:
+    """`obj` of the group's first rank (global rank 0 for every group here), on every member."""
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

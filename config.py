@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import data
 import loss
 from data import DEFAULT_TEMPLATE
 
@@ -324,10 +325,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             import rewards
             need(spec["name"] in rewards.names(),
                  f"{key}[{i}].name: unknown reward {spec['name']!r} (known: {rewards.names()})")
+            w = spec.get("weight", 1.0)  # a nan or inf weight would make every reward non-finite
+            need(type(w) in (int, float) and math.isfinite(w),
+                 f"{key}[{i}].weight must be a finite number, got {w!r}")
     if cfg.model.path != "tiny" and "/" in cfg.model.path and cfg.model.path.startswith(("/", ".")):
         need(Path(cfg.model.path).exists(), f"model.path: no such folder {cfg.model.path}")
-    if cfg.data.source not in ("synthetic",) and cfg.data.source.startswith(("/", ".")):
-        need(Path(cfg.data.source).exists(), f"data.source: no such folder {cfg.data.source}")
+    need(not data.source_problem(cfg.data.source),
+         f"data.source: {data.source_problem(cfg.data.source)}")
     if world_size is not None:
         validate_world(cfg, world_size)
 

@@ -2,9 +2,10 @@
 
 Every split is a list of `Problem` (stable index, RGB diagram, question text, gold answer spelled
 the way Geometry3K spells it). Loading never crashes on a bad row: a row with a missing or
-unreadable image, or an empty / non-string problem or answer, is dropped and reported as
-(index, reason). A schema problem (missing split file, missing column, a JSONL line that is not
-an object) is a ValueError naming the file: it means the folder is not Geometry3K at all.
+unreadable image, an empty / non-string problem or answer, or a JSONL line that is not UTF-8,
+is dropped and reported as (index, reason). A schema problem (missing split file, missing
+column, a JSONL line that is not an object) is a ValueError naming the file: it means the
+folder is not Geometry3K at all.
 `data.source = "synthetic"` draws the offline set of `synthetic.py`.
 
 CLI (kept here for compatibility; see synthetic.py): python data.py --write-synthetic DIR
@@ -17,6 +18,7 @@ import io
 import json
 import logging
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,8 @@ def _open_image(obj: Any) -> Image.Image:
 
 
 def _to_problem(index: int, row: Any) -> Problem:
+    if isinstance(row, _BadRow):  # found by the reader (a line that is not UTF-8)
+        raise row
     if isinstance(row, Problem):
         problem, answer, image = row.problem, row.answer, row.image
     elif isinstance(row, Mapping):
@@ -150,9 +154,17 @@ def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
     return {canon: row[name] for canon, name in cols.items()}
 
 
-def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict]:
+def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict | _BadRow]:
+    # Lines are split as bytes and decoded one by one: a line that is not UTF-8 is one bad row
+    # (skipped and counted), not an unreadable file; and a U+2028 inside a JSON string, which
+    # str.splitlines() would cut at, stays in its row.
     cols = _mapping(columns)
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield _BadRow(f"{path.name}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+            continue
         if not line.strip():
             continue
         try:
@@ -225,9 +237,32 @@ def load_split(
         rows = (_read_jsonl(files[0], columns) if files[0].suffix == ".jsonl"
                 else _read_parquet(files, columns))
         return skip_bad_rows(rows)
-    if root.exists() or source.startswith(("/", ".", "~")):
-        raise ValueError(f"{source}: not a dataset folder")
+    problem = source_problem(source)
+    if problem:
+        raise ValueError(f"data.source: {problem}")
     return skip_bad_rows(_read_hub(source, split, columns))
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` can be neither "synthetic", a local folder nor a hub dataset id, or None.
+
+    A hub id is `owner/name`. Anything else that is not an existing folder is a path that does
+    not exist: a relative path too (`data/g3k` whose `data/` exists here, `g3k`, `a/b/c`), which
+    would otherwise be sent to the hub and fail there with a message about repo ids."""
+    if source == "synthetic" or Path(source).expanduser().is_dir():
+        return None
+    path = Path(source).expanduser()
+    if path.exists():
+        return f"{source} is not a dataset folder"
+    if (source.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(source)
+            or Path(source.split("/")[0]).is_dir()):
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        return (f"{source} is not a dataset folder: no such folder{where}; a source is "
+                "\"synthetic\", a local folder, or a hub dataset id owner/name")
+    return None
 
 
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,

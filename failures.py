@@ -1,13 +1,19 @@
-"""Failure handling: name the culprit, never hang.
+"""Failure handling: name the culprit, never hang, blame no one wrongly.
 
 - :class:`Liveness`: heartbeats and phases in the launcher's key-value store. The loop marks its
-  phase in one line (``live.phase(step, "train")``); when something fails, :meth:`Liveness.report`
-  says which ranks died (heartbeat stopped) and where every other rank was (a rank alive in
-  another phase is the stuck one).
-- :func:`guarded`: runs the job; an exception becomes ONE line naming this rank, its role, the
-  error and the report, an abort notice that stops every other rank within a heartbeat, and
-  exit code 4 (no teardown that could hang).
-- :func:`on_sigterm`: torchrun stops the survivors of a failed rank with SIGTERM; say so.
+  phase in one line (``live.phase(step, "train")``); when a collective fails,
+  :meth:`Liveness.diagnose` says which ranks died (heartbeat stopped), which were stopped by a
+  signal, and where every other rank was (a rank alive in another phase is the stuck one).
+- :func:`guarded`: runs the job; an exception becomes ONE line naming this rank, its role, its
+  phase and the error, an abort notice that stops every other rank within a heartbeat, and exit
+  code 4 (no teardown that could hang). A rank's own error (not a failed collective) prints its
+  traceback and blames no other rank; a failed collective is diagnosed, and its traceback is left
+  out when another rank died or was stopped (the error is only a consequence).
+- :func:`on_signals`: SIGINT / SIGTERM. A user's stop prints one line per rank, "stopped by
+  SIGTERM at step N (phase)"; torchrun also stops the survivors of a failed rank with SIGTERM,
+  and then the line names that failure instead.
+- :func:`exit_bad_input`: a config or start-up error that every rank finds alike: printed once
+  (rank 0), exit code 2 on every rank.
 - :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
   ``GRPO_FAULT=<point>[@<step>][:<rank>]`` is set.
 """
@@ -15,14 +21,31 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Callable
 
 import config as C
+
+
+class Fatal(RuntimeError):
+    """An error whose one line says everything (a full disk while saving): :func:`guarded`
+    prints it without a traceback and without diagnosing the other ranks."""
+
+
+class StartError(C.ConfigError):
+    """Bad input found at start-up, the same on every rank (a run folder locked by another job
+    or not writable, a missing or damaged checkpoint): printed once as ``<prefix>: <message>``,
+    exit code 2 on every rank (:func:`exit_bad_input`)."""
+
+    def __init__(self, message: str, prefix: str = "error"):
+        super().__init__(message)
+        self.prefix = prefix
 
 
 def fault_active(point: str, step: int | None = None) -> bool:
@@ -38,23 +61,37 @@ def fault_active(point: str, step: int | None = None) -> bool:
 
 
 def inject(step: int, live: "Liveness") -> None:
-    """Tests: a rank killed mid-run (`die`) or alive but stuck (`hang`) at `step`."""
+    """Tests: a rank killed mid-run (`die`), alive but stuck (`hang`), or raising its own
+    error (`raise`) at `step`."""
     if fault_active("die", step):
         os.kill(os.getpid(), signal.SIGKILL)
     if fault_active("hang", step):
         live.phase(step, "hung")
         time.sleep(10 ** 6)
+    if fault_active("raise", step):
+        raise ValueError(f"injected fault at step {step}")
+
+
+@dataclass
+class Diagnosis:
+    """Who is to blame for a failed collective, as seen from one rank."""
+    dead: list[int] = field(default_factory=list)            # heartbeat stopped, no exit, no signal
+    failed: list[int] = field(default_factory=list)          # reported their own failure
+    signalled: dict[int, str] = field(default_factory=dict)  # rank -> "SIGTERM" / "SIGINT"
+    stuck: list[int] = field(default_factory=list)           # alive, in another phase
+    line: str = ""
 
 
 class Liveness:
     """Heartbeats and phases in the launcher's key-value store, to name the culprit of a failure.
 
     A daemon thread bumps `hb/<rank>` every 0.5 s; the loop records its phase ("step 3:
-    rollout"). When a collective fails or times out, `report()` names the ranks whose heartbeat
-    stopped (dead: killed, crashed, lost node) and every rank's last phase (a rank alive but stuck
-    in another phase is the hung one). The failing rank then posts an abort notice; every other
-    rank's heartbeat thread ends its process within a beat, even when its main thread is stuck
-    in a C call (a hung engine) and on nodes whose launcher does not know of the failure.
+    rollout"). When a collective fails or times out, `diagnose()` names the ranks whose heartbeat
+    stopped (dead: killed, crashed, lost node), the ranks stopped by a signal, and every rank's
+    last phase (a rank alive but in another phase is the stuck one). The failing rank then posts
+    an abort notice; every other rank's heartbeat thread ends its process within a beat, even
+    when its main thread is stuck in a C call (a hung engine) and on nodes whose launcher does not
+    know of the failure.
     """
     INTERVAL = 0.5
 
@@ -63,9 +100,14 @@ class Liveness:
         self.store = dist.distributed_c10d._get_default_store()
         self.store.set_timeout(datetime.timedelta(seconds=5))  # diagnosis must not hang either
         self.rank, self.world, self.roles = rank, len(roles), roles
+        self.role = roles[rank]
         self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.where: tuple[int | None, str] = (None, "start-up")
         self._stop = threading.Event()
         self.failing = False
+        # The first of {this rank's failure report, a signal stop} prints; the other waits for
+        # the process to end.
+        self.ending = threading.Lock()
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def _beat(self) -> None:
@@ -75,87 +117,251 @@ class Liveness:
                 failed = self.store.check([f"{self.ns}/abort"])
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
-            if failed and not self.failing:  # another rank failed: stop now, even if
-                # this rank's main thread is stuck in a C call (a hung engine, a collective)
-                why = self.store.get(f"{self.ns}/abort").decode()
-                print(f"error: rank {self.rank} ({self.roles[self.rank]}) stopping: {why}",
+            if failed and not self.failing and self.ending.acquire(blocking=False):
+                # another rank failed: stop now, even if this rank's main thread is stuck in a
+                # C call (a hung engine, a collective)
+                print(f"error: rank {self.rank} ({self.role}) stopping: {self.abort_notice()}",
                       file=sys.stderr, flush=True)
                 os._exit(5)
 
     def abort(self, why: str) -> None:
         """Tell every rank to stop (their heartbeat threads exit the process within a beat)."""
         try:
+            self.store.set(f"{self.ns}/failed/{self.rank}", "1")
             self.store.set(f"{self.ns}/abort", why)
         except Exception:  # noqa: BLE001
             pass
 
+    def abort_notice(self) -> str | None:
+        """The failing rank's notice, if one was posted."""
+        try:
+            k = f"{self.ns}/abort"
+            return self.store.get(k).decode() if self.store.check([k]) else None
+        except Exception:  # noqa: BLE001
+            return None
+
     def phase(self, step: int | None, what: str) -> None:
         """Record where this rank is: "step 3: train" (or `what` alone before the loop)."""
+        self.where = (step, what)
         self.store.set(f"{self.ns}/phase/{self.rank}", what if step is None else f"step {step}: {what}")
+
+    def where_text(self) -> str:
+        step, what = self.where
+        return f"during {what}" if step is None else f"at step {step} ({what})"
 
     def close(self) -> None:
         self._stop.set()
         self.store.set(f"{self.ns}/exit/{self.rank}", "1")
 
-    def report(self) -> str:
-        """One line: who is dead, and where every rank was."""
+    def diagnose(self) -> Diagnosis:
+        """Who is dead, who was stopped by a signal, who is stuck, and where every rank was.
+        Takes 1.5 s (three heartbeats)."""
+        if self.world == 1:
+            return Diagnosis()
+        others = [r for r in range(self.world) if r != self.rank]
         try:
             count = lambda: [self.store.add(f"{self.ns}/hb/{r}", 0) for r in range(self.world)]  # noqa: E731
             before = count()
             time.sleep(3 * self.INTERVAL)
             after = count()
-            ended = {r for r in range(self.world) if self.store.check([f"{self.ns}/exit/{r}"])}
-            dead = [r for r in range(self.world)
-                    if r != self.rank and after[r] == before[r] and r not in ended]
-            phases = []
-            for r in range(self.world):
-                k = f"{self.ns}/phase/{r}"
-                phases.append(self.store.get(k).decode() if self.store.check([k]) else "?")
+            has = lambda k: self.store.check([f"{self.ns}/{k}"])  # noqa: E731
+            failed = [r for r in others if has(f"failed/{r}")]
+            ended = {r for r in others if has(f"exit/{r}")} | set(failed)
+            signalled = {r: self.store.get(f"{self.ns}/signal/{r}").decode()
+                         for r in others if has(f"signal/{r}")}
+            phases = [self.store.get(f"{self.ns}/phase/{r}").decode() if has(f"phase/{r}") else "?"
+                      for r in range(self.world)]
         except Exception as e:  # noqa: BLE001
-            return f"could not diagnose ({type(e).__name__}: the launcher's store is gone)"
-        where = [f"{r}:{p}" for r, p in enumerate(phases)]
+            return Diagnosis(line=f"could not diagnose ({type(e).__name__}: the launcher's store "
+                                  "is gone)")
+        dead = [r for r in others if after[r] == before[r] and r not in ended and r not in signalled]
         # Alive ranks elsewhere than this one are the likely stuck ones.
-        stuck = [r for r in range(self.world) if r not in dead and r not in ended
+        stuck = [r for r in others if r not in dead and r not in ended and r not in signalled
                  and phases[r] != phases[self.rank]]
-        who = (", ".join(f"rank {r} ({self.roles[r]})" for r in dead) + " died (no heartbeat)"
-               if dead else "no rank died; " + (", ".join(
-                   f"rank {r} ({self.roles[r]}) is stuck in '{phases[r]}'" for r in stuck)
-                   or "a rank is stuck (compare phases)"))
-        return f"{who}; last phases: " + " | ".join(where)
+        name = lambda r: f"rank {r} ({self.roles[r]})"  # noqa: E731
+        who = [f"{name(r)} failed (see its own line)" for r in failed]
+        who += [f"{name(r)} died (no heartbeat)" for r in dead]
+        who += [f"{name(r)} was stopped by {s}" for r, s in signalled.items()]
+        if not who:
+            who = ["no rank died; " + (", ".join(f"{name(r)} is stuck in '{phases[r]}'" for r in stuck)
+                                       or "none is in another phase")]
+        line = "; ".join(who) + "; last phases: " + " | ".join(f"{r}:{p}" for r, p in enumerate(phases))
+        return Diagnosis(dead, failed, signalled, stuck, line)
+
+    def report(self) -> str:
+        """One line: who is dead, and where every rank was."""
+        return self.diagnose().line
 
 
-def on_sigterm(live: Liveness) -> None:
-    """torchrun stops the survivors of a failed rank with SIGTERM: say who stopped and why."""
-    def handler(signum, frame):
-        print(f"error: rank {live.rank} ({live.roles[live.rank]}) stopped by the launcher; "
-              f"{live.report()}", file=sys.stderr, flush=True)
+_COMM = re.compile(r"gloo|nccl|hccl|connection (closed|reset|refused)|timed out|broken pipe|"
+                   r"socket|by peer", re.IGNORECASE)
+
+
+def is_communication_error(e: BaseException) -> bool:
+    """A failed or timed-out collective (the culprit may be another rank), as opposed to this
+    rank's own error. gloo raises plain RuntimeErrors, so the message decides."""
+    import torch.distributed as dist
+    dist_error = getattr(dist, "DistError", ())
+    return (isinstance(e, dist_error) if dist_error else False) or bool(_COMM.search(str(e)))
+
+
+def causes(e: BaseException, depth: int = 0) -> list[BaseException]:
+    """`e` and what is inside it: causes, contexts, and the per-rank failures of torch's
+    CheckpointException (whose own message is a multi-line traceback)."""
+    if depth > 8:
+        return [e]
+    out = [e]
+    for inner in [e.__cause__, e.__context__] + [
+            f[0] for f in (getattr(e, "failures", None) or {}).values() if isinstance(f, tuple)]:
+        if isinstance(inner, BaseException) and inner is not e:
+            out += causes(inner, depth + 1)
+    return out
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: message`, first line, at most 300 characters; a CheckpointException is described
+    by the first rank's error inside it."""
+    if getattr(e, "failures", None) and len(causes(e)) > 1:
+        inner = [c for c in causes(e)[1:] if not getattr(c, "failures", None)]
+        if inner:
+            e = inner[0]
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def on_signals(live: Liveness | None) -> None:
+    """SIGINT and SIGTERM end this rank with one line and exit code 128 + signal.
+
+    A user's stop (Ctrl-C, `kill`, a scheduler; torchrun forwards SIGINT and SIGTERM to every
+    worker) prints "stopped by SIGTERM at step N (phase)". torchrun also stops the survivors of a
+    failed rank with SIGTERM: then the failing rank's abort notice exists, or a rank's heartbeat
+    stopped without an exit or a signal, and the line names that instead. Each rank posts its
+    signal first, so the ranks of a user's stop never take each other for dead.
+
+    The work is done in a thread woken through `signal.set_wakeup_fd`, so a rank whose main
+    thread is stuck in a C call (a hung engine, a long collective) still stops at once; the
+    Python-level handler does the same when it gets to run (whichever comes first). Called with
+    None before the world exists (start-up: no store, no peers).
+    """
+    def stop(signum: int) -> None:
+        lock = live.ending if live else _EARLY
+        if not lock.acquire(timeout=60):
+            os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        rank = int(os.environ.get("RANK", "0"))
+        who = f"rank {rank}" + (f" ({live.role})" if live else "")
+        why = None
+        if live is not None:
+            live.failing = True  # the heartbeat thread no longer acts on an abort notice
+            try:
+                live.store.set(f"{live.ns}/signal/{live.rank}", name)
+            except Exception:  # noqa: BLE001
+                pass
+            if signum == signal.SIGTERM:
+                why = live.abort_notice()
+                if why is None:
+                    d = live.diagnose()
+                    why = "; ".join(f"rank {r} ({live.roles[r]}) died (no heartbeat)"
+                                    for r in d.dead) or None
+        if why:
+            print(f"error: {who} stopped by the launcher after: {why}", file=sys.stderr, flush=True)
+        else:
+            where = live.where_text() if live else "during start-up"
+            print(f"error: {who} stopped by {name} {where}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)
+
+    def handler(signum, frame):  # the main thread, when it gets to run Python code
+        if live is not None and live.failing:  # already reporting its failure, or stopping
+            return
+        stop(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handler)
+    if live is None or threading.current_thread() is not threading.main_thread():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w)
+
+    def watch() -> None:
+        while True:
+            got = os.read(r, 1)
+            if got and got[0] in (signal.SIGINT, signal.SIGTERM):
+                stop(got[0])
+    threading.Thread(target=watch, daemon=True, name="signals").start()
+
+
+_EARLY = threading.Lock()
+
+
+def exit_bad_input(e: C.ConfigError) -> int:
+    """A config or start-up error that every rank finds alike: ONE line (rank 0 prints it) and
+    exit code 2 on every rank.
+
+    Under torchrun the ranks first meet in the launcher's store (at most 60 s), so that none is
+    still working when torchrun sees the first exit and stops the others with SIGTERM, and a
+    rank stopped that way meanwhile still exits 2 without a word. A plain process returns 2.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"{getattr(e, 'prefix', 'config error')}: {e}", file=sys.stderr, flush=True)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():  # found after start-up (a refused
+            sys.stdout.flush()                               # resume): no teardown that aborts
+            sys.stderr.flush()
+            os._exit(2)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    signal.signal(signal.SIGINT, lambda *_: os._exit(2))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        try:
+            import torch.distributed as dist
+            size = int(os.environ.get("WORLD_SIZE", "1"))
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=datetime.timedelta(seconds=60))
+            key = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/bad_input"
+            if store.add(key, 1) >= size:
+                store.set(key + "/all", "1")
+            store.wait([key + "/all"], datetime.timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - a rank that never arrives: exit anyway
+            pass
+    os._exit(2)
 
 
 def guarded(live: Liveness, job: Callable[[], int]) -> int:
     """Run `job`; any failure ends THIS rank at once with a line naming the culprit (torchrun
-    then stops the others, which print their own view). A config error found after start-up
-    (every rank finds it) is printed once and every rank exits 2."""
-    rank, role = live.rank, live.roles[live.rank]
+    then stops the others, which print their own view). Config and start-up errors pass
+    through (:func:`exit_bad_input`)."""
+    rank, role = live.rank, live.role
     try:
         code = job()
         live.close()
         return code
-    except C.ConfigError as e:  # the same verdict on every rank (e.g. a refused resume)
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr, flush=True)
-        live.close()
-        sys.stdout.flush()
-        os._exit(2)  # no teardown of the process group that could hang or abort
-    except Exception as e:  # noqa: BLE001 - report, then exit without a hanging teardown
+    except C.ConfigError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
         live.failing = True  # this rank reports its own failure; keep beating meanwhile
-        report = live.report()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"error: rank {rank} ({role}) failed: {type(e).__name__}: {msg[:300]}; {report}",
-              file=sys.stderr, flush=True)
-        live.abort(f"rank {rank} ({role}) failed ({type(e).__name__}); {report}")
-        if "died" not in report:
-            traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(4)
+        with live.ending:    # a signal stop under way wins: it ends the process
+            where = live.where_text()
+            if isinstance(e, Fatal):
+                print(f"error: rank {rank} ({role}) failed {where}: {e}", file=sys.stderr, flush=True)
+                live.abort(f"rank {rank} ({role}) failed {where}: {e}")
+                os._exit(4)
+            notice = live.abort_notice() if is_communication_error(e) else None
+            if notice:  # another rank failed first: this error is only its consequence
+                print(f"error: rank {rank} ({role}) stopping: {notice}", file=sys.stderr, flush=True)
+                os._exit(5)
+            d = live.diagnose() if is_communication_error(e) else Diagnosis()
+            tail = f"; {d.line}" if d.line else ""
+            if not (d.dead or d.failed or d.signalled):  # else this error is only a consequence
+                traceback.print_exc()        # first: the culprit line stays the last word
+            print(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}",
+                  file=sys.stderr, flush=True)
+            live.abort(f"rank {rank} ({role}) failed {where} ({type(e).__name__}){tail}")
+            os._exit(4)

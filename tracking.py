@@ -249,10 +249,16 @@ def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, row
 
 
 def _truncate(path: Path, keep) -> None:
-    """Keep the rows of `path` (JSON lines) for which `keep(row)` holds."""
+    """Keep the rows of `path` (JSON lines) for which `keep(row)` holds; the others (what a run
+    logged after the checkpoint it is resumed from) move to `<name>.abandoned.jsonl`: nothing is
+    lost, as the abandoned checkpoints are moved aside, not deleted."""
     if path.exists():
-        rows = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
-        path.write_text("".join(ln + "\n" for ln in rows))
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        kept = [ln for ln in lines if keep(json.loads(ln))]
+        if len(kept) < len(lines):
+            with open(path.with_name(path.stem + ".abandoned.jsonl"), "a") as f:
+                f.writelines(ln + "\n" for ln in lines if not keep(json.loads(ln)))
+            path.write_text("".join(ln + "\n" for ln in kept))
 
 
 def _duration(seconds: float) -> str:

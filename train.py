@@ -29,7 +29,6 @@ vllm_engine.py, the weight transport in sync.py, failure handling in failures.py
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -83,19 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE, end="")
         return 0
+    failures.on_signals(None)  # a stop during start-up: one line, no traceback
     configs, flags, overrides = [], {}, []
     it = iter(argv)
-    for a in it:
-        key, eq, val = a.partition("=")
-        if key == "--config":  # repeatable: a preset after the base config
-            configs.append(val if eq else next(it, None))
-        elif key in ("--resume", "--checkpoint"):
-            flags[key] = val if eq else next(it, None)
-        elif a in ("--dry-run", "--eval-only"):
-            flags[a] = True
-        else:
-            overrides.append(a)
     try:
+        for a in it:
+            key, eq, val = a.partition("=")
+            if key in ("--config", "--resume", "--checkpoint"):  # --config: repeatable
+                val = val if eq else next(it, "")
+                if not val or val.startswith("--"):
+                    raise C.ConfigError(f"{key} needs a value (see --help)")
+                flags[key] = val
+                configs += [val] if key == "--config" else []
+            elif a in ("--dry-run", "--eval-only"):
+                flags[a] = True
+            else:
+                overrides.append(a)
         cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
             return dry_run(cfg)
@@ -104,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")
         return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
                    if flags.get("--eval-only") else None, sources=sources or "defaults")
-    except C.ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank reaches the same verdict: say it once
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except C.ConfigError as e:  # also the start-up checks: once (rank 0), exit 2 on every rank
+        return failures.exit_bad_input(e)
 
 
 def dry_run(cfg: C.Config) -> int:
@@ -130,7 +130,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
-    failures.on_sigterm(live)
+    failures.on_signals(live)
+    ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, eval_checkpoint))
     return failures.guarded(live, lambda: train(cfg, world, dev, live, resume, sources))
@@ -144,6 +145,7 @@ class Progress:
     version: int = 0           # weight version the engines hold
     skipped_in_row: int = 0    # consecutive non-finite steps
     skipped_total: float = 0.0
+    resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
 
 
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
@@ -177,15 +179,20 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
 
 
 def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None) -> dict:
-    """Rank 0 decides where the run starts (checkpoint.resume_plan), before anything is built;
-    every rank learns it. A refused resume is a config error on every rank."""
-    plan = [ckpt.resume_plan(cfg, out_dir, resume, world.size) if world.is_root else None]
+    """Where the run starts, before anything is built: the newest intact checkpoint (or
+    `--resume`; checkpoint.pick), its config compared with this one (checkpoint.resume_plan,
+    rank 0), every rank learns it. A refused resume is a config error on every rank."""
+    picked = ckpt.pick(out_dir, resume, ctrl=world.ctrl, train_group=world.train_group,
+                       is_root=world.is_root, is_trainer=world.is_trainer)
+    plan = [ckpt.resume_plan(cfg, picked, world.size) if world.is_root else None]
     dist.broadcast_object_list(plan, 0, group=world.ctrl)
     if plan[0]["error"]:
         raise C.ConfigError(plan[0]["error"])
     m = plan[0].pop("meta")
-    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"])
-                           if m else Progress())
+    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
+                                    plan[0]["path"]) if m else Progress())
+    if m and world.is_root and not plan[0]["finished"]:
+        ckpt.abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
     return plan[0]
 
 
@@ -194,9 +201,10 @@ def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict
     console); the engines then receive the resumed weights."""
     tr, progress = s.trainer, plan["progress"]
     if tr is not None:
-        meta = ckpt.load(Path(plan["path"]), policy=tr.policy, opt=tr.opt, sched=tr.sched,
-                         train_group=world.train_group, rank_in_group=world.trainer_index)
-        D.set_rng_state(dev, meta["rng"])
+        rng = ckpt.load(Path(plan["path"]), (tr.policy, tr.opt, tr.sched), world.train_group,
+                        world.is_root, world.trainer_index)
+        if rng is not None:
+            D.set_rng_state(dev, rng)
         T.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
         if world.is_root and plan["optimizer_changes"]:
             print("resumed with changed optimizer keys, applied to the restored optimizer and "
@@ -264,7 +272,10 @@ def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
                   f"run.steps = {cfg.run.steps}; nothing to do (raise --run.steps to train on, or "
                   f"use another run.out_dir)", flush=True)
         return None
-    rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None
+    try:
+        rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None
+    except tracking.TrackerError as e:  # one line naming the tracker, no traceback
+        raise failures.Fatal(str(e)) from None
     s = set_up(cfg, world, dev, live)
     if plan["path"]:
         restore(cfg, world, s, dev, plan)
@@ -408,7 +419,7 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
                     "config": C.to_dict(cfg), "world_size": world.size},
               tokenizer=procs.tokenizer, image_processor=procs.image_processor,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
-              is_root=world.is_root, keep_last=r.keep_last)
+              is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
 def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:

@@ -63,7 +63,8 @@ def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     q = torchrun(3, [*ARGS, f"--run.out_dir={tmp_path}", "--run.steps=6"])
     assert "resumed from" in q.stdout and "step_000002" in q.stdout
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
-    assert sorted(x.name for x in ck.iterdir()) == ["step_000004", "step_000006"]  # keep_last=2
+    # keep_last=2, and rotation never deletes the checkpoint the run resumed from
+    assert sorted(x.name for x in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
 @pytest.mark.slow
@@ -93,3 +94,127 @@ def test_plot_script_draws_png(tmp_path):
     assert p.returncode == 0, p.stderr
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _one(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A world of one (`python train.py`): the checkpoint logic does not depend on the ranks."""
+    e = env()
+    if fault:
+        e["GRPO_FAULT"] = fault
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ours(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith(("error:", "config error:", "warning:"))]
+
+
+@pytest.mark.slow
+def test_resume_from_an_older_checkpoint_owns_its_branch(tmp_path):
+    """Resuming step 2 of a run that got to 4, with save_every = 1 and keep_last = 1: the newer
+    checkpoints are moved aside (not deleted), the first save works, rotation keeps the
+    checkpoint the run resumed from, and the run ends at step 4 with every step logged once."""
+    ck = tmp_path / "checkpoints"
+    p = _one([f"--run.out_dir={tmp_path}", "--run.steps=4", "--run.save_every=1", "--run.keep_last=3"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [x.name for x in sorted(ck.iterdir())] == ["step_000002", "step_000003", "step_000004"]
+    q = _one([f"--run.out_dir={tmp_path}", "--run.steps=4", "--run.save_every=1", "--run.keep_last=1",
+              "--resume", str(ck / "step_000002")])
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert "moved 2 checkpoint(s) newer than step 2 aside" in q.stdout
+    [aside] = ck.glob("abandoned-*")
+    assert sorted(x.name for x in aside.iterdir()) == ["step_000003", "step_000004"]
+    assert sorted(x.name for x in ck.iterdir() if x != aside) == ["step_000002", "step_000004"]
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_falls_back_or_stops_when_named(tmp_path):
+    ck = tmp_path / "checkpoints"
+    p = _one([f"--run.out_dir={tmp_path}", "--run.steps=2", "--run.save_every=1"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    shard = next((ck / "step_000002" / "state").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    # named by --resume: one line, exit 2, nothing moved, no traceback
+    q = _one([f"--run.out_dir={tmp_path}", "--run.steps=2", "--resume", str(ck / "step_000002")])
+    assert q.returncode == 2, q.stderr[-3000:]
+    assert _ours(q.stderr) == [f"error: checkpoint {ck / 'step_000002'} is damaged: state/{shard.name}: "
+                               f"{size // 2} bytes, expected {size}"]
+    assert "Traceback" not in q.stderr and (ck / "step_000002").is_dir()
+    # not named: the newest intact one, saying so; the damaged one moved aside, not deleted
+    r = _one([f"--run.out_dir={tmp_path}", "--run.steps=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _ours(r.stderr) == [f"warning: checkpoint {ck / 'step_000002'} is damaged (state/{shard.name}: "
+                               f"{size // 2} bytes, expected {size}); trying the next older one"]
+    assert f"resumed from {ck / 'step_000001'} at step 1" in r.stdout
+    assert [x["step"] for x in metrics(tmp_path)] == [0, 1]
+    [aside] = ck.glob("abandoned-*")
+    assert (aside / "step_000002" / "state" / shard.name).stat().st_size == size // 2
+
+
+@pytest.mark.slow
+def test_full_disk_while_saving_is_named_and_the_previous_checkpoint_stays(tmp_path):
+    """GRPO_FAULT=checkpoint_enospc (any machine; tests/test_resume.py also fills a real tmpfs)."""
+    ck = tmp_path / "checkpoints"
+    p = _one([f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.save_every=1"],
+             fault="checkpoint_enospc@2")
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert _ours(p.stderr) == [
+        "error: rank 0 (trainer+generation) failed at step 1 (eval/checkpoint): checkpoint "
+        f"step_000002 not saved: No space left on device ({ck}: "
+        + _ours(p.stderr)[0].split(f"({ck}: ")[1]]
+    assert _ours(p.stderr)[0].endswith("MiB free); the previous checkpoint step_000001 is intact")
+    assert "Traceback" not in p.stderr
+    assert sorted(x.name for x in ck.iterdir()) == ["step_000001"]
+    q = _one([f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.save_every=1"])
+    assert q.returncode == 0 and "resumed from" in q.stdout and "step_000001" in q.stdout
+
+
+@pytest.mark.slow
+def test_resume_with_more_trainer_ranks_reshards(tmp_path):
+    """A checkpoint of 1 trainer rank resumed on 2: weights and optimizer resharded. The step
+    after the resume sees the same episodes and nearly the same update as an uninterrupted
+    1-trainer run (not bit-exact: another reduction order, RNG states not restored)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*TINY, "--run.save_every=2", "--rollout.temperature=1.0"]
+    torchrun(2, [*args, f"--run.out_dir={a}", "--run.steps=3"])
+    torchrun(2, [*args, f"--run.out_dir={b}", "--run.steps=2"])
+    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"])
+    assert ("resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state "
+            "resharded") in p.stdout
+    assert "resumed from" in p.stdout
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == [0, 1, 2]
+    assert rb[2]["reward/mean"] == ra[2]["reward/mean"]            # same episodes: same engine weights
+    assert rb[2]["logprob_diff/max"] < 1e-4                        # trainer == engine after the resume
+    assert rb[2]["grad_norm"] == pytest.approx(ra[2]["grad_norm"], rel=1e-4)  # the optimizer state too
+    wa, wb = _weights(a, 3), _weights(b, 3)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+
+
+@pytest.mark.slow
+def test_real_full_disk_while_saving_is_named(tmp_path):
+    """A 5 MiB tmpfs under checkpoints/ holds one checkpoint of the tiny model (3.5 MB), not
+    two (root only: mounting needs it; the fault-injected test above runs anywhere)."""
+    import os
+    import shutil
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(ck)],
+                       capture_output=True, text=True)
+    if m.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
+    try:
+        p = _one([f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.save_every=1"])
+        assert p.returncode == 4, p.stderr[-3000:]
+        [line] = _ours(p.stderr)
+        assert line.startswith("error: rank 0 (trainer+generation) failed at step 1 (eval/checkpoint): "
+                               f"checkpoint step_000002 not saved: No space left on device ({ck}: "), line
+        assert line.endswith("the previous checkpoint step_000001 is intact") and "Traceback" not in p.stderr
+        assert sorted(x.name for x in ck.iterdir()) == ["step_000001"]   # the partial folder is gone
+    finally:
+        subprocess.run(["umount", str(ck)], check=False)

@@ -1,6 +1,9 @@
 """Fail fast, name the culprit: dead and hung ranks, NaNs, bad config, failing rewards."""
 from __future__ import annotations
 
+import fcntl
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +39,7 @@ def test_killed_rank_stops_the_job_and_is_named(tmp_path, victim, role):
     end = time.time()
     assert p.returncode != 0
     assert f"rank {victim} ({role}) died" in p.stderr, p.stderr[-3000:]
+    assert "stopped by SIGTERM" not in p.stderr   # torchrun's SIGTERM to the survivors: not a user's stop
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1]
     # every rank was gone within the collective timeout plus a margin of the last logged step
     assert end - _last_step_time(tmp_path) < TIMEOUT + 30
@@ -71,12 +75,103 @@ def test_consecutive_nans_stop_the_run(tmp_path):
     assert len(metrics(tmp_path)) == 2
 
 
+def _ours(stderr: str) -> list[str]:
+    """The lines our ranks print (torchrun's own log lines and summary left out)."""
+    return [ln for ln in stderr.splitlines() if ln.startswith(("error:", "config error:", "warning:"))]
+
+
+def _exit_codes(stderr: str) -> list[int]:
+    """Every rank's exit code, from torchrun's failure summary."""
+    return sorted(int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", stderr))
+
+
 @pytest.mark.slow
 def test_bad_world_split_fails_before_any_group_work(tmp_path):
+    """Printed once (not once per rank), exit code 2 on every rank."""
     p, dt = launch(tmp_path, None, "--cluster.gen_ranks=3", timeout=120)
     assert p.returncode != 0
-    assert "config error: cluster.gen_ranks=3 leaves no trainer rank in a world of 3" in p.stderr
+    assert _ours(p.stderr) == ["config error: cluster.gen_ranks=3 leaves no trainer rank in a world of 3"]
+    assert _exit_codes(p.stderr) == [2, 2, 2], p.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_second_job_on_the_run_folder_stops_naming_the_holder(tmp_path):
+    """Another job holds the run folder (its lock, as rank 0 of a running job holds it): the
+    second job stops with one line naming the folder and the holder, exit 2 on every rank, and
+    writes nothing there."""
+    lock = open(tmp_path / "run.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write("node7 31337\n")
+    lock.flush()
+    p, _ = launch(tmp_path, None, "--run.steps=2", timeout=120)
+    assert p.returncode != 0
+    assert _ours(p.stderr) == [f"error: run folder {tmp_path} is in use by another job (host node7, "
+                               "pid 31337); stop that job or pass another --run.out_dir"], p.stderr[-3000:]
+    assert _exit_codes(p.stderr) == [2, 2, 2]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["run.lock"]
+    lock.close()
+
+
+@pytest.mark.slow
+def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_path):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{")           # a model folder that cannot be read
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--model.path={bad}",
+                        f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert "Traceback (most recent call last)" in p.stderr
+    assert _ours(p.stderr) == [f"error: rank 0 (trainer+generation) failed during start-up: OSError: "
+                               f"It looks like the config file at '{bad}/config.json' is not a valid "
+                               "JSON file."]
+    assert p.stderr.rstrip().splitlines()[-1] == _ours(p.stderr)[0]   # the culprit line is last
+    assert "stuck" not in p.stderr and "died" not in p.stderr
+
+
+@pytest.mark.slow
+def test_own_error_on_one_rank_blames_no_other_rank(tmp_path):
+    p, _ = launch(tmp_path, "raise@1:1", "--run.steps=4")
+    assert p.returncode != 0
+    ours = _ours(p.stderr)
+    assert ours[0] == ("error: rank 1 (trainer) failed at step 0 (eval/checkpoint): ValueError: "
+                       "injected fault at step 1"), ours
+    assert "Traceback (most recent call last)" in p.stderr and "injected fault" in p.stderr
+    assert all(re.fullmatch(r"error: rank [02] \((trainer|generation)\) (stopping|stopped by the launcher "
+                            r"after): rank 1 \(trainer\) failed at step 0 .*\(ValueError\)", ln)
+               for ln in ours[1:]), ours
+    assert len(ours) == 3 and "stuck" not in p.stderr and "died" not in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
+    """SIGTERM or Ctrl-C to torchrun (it forwards the signal to every rank): one line per rank
+    naming the signal, step and phase; no "died", no "stuck", no KeyboardInterrupt traceback;
+    every rank gone within seconds."""
+    e = env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
+           f"--cluster.timeout_s={TIMEOUT}", "--run.steps=500"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    m = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (m.exists() and m.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert time.monotonic() - t0 < 15
+    ours = _ours(err)
+    name = signal.Signals(sig).name
+    assert len(ours) == 3, err[-3000:]
+    for ln in ours:
+        assert re.fullmatch(rf"error: rank [012] \((trainer|generation)\) stopped by {name} at step "
+                            r"\d+ \([^)]+\)", ln), ours
+    assert sorted(int(ln.split()[2]) for ln in ours) == [0, 1, 2]
+    for word in ("died", "stuck", "KeyboardInterrupt", "Connection closed"):
+        assert word not in err, word
 
 
 @rewards.register("_test_raises")
