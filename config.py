@@ -140,6 +140,7 @@ class TrainConfig:
     grad_clip: float = num(1.0, "> 0")       # max global gradient norm
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
     micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
+    share_prompt: bool = True                # one row per prompt: its G responses share one encoding of the prompt and image
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
     # Several updates per rollout batch (verl ppo_mini_batch_size / ppo_epochs, TRL
     # steps_per_generation / num_iterations, EasyR1 global_batch_size < rollout_batch_size): the

@@ -216,10 +216,20 @@ def prompt_ids(tokenizer, user_text: str, n_images: int, tokens: Tokens) -> list
             + enc(f"{user_text}<|im_end|>\n<|im_start|>assistant\n"))
 
 
-def image_inputs(image_processor, images: list) -> dict[str, torch.Tensor]:
-    """pixel_values [sum patches, C*T*P*P] and image_grid_thw [n_images, 3] for PIL images."""
-    out = image_processor(images=images, return_tensors="pt")
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+def image_inputs(image_processor, images: list, cache: dict | None = None) -> dict[str, torch.Tensor]:
+    """pixel_values [sum patches, C*T*P*P] and image_grid_thw [n_images, 3] for PIL images.
+
+    `cache` (keyed by `id(image)`, so it holds the images alive: keep it as long as the dataset):
+    each image is processed once per run instead of once per step and micro-batch."""
+    if cache is None:
+        out = image_processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    for im in images:
+        if id(im) not in cache:
+            one = image_processor(images=[im], return_tensors="pt")
+            cache[id(im)] = (im, one["pixel_values"], one["image_grid_thw"])
+    return {"pixel_values": torch.cat([cache[id(im)][1] for im in images]),
+            "image_grid_thw": torch.cat([cache[id(im)][2] for im in images])}
 
 
 def n_image_tokens(grid_thw: torch.Tensor, merge_size: int = 2) -> list[int]:
@@ -256,14 +266,24 @@ def vocab_size(path: str) -> int:
     return getattr(cfg, "text_config", cfg).vocab_size
 
 
-def collate(episodes, images: list, image_processor, tokens: Tokens,
-            device: torch.device) -> dict[str, torch.Tensor]:
-    """Trainer batch: prompt + response per episode, right-padded, images expanded.
+def collate(episodes, images: list, image_processor, tokens: Tokens, device: torch.device,
+            share_prompt: bool = False, pixels: dict | None = None) -> dict[str, torch.Tensor]:
+    """Trainer batch of `episodes` (one image each), for :func:`sequence_logprobs`.
 
-    Keys: input_ids, attention_mask, response_mask, engine_logprobs (all [B, L], aligned so that
-    column t is token t), pixel_values, image_grid_thw. One image per episode.
+    Both layouts give `response_mask` and `engine_logprobs` [B, T] in episode order (1 on response
+    tokens; the engine's logprob of each), aligned with what :func:`sequence_logprobs` returns,
+    plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values, image_grid_thw,
+    and episode_tokens (prompt + response tokens of every episode, however laid out).
+    - one row per episode (`share_prompt=False`): prompt + response, right-padded; T = W.
+    - one row per prompt (`share_prompt=True`, :func:`pack`): consecutive episodes with the same
+      prompt share one copy of it, followed by each response; an attention mask lets every
+      response see the prompt and itself only, so the result equals one row per episode while the
+      prompt (and its image) is encoded once per group instead of G times. T = longest response.
+    `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
     """
-    mm = image_inputs(image_processor, images)
+    if share_prompt:
+        return pack(episodes, images, image_processor, tokens, device, pixels)
+    mm = image_inputs(image_processor, images, pixels)
     counts = n_image_tokens(mm["image_grid_thw"])
     prompts = [expand_images(e.prompt_ids, [c], tokens.image_pad) for e, c in zip(episodes, counts)]
     width = max(len(p) + len(e.response_ids) for p, e in zip(prompts, episodes))
@@ -279,7 +299,69 @@ def collate(episodes, images: list, image_processor, tokens: Tokens,
         resp[i, n:n + r] = 1
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
-               pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"])
+               pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"],
+               episode_tokens=attn.sum())
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def pack(episodes, images: list, image_processor, tokens: Tokens, device: torch.device,
+         pixels: dict | None = None) -> dict[str, torch.Tensor]:
+    """One row per run of consecutive episodes with the same prompt (see :func:`collate`).
+
+    Row layout: [prompt (image expanded) | response 1 | response 2 | ... | padding]. Extra keys:
+    `attention_mask_4d` [rows, 1, W, W] (bool: a prompt token sees the prompt causally; a response
+    token sees the prompt and its own response causally; padding sees itself), `prompt_len`
+    [rows], and for every response token (episode-major) its row, the column whose hidden state
+    predicts it, its own column and its index in its response: `pred_row`, `pred_col`,
+    `target_col`, `offset` [N].
+    """
+    runs: list[list[int]] = []
+    for i, e in enumerate(episodes):
+        if runs and episodes[runs[-1][0]].prompt_ids == e.prompt_ids and images[runs[-1][0]] is images[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    mm = image_inputs(image_processor, [images[r[0]] for r in runs], pixels)
+    counts = n_image_tokens(mm["image_grid_thw"])
+    rows, starts = [], [0] * len(episodes)
+    for r, c in zip(runs, counts):
+        row = expand_images(episodes[r[0]].prompt_ids, [c], tokens.image_pad)
+        plen = len(row)
+        for i in r:
+            starts[i] = len(row)
+            row = row + episodes[i].response_ids
+        rows.append((plen, row))
+    W, R, B = max(len(row) for _, row in rows), len(rows), len(episodes)
+    T = max(len(e.response_ids) for e in episodes)
+    ids = torch.full((R, W), tokens.pad, dtype=torch.long)
+    attn = torch.zeros(R, W, dtype=torch.long)
+    mask4 = torch.zeros(R, 1, W, W, dtype=torch.bool)
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    for k, (plen, row) in enumerate(rows):
+        ids[k, :len(row)] = torch.tensor(row)
+        attn[k, :len(row)] = 1
+        mask4[k, 0, :len(row), :plen] = causal[:len(row), :plen]  # everyone sees the prompt (causally)
+        mask4[k, 0, range(W), range(W)] = True                    # padding sees itself: no empty row
+    resp = torch.zeros(B, T, dtype=torch.long)
+    engine_lp = torch.zeros(B, T, dtype=torch.float32)
+    pred_row, pred_col, target_col, offset = [], [], [], []
+    for k, (r, (plen, _)) in enumerate(zip(runs, rows)):
+        for i in r:
+            s, n = starts[i], len(episodes[i].response_ids)
+            mask4[k, 0, s:s + n, s:s + n] = causal[:n, :n]
+            resp[i, :n] = 1
+            engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
+            pred_row += [k] * n
+            pred_col += [plen - 1] + list(range(s, s + n - 1))    # the first token is predicted
+            target_col += list(range(s, s + n))                    # by the prompt's last token
+            offset += list(range(n))
+    out = dict(input_ids=ids, attention_mask=attn, attention_mask_4d=mask4, response_mask=resp,
+               engine_logprobs=engine_lp, pixel_values=mm["pixel_values"],
+               image_grid_thw=mm["image_grid_thw"], prompt_len=torch.tensor([p for p, _ in rows]),
+               pred_row=torch.tensor(pred_row), pred_col=torch.tensor(pred_col),
+               target_col=torch.tensor(target_col), offset=torch.tensor(offset),
+               episode_tokens=torch.tensor(sum(rows[k][0] + len(episodes[i].response_ids)
+                                               for k, r in enumerate(runs) for i in r)))
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -305,29 +387,92 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens: Tokens,
 
 def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer forward: logprobs and entropies of the response tokens.
+    """Trainer forward: logprobs and entropies of the response tokens of a :func:`collate` batch,
+    aligned with its `response_mask` (zero elsewhere).
 
-    `batch`: input_ids [B, L] (prompt + response, right-padded), attention_mask [B, L],
-    response_mask [B, L] (1 on response tokens), pixel_values, image_grid_thw. Returns two
-    [B, L] tensors aligned with input_ids (position t holds the logprob of token t given the
-    tokens before it; zero where response_mask is 0).
+    Only the positions that predict a response token go through the LM head (the fp32
+    log-softmax over a 150k vocabulary is the largest activation of a step; prompt positions
+    would only be masked out).
     """
+    if "attention_mask_4d" in batch:
+        return _packed_logprobs(model, batch, tokens, temperature)
     ids = batch["input_ids"]
+    mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[:, :-1] = mask
     # mm_token_type_ids marks the image tokens; without it transformers silently falls back to
     # text-only positions and the logprobs no longer match generation (mRoPE).
-    out = model(input_ids=ids, attention_mask=batch["attention_mask"],
-                pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                mm_token_type_ids=(ids == tokens.image_pad).int(), use_cache=False)
-    mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
-    # Only response positions: the fp32 log-softmax over a 150k vocabulary is the largest
-    # activation of the step, and prompt positions would only be masked out.
-    rows = mask.nonzero(as_tuple=True)
-    logits = out.logits[:, :-1][rows]                            # [N_response_tokens, V]
+    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch["attention_mask"],
+                        pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                        mm_token_type_ids=(ids == tokens.image_pad).int(), use_cache=False)
+    rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
     lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     shifted = (rows[0], rows[1] + 1)                             # column t holds token t
     return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel.detach())
+
+
+def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
+    keep = torch.zeros_like(ids, dtype=torch.bool)
+    keep[pr, pc] = True
+    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch["attention_mask_4d"],
+                        position_ids=packed_positions(model, batch, tokens),
+                        pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                        mm_token_type_ids=(ids == tokens.image_pad).int(), use_cache=False)
+    where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+    where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
+    lp_sel, ent_sel = token_logprobs(logits[where[pr, pc]], ids[pr, batch["target_col"]], tokens,
+                                     temperature)
+    resp = batch["response_mask"].bool()                         # [B, T], episode-major as pr
+    lp = torch.zeros(resp.shape, dtype=lp_sel.dtype, device=lp_sel.device)
+    ent = torch.zeros(resp.shape, dtype=ent_sel.dtype, device=ent_sel.device)
+    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel.detach())
+
+
+def packed_positions(model, batch: dict[str, torch.Tensor], tokens: Tokens) -> torch.Tensor:
+    """mRoPE position ids [3, rows, W] of a packed batch: the prompt's as the model computes them
+    (its image's 3D grid), then every response continues from the prompt's largest position + 1,
+    as generation does (so a response's positions do not depend on the responses before it)."""
+    ids, plen = batch["input_ids"], batch["prompt_len"].tolist()
+    R, P = ids.shape[0], max(plen)
+    prompt = ids[:, :P].clone()
+    am = (torch.arange(P, device=ids.device)[None, :] < torch.tensor(plen, device=ids.device)[:, None])
+    prompt[~am] = tokens.pad
+    base = model.model  # Qwen2_5_VLModel; a plain method, no parameters touched
+    pos, _ = base.get_rope_index(prompt, (prompt == tokens.image_pad).int(),
+                                 image_grid_thw=batch["image_grid_thw"], attention_mask=am.long())
+    out = torch.zeros(3, R, ids.shape[1], dtype=torch.long, device=ids.device)
+    out[:, :, :P] = pos
+    nxt = (pos.amax(dim=(0, 2)) + 1).tolist()
+    pr, tc = batch["pred_row"], batch["target_col"]
+    # a response token j tokens into its response, in row r: position nxt[r] + j
+    out[:, pr, tc] = (torch.tensor(nxt, device=ids.device)[pr] + batch["offset"]).expand(3, -1)
+    return out
+
+
+def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
+    """The model's logits at the `keep` positions [N, V] (row-major), the LM head applied to
+    those hidden states only where transformers supports a boolean `logits_to_keep`."""
+    if _BOOL_LOGITS_TO_KEEP:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        return logits.reshape(-1, logits.shape[-1])
+    return model(**inputs).logits[keep]
+
+
+def _bool_logits_to_keep() -> bool:
+    """transformers >= 5.x's `slice_logits_to_keep` takes a boolean [B, L] mask (5.24 does)."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        return False
+    import inspect
+    return "boolean" in (inspect.getdoc(slice_logits_to_keep) or "")
+
+
+_BOOL_LOGITS_TO_KEEP = _bool_logits_to_keep()
 
 
 # ----------------------------------------------------------------------------- FSDP2

@@ -69,14 +69,23 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
                                            max_new_tokens=12)
             return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
 
-        full, s_full = grads(["--train.micro_batch_size=16"])
-        budget, s_budget = grads(["--train.micro_batch_tokens=600"])
-        small, _ = grads(["--train.micro_batch_size=3"])
+        flat = "--train.share_prompt=false"
+        full, s_full = grads(["--train.micro_batch_size=16", flat])
+        budget, s_budget = grads(["--train.micro_batch_tokens=600", flat])
+        small, _ = grads(["--train.micro_batch_size=3", flat])
         assert s_full["micro_batches"] == 1 and s_budget["micro_batches"] > 2
         assert s_budget["slots"] < s_full["slots"]                 # less padding
-        for a, b, c in zip(full, budget, small):
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-            assert torch.allclose(a, c, atol=1e-6, rtol=1e-5)
+        # packed rows (one per prompt, its 4 responses after it): the same gradient, and in
+        # every layout: whole groups, groups split by small micro-batches, a token budget
+        packed, s_packed = grads(["--train.micro_batch_size=16"])
+        p_small, _ = grads(["--train.micro_batch_size=3"])
+        p_budget, s_pbudget = grads(["--train.micro_batch_tokens=900"])
+        assert s_packed["micro_batches"] == 1 and s_pbudget["micro_batches"] >= 2
+        assert s_packed["slots"] < s_full["slots"] / 2             # the prompts encoded once per group
+        assert s_packed["episode_tokens"] == s_full["episode_tokens"] == s_full["tokens"]
+        for a, *others in zip(full, budget, small, packed, p_small, p_budget):
+            for b in others:
+                assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
         assert any(a.abs().sum() > 0 for a in full)
     finally:
         dist.destroy_process_group()

@@ -152,3 +152,46 @@ def test_attention_dropout_is_refused_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"attention_dropout=0\.1") as e:
         M.load_model(str(path))
     assert "\n" not in str(e.value)
+
+
+def test_packed_rows_equal_one_row_per_episode(tiny):
+    """train.share_prompt: one row per prompt with its responses after it; each response sees
+    the prompt and itself only, continues the prompt's mRoPE positions, and its logprobs,
+    entropies and gradients equal the one-row-per-episode forward (and the engine's)."""
+    path, tok, tokens, ip = tiny
+    engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+    problems = synthetic.make_synthetic(3, seed=5)
+    prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i), 1, tokens), [p.image])
+               for i, p in enumerate(problems)]            # prompts of different lengths
+    out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=10), seed=2)
+    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
+           for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    images = [problems[e.group].image for e in eps]
+    packed = M.collate(eps, images, ip, tokens, torch.device("cpu"), share_prompt=True, pixels={})
+    flat = M.collate(eps, images, ip, tokens, torch.device("cpu"))
+    assert packed["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 9
+    assert int(packed["episode_tokens"]) == int(flat["attention_mask"].sum())
+    # the mask: response 2 of row 0 sees the prompt and itself, not response 1
+    m, plen = packed["attention_mask_4d"][0, 0], int(packed["prompt_len"][0])
+    s1, n1 = plen, len(eps[0].response_ids)
+    s2 = s1 + n1
+    assert m[s2, :plen].all() and not m[s2, s1:s2].any() and m[s2, s2] and not m[s2, s2 + 1]
+    assert m[plen - 1, :plen].all() and not m[plen - 2, plen - 1]          # causal prompt
+    # positions: a response continues from the prompt, as in its own row
+    model = M.load_model(path).train()
+    pos = M.packed_positions(model, packed, tokens)
+    own, _ = model.model.get_rope_index(flat["input_ids"][1:2], (flat["input_ids"][1:2] == tokens.image_pad).int(),
+                                        image_grid_thw=flat["image_grid_thw"][1:2],
+                                        attention_mask=flat["attention_mask"][1:2])
+    n2 = len(eps[1].response_ids)
+    assert torch.equal(pos[:, 0, s2:s2 + n2], own[:, 0, plen:plen + n2])
+    lp, ent = M.sequence_logprobs(model, packed, tokens, 1.0)
+    flp, fent = M.sequence_logprobs(model, flat, tokens, 1.0)
+    pm, fm = packed["response_mask"].bool(), flat["response_mask"].bool()
+    torch.testing.assert_close(lp[pm], flp[fm], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[pm], fent[fm], atol=1e-5, rtol=0)
+    assert float((lp[pm] - packed["engine_logprobs"][pm]).abs().max()) <= 1e-4
+    g1 = torch.autograd.grad(lp[pm].sum(), list(model.parameters()))
+    g2 = torch.autograd.grad(flp[fm].sum(), list(model.parameters()))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
