@@ -296,5 +296,5 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) ->
     out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
     out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
     if out["time/generate_s"] > 0:
-        out["throughput/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
+        out["time/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
     return out

@@ -172,8 +172,8 @@ class Recorder:
                 f"reward {m['reward/mean']:.3f} ({parts}) | len {m['response_len/mean']:.1f} | "
                 f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} "
                 f"ent {m.get('entropy', 0):.2f} lpdiff {m.get('logprob_diff/max', 0):.1e} | "
-                f"gen {m['time/generate_s']:.2f}s {m.get('throughput/gen_tokens_per_s', 0):.0f} tok/s"
-                f" | train {m['time/train_s']:.2f}s {m.get('throughput/train_tokens_per_s', 0):.0f} "
+                f"gen {m['time/generate_s']:.2f}s {m.get('time/gen_tokens_per_s', 0):.0f} tok/s"
+                f" | train {m['time/train_s']:.2f}s {m.get('time/train_tokens_per_s', 0):.0f} "
                 f"tok/s | sync {m['time/sync_s']:.2f}s | step {m['time/step_s']:.2f}s "
                 f"ETA {_duration(eta)}" + (f" | eval {evals}" if evals else ""))
 

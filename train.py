@@ -385,7 +385,7 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
         out["train/skipped_steps"] = progress.skipped_total
     out["time/train_s"] = time.perf_counter() - t0
     if "train/tokens" in out:
-        out["throughput/train_tokens_per_s"] = out["train/tokens"] / max(1e-9, out["time/train_s"])
+        out["time/train_tokens_per_s"] = out["train/tokens"] / max(1e-9, out["time/train_s"])
     return out
 
 
