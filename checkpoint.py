@@ -247,11 +247,11 @@ def read_meta(path: Path) -> dict:
     return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
 
 
-def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int) -> dict:
+def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
     """Where a run starts (rank 0, before anything is built): the picked checkpoint (:func:`pick`),
     its progress, whether the run is already finished, and what changed.
 
-    Keys that change what the run means (config.MEANING_KEYS, and the number of ranks) must
+    Keys that change what the run means (config.MEANING_KEYS, and the trainer / world counts) must
     match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
     the one line naming every difference. Optimizer keys (config.OPTIMIZER_KEYS) may change;
     they are listed in "optimizer_changes" (the trainer applies them after the restore), with
@@ -265,8 +265,10 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int) -> dict:
     path, meta = picked
     old = meta.get("config", {})
     changes = C.changed_keys(old, cfg, C.MEANING_KEYS)
-    if meta.get("world_size", world_size) != world_size:
-        changes.append(("ranks (world size)", meta["world_size"], world_size))
+    saved = (meta.get("trainers", n_trainers), meta.get("world_size", world_size))
+    if saved != (n_trainers, world_size):  # resharding works, but it is another experiment
+        changes.append(("the rank split (trainers of ranks)", f"{saved[0]} of {saved[1]}",
+                        f"{n_trainers} of {world_size}"))
     schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),

@@ -48,6 +48,13 @@ class StartError(C.ConfigError):
         self.prefix = prefix
 
 
+def say(line: str) -> None:
+    """One line to stderr in ONE write: lines of several ranks sharing a pipe never interleave
+    (a write of under PIPE_BUF bytes is atomic; print writes text and newline separately)."""
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode("utf-8", "replace"))
+
+
 def fault_active(point: str, step: int | None = None) -> bool:
     """True when this rank reaches fault `point` (at `step`, if the spec names one)."""
     spec = os.environ.get("GRPO_FAULT")
@@ -120,8 +127,7 @@ class Liveness:
             if failed and not self.failing and self.ending.acquire(blocking=False):
                 # another rank failed: stop now, even if this rank's main thread is stuck in a
                 # C call (a hung engine, a collective)
-                print(f"error: rank {self.rank} ({self.role}) stopping: {self.abort_notice()}",
-                      file=sys.stderr, flush=True)
+                say(f"error: rank {self.rank} ({self.role}) stopping: {self.abort_notice()}")
                 os._exit(5)
 
     def abort(self, why: str) -> None:
@@ -265,10 +271,10 @@ def on_signals(live: Liveness | None) -> None:
                     why = "; ".join(f"rank {r} ({live.roles[r]}) died (no heartbeat)"
                                     for r in d.dead) or None
         if why:
-            print(f"error: {who} stopped by the launcher after: {why}", file=sys.stderr, flush=True)
+            say(f"error: {who} stopped by the launcher after: {why}")
         else:
             where = live.where_text() if live else "during start-up"
-            print(f"error: {who} stopped by {name} {where}", file=sys.stderr, flush=True)
+            say(f"error: {who} stopped by {name} {where}")
         os._exit(128 + signum)
 
     def handler(signum, frame):  # the main thread, when it gets to run Python code
@@ -305,7 +311,7 @@ def exit_bad_input(e: C.ConfigError) -> int:
     """
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"{getattr(e, 'prefix', 'config error')}: {e}", file=sys.stderr, flush=True)
+        say(f"{getattr(e, 'prefix', 'config error')}: {e}")
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():  # found after start-up (a refused
@@ -350,18 +356,17 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
         with live.ending:    # a signal stop under way wins: it ends the process
             where = live.where_text()
             if isinstance(e, Fatal):
-                print(f"error: rank {rank} ({role}) failed {where}: {e}", file=sys.stderr, flush=True)
+                say(f"error: rank {rank} ({role}) failed {where}: {e}")
                 live.abort(f"rank {rank} ({role}) failed {where}: {e}")
                 os._exit(4)
             notice = live.abort_notice() if is_communication_error(e) else None
             if notice:  # another rank failed first: this error is only its consequence
-                print(f"error: rank {rank} ({role}) stopping: {notice}", file=sys.stderr, flush=True)
+                say(f"error: rank {rank} ({role}) stopping: {notice}")
                 os._exit(5)
             d = live.diagnose() if is_communication_error(e) else Diagnosis()
             tail = f"; {d.line}" if d.line else ""
             if not (d.dead or d.failed or d.signalled):  # else this error is only a consequence
                 traceback.print_exc()        # first: the culprit line stays the last word
-            print(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}",
-                  file=sys.stderr, flush=True)
+            say(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}")
             live.abort(f"rank {rank} ({role}) failed {where} ({type(e).__name__}){tail}")
             os._exit(4)

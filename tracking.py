@@ -226,8 +226,8 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
         lines.append(f"   note: reward {', '.join(missing)} is used for training but not for "
                      f"evaluation ([eval] functions: {', '.join(f['name'] for f in ev.functions)})")
     p = plan["progress"]
-    lines.append(f"== RESUMED from {plan['path']} at step {p.step} (weight version {p.version}); "
-                 f"steps {p.step} -> {cfg.run.steps}" if plan["path"] else
+    lines.append(f"== resumed from {plan['path']} at step {p.step} (weight version {p.version}); "
+                 f"steps {p.step} -> {cfg.run.steps} ==" if plan["path"] else
                  f"== fresh start: steps 0 -> {cfg.run.steps}, {cfg.rollout.prompts_per_step} "
                  f"prompts x {cfg.rollout.group_size} samples per step")
     return "\n".join(lines)

@@ -184,7 +184,7 @@ def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None
     rank 0), every rank learns it. A refused resume is a config error on every rank."""
     picked = ckpt.pick(out_dir, resume, ctrl=world.ctrl, train_group=world.train_group,
                        is_root=world.is_root, is_trainer=world.is_trainer)
-    plan = [ckpt.resume_plan(cfg, picked, world.size) if world.is_root else None]
+    plan = [ckpt.resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None]
     dist.broadcast_object_list(plan, 0, group=world.ctrl)
     if plan[0]["error"]:
         raise C.ConfigError(plan[0]["error"])

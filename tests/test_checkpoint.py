@@ -181,7 +181,11 @@ def test_resume_with_more_trainer_ranks_reshards(tmp_path):
     args = [*TINY, "--run.save_every=2", "--rollout.temperature=1.0"]
     torchrun(2, [*args, f"--run.out_dir={a}", "--run.steps=3"])
     torchrun(2, [*args, f"--run.out_dir={b}", "--run.steps=2"])
-    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"])
+    # another rank split is another experiment: refused, naming both counts, unless allowed
+    q = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"], check=False)
+    assert q.returncode != 0 and q.stderr.count("config error") == 1
+    assert "the rank split (trainers of ranks) '1 of 2' -> '2 of 3'" in q.stderr
+    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", "--run.allow_config_change=true"])
     assert ("resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state "
             "resharded") in p.stdout
     assert "resumed from" in p.stdout

@@ -84,7 +84,7 @@ def test_world_of_one(tmp_path):
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     check_parity(metrics(tmp_path), 2)
-    assert "step    1" in p.stdout
+    assert "step 2/2 |" in p.stdout
 
 
 def test_two_nodes_simulated(tmp_path):

@@ -143,7 +143,7 @@ def test_resume_never_lies(tmp_path):
     assert (out / "config.toml").read_text() == before
     # optimizer keys are applied to the restored optimizer, said, and written
     p = ok(train(out, "--run.steps=4", "--train.lr=1e-3"))
-    assert "RESUMED from" in p.stdout and "step_000002 at step 2" in p.stdout
+    assert "== resumed from" in p.stdout and "step_000002 at step 2" in p.stdout
     assert "train.lr 0.002 -> 0.001" in p.stdout
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -151,7 +151,7 @@ def test_resume_never_lies(tmp_path):
     assert "lr = 0.001" in (out / "config.toml").read_text()
     # a finished run says so
     p = ok(train(out, "--run.steps=4", "--train.lr=1e-3"))
-    assert "run already finished" in p.stdout and "RESUMED" not in p.stdout
+    assert "run already finished" in p.stdout and "resumed from" not in p.stdout
     # a meaning change can be forced
     p = ok(train(out, "--run.steps=5", "--train.lr=1e-3", "--rollout.group_size=8",
                  "--run.allow_config_change=true"))
@@ -181,7 +181,7 @@ def test_cosine_schedule_continues_exactly_on_resume(tmp_path):
     assert train(b, *args, extra_env={"GRPO_FAULT": "die@2"}).returncode != 0
     assert [r["step"] for r in metrics(b)] == [0, 1]
     p = ok(train(b, *args))
-    assert "RESUMED from" in p.stdout and "changed optimizer keys" not in p.stdout
+    assert "== resumed from" in p.stdout and "changed optimizer keys" not in p.stdout
     ra, rb = metrics(a), metrics(b)
     lrs = [r["train/lr"] for r in ra]
     assert lrs[0] == pytest.approx(2e-3 * 1.0) and lrs[-1] < lrs[1]      # warmed up, decaying
