@@ -50,9 +50,9 @@ class StartError(C.ConfigError):
 
 def say(line: str) -> None:
     """One line to stderr in ONE write: lines of several ranks sharing a pipe never interleave
-    (a write of under PIPE_BUF bytes is atomic; print writes text and newline separately)."""
+    (a write of under PIPE_BUF bytes is atomic; `print` hands text and newline over apart)."""
+    sys.stderr.write(line + "\n")  # one write() of the line with its newline
     sys.stderr.flush()
-    os.write(2, (line + "\n").encode("utf-8", "replace"))
 
 
 def fault_active(point: str, step: int | None = None) -> bool:
