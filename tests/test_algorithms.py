@@ -591,12 +591,12 @@ def test_train_step_several_updates_in_one_process(tmp_path):
 
         # no-grad proximal pass == the training forward, bit for bit
         idx = list(range(8))
-        plan = T.agree_plans([T._seq_lengths(eps, idx, images, ip)], cfg.train, dist.group.WORLD)[0]
+        plan = T.agree_plans([idx], eps, images, ip, cfg.train, dist.group.WORLD)[0]
         prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
                                    temperature=1.0)
         for (old, _), mb in zip(prox, plan):
             batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb], ip,
-                              tokens, torch.device("cpu"))
+                              tokens, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
             lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
             assert torch.equal(lp.detach(), old)
 
