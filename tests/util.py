@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def env() -> dict:
     e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1",
+    # PYTHONFAULTHANDLER: a native crash (seen twice, rarely, on a non-root trainer rank inside
+    # gloo) prints every thread's Python stack instead of dying silently
+    e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
              TOKENIZERS_PARALLELISM="false")
     return e
 
