@@ -54,21 +54,14 @@ import world as W
 USAGE = """\
 usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
                 [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT]
-
 GRPO for Qwen2.5-VL: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
-
-  --config FILE           a TOML config; repeatable, later files override earlier ones
-                          (a preset after the base: --config configs/tiny.toml
-                          --config configs/presets/dapo.toml)
-  --section.key=value     override one key (TOML value syntax), e.g. --run.steps=5
-                          --rollout.temperature=0.7 '--reward.functions=[{name="geometry"}]'
-  --dry-run               print the resolved config, the rank plan and the groups; start nothing
-  --resume CHECKPOINT     resume from this checkpoint folder (default: the latest complete one
-                          under <run.out_dir>/checkpoints)
-  --eval-only --checkpoint CHECKPOINT
-                          evaluate a saved checkpoint with the engines (appends eval.jsonl)
-  -h, --help              this text
-
+  --config FILE         a TOML config; repeatable, later files override earlier ones
+                        (a preset after the base: --config configs/tiny.toml --config configs/presets/dapo.toml)
+  --section.key=value   override one key (TOML syntax), e.g. --run.steps=5 --rollout.temperature=0.7
+  --dry-run             print the resolved config, the rank plan and the groups; start nothing
+  --resume CHECKPOINT   resume from this checkpoint (default: the newest intact one of run.out_dir)
+  --eval-only --checkpoint CHECKPOINT   evaluate a saved checkpoint with the [eval] keys
+  -h, --help            this text
 Precedence: defaults < config files in order < overrides. Every key is documented where it is
 defined, in config.py (sections run, cluster, model, data, rollout, train, loss, reward, eval,
 sync); README.md has the metrics and examples.
