@@ -75,16 +75,15 @@ class Engine(Protocol):
     """What the loop and the sync code need from an inference engine; nothing else is called."""
     OWN_CHANNEL: bool  # True: bucket data reaches the engine's own processes over
     #                    sync.open_channel (joined once with `join_weight_channel`); False: it
-    #                    arrives in this process over the torch sync group
+    #                    arrives in this process over the torch sync group, and the engine also
+    #                    has `load_weights(named, adopt=False)` for a world of one (the sender
+    #                    hands it each bucket directly)
 
     def generate(self, prompts: list[Prompt], sp: "Sampling", seed: int) -> list[list["Completion"]]:
         """sp.n sampled responses per prompt (1 when greedy), with per-token logprobs."""
 
     def receive_weights(self, source: WeightSource) -> int:
         """Load one sync's weights from `source`; returns the version received."""
-
-    def load_weights(self, named: Named, adopt: bool = False) -> None:
-        """Load tensors handed over in this process (a world of one without a channel)."""
 
     def shutdown(self) -> None:
         """Release the engine's processes and memory."""

@@ -293,10 +293,6 @@ class VLLMEngine:
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
         return version
 
-    def load_weights(self, named, adopt: bool = False) -> None:
-        raise NotImplementedError("vLLM loads weights in its own worker: receive_weights over "
-                                  "the weight channel")
-
     def shutdown(self) -> None:
         """Stop vLLM's processes (also done at interpreter exit)."""
         llm, self.llm = getattr(self, "llm", None), None
