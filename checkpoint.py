@@ -326,20 +326,18 @@ def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: in
     written by another number of trainer ranks: weights and optimizer state are resharded by
     DCP, each rank keeps its seeded RNG (said once). A load that fails stops the run naming the
     checkpoint (:class:`StartError`)."""
-    problem, meta = _load(path, state, train_group, is_root)
-    problem = _bcast(problem, train_group)
+    problem, meta = _load(path, state, train_group, is_root)  # the same problem on every rank
     if problem is not None:
         raise StartError(f"checkpoint {path} is damaged: {problem}; move it aside to resume from "
                          "an older one")
-    n_saved = len(torch.load(path / "state" / "meta.pt", weights_only=False)["rng"])
-    n_now = dist.get_world_size(train_group)
-    if is_root and n_saved != n_now:
+    n_saved, n_now = len(meta["rng"]), dist.get_world_size(train_group)
+    if n_saved == n_now:
+        return meta["rng"][rank_in_group]
+    if is_root:
         print(f"resuming a checkpoint of {n_saved} trainer rank(s) on {n_now}: weights and "
               "optimizer state resharded; RNG states not restored (each trainer rank keeps its "
               "seeded state), so this run is not bit-exact with an uninterrupted one", flush=True)
-    if n_saved != n_now:
-        return None
-    return torch.load(path / "state" / "meta.pt", weights_only=False)["rng"][rank_in_group]
+    return None
 
 
 def resume(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
@@ -424,7 +422,7 @@ def _legacy_problem(path: Path) -> str | None:
 
 def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | None, dict | None]:
     """Restore policy, optimizer, schedule in place from `path` on every trainer rank; returns
-    (the first rank's error or None, meta on rank 0)."""
+    (the first rank's error or None, this rank's meta)."""
     policy, opt, sched = state
     problem, meta = None, None
     try:
@@ -444,7 +442,7 @@ def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | N
             problem = f"state/meta.pt: cannot be loaded ({one_line(e)})"
     got: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(got, problem, group=train_group)
-    return next((g for g in got if g), None), meta if is_root else None
+    return next((g for g in got if g), None), meta
 
 
 def _move_aside(ckpt_root: Path, paths: list[Path]) -> Path:
