@@ -1,7 +1,8 @@
 """Checkpoints: an HF-format export for evaluation tools, and the exact training state to resume.
 
 A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = optimizer steps done):
-- `hf/`: safetensors weights, config, tokenizer and image-processor files. `transformers`
+- `hf/`: safetensors weights (the checkpoint layout `save_pretrained` writes: MoE experts per
+  expert), config, generation config, tokenizer, chat template and (VLMs) image-processor files. `transformers`
   `from_pretrained`, vLLM and VLMEvalKit load it directly.
 - `state/`: the sharded policy and optimizer through `torch.distributed.checkpoint` (each trainer
   rank writes its own shards), plus `meta.pt`: step, weight version, LR schedule, RNG states of
@@ -139,8 +140,8 @@ def _unwritable(d: Path, e: OSError) -> str:
 
 
 # ----------------------------------------------------------------------------- saving
-def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokenizer,
-         image_processor, dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
+def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, source: str,
+         dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
          protect: str | Path | None = None) -> None:
     """Collective over the trainer ranks. Rank 0 writes the HF export and the manifest, and
     renames at the end. A failure raises :class:`failures.Fatal` naming the cause (a full disk
@@ -148,8 +149,8 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokeniz
     never deletes `protect` (the checkpoint this run resumed from)."""
     tmp = path_final.with_name(path_final.name + ".tmp")
     try:
-        _write(tmp, policy=policy, opt=opt, sched=sched, meta=meta, rng=rng, tokenizer=tokenizer,
-               image_processor=image_processor, dtype=dtype, train_group=train_group,
+        _write(tmp, policy=policy, opt=opt, sched=sched, meta=meta, rng=rng, procs=procs,
+               source=source, dtype=dtype, train_group=train_group,
                is_root=is_root)
     except (Exception, CheckpointException) as e:
         raise Fatal(_save_failed(path_final, tmp, e, is_root)) from e
@@ -165,7 +166,7 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokeniz
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(tmp: Path, *, policy, opt, sched, meta, rng, tokenizer, image_processor, dtype,
+def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
            train_group, is_root) -> None:
     if is_root:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,7 +176,7 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, tokenizer, image_process
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
     if is_root:
-        export_hf(tmp / "hf", full, policy.config, tokenizer, image_processor, dtype)
+        export_hf(tmp / "hf", full, policy, procs, source, dtype)
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
     model_sd, optim_sd = get_state_dict(policy, opt)
@@ -223,17 +224,23 @@ def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str
             (f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint"))
 
 
-def export_hf(out: Path, full: dict, config, tokenizer, image_processor, dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
+def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
+    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names)
+    written in the checkpoint layout (model.write_weights), the config, the source folder's
+    generation config (its stop ids), the tokenizer, the chat template the run used, the image
+    processor with the run's pixel bounds."""
+    import model as M
     out.mkdir(parents=True, exist_ok=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False) or
-                getattr(getattr(config, "text_config", None), "tie_word_embeddings", False))
-    state = {k: v.to(dtype).contiguous() for k, v in full.items()
-             if not (tied and k == "lm_head.weight")}  # safetensors refuses shared storage
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    image_processor.save_pretrained(out)
+    M.write_weights(out, model, full, dtype)
+    model.config.save_pretrained(out)
+    gen = Path(source) / "generation_config.json"
+    if gen.is_file():
+        shutil.copyfile(gen, out / gen.name)
+    procs.tokenizer.save_pretrained(out)
+    if not (out / "chat_template.jinja").is_file():  # a VLM whose template is the processor's
+        (out / "chat_template.jinja").write_text(procs.chat.template)
+    if procs.image_processor is not None:
+        procs.image_processor.save_pretrained(out)
 
 
 # ----------------------------------------------------------------------------- resuming

@@ -86,7 +86,9 @@ class ClusterConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"                       # HF folder or hub id; "tiny" builds a random tiny Qwen2.5-VL in the run folder
+    # HF folder or hub id of any family in families.py (config.json's model_type); "tiny" builds a
+    # random tiny Qwen2.5-VL in the run folder, "tiny-<model_type>" one of that family
+    path: str = "tiny"
     dtype: str = "float32"                   # the engines' weights and the sync transport: float32 | bfloat16
     min_pixels: int = num(56 * 56, ">= 1")   # image pixel bounds, shared by the trainer's processor and every engine
     max_pixels: int = num(112 * 112, ">= 1")
@@ -96,14 +98,22 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"                # "synthetic", a local Geometry3K-layout folder, or a hub id
+    source: str = "synthetic"                # "synthetic" (diagrams), "synthetic-text", a local folder, or a hub id
     n_synthetic: int = num(256, ">= 1")      # problems per synthetic split
     image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
-    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem}
+    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers)
+    # The prompt is rendered by the model's own chat template (tokenizer / processor): an empty
+    # system_prompt keeps the template's own behaviour (Qwen2-VL / Qwen2.5 add a default system
+    # turn, Qwen3 ones none); enable_thinking is passed to templates that read it (Qwen3), unset =
+    # the template's default.
+    system_prompt: str = ""
+    enable_thinking: bool | None = None
     max_prompt_len: int = num(1024, ">= 1")  # prompts longer than this (image tokens counted) are skipped
     problem_column: str = "problem"          # the dataset's own column names (local JSONL/parquet and hub ids)
     answer_column: str = "answer"
-    images_column: str = "images"            # one image per row, or a list of exactly one
+    # one image per row or a list (several, in order; "<image>" in the problem marks where each
+    # goes, else they come first); "" = a text-only set (required for a text-only model)
+    images_column: str = "images"
 
 
 @dataclass
@@ -316,7 +326,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(name in tracking.NAMES, f"run.report_to: unknown tracker {name!r} "
              f"(known: {', '.join(tracking.NAMES)})")
         need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
-    for key in ("problem_column", "answer_column", "images_column"):
+    for key in ("problem_column", "answer_column"):
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions)):
         need(len(specs) > 0, f"{key}: at least one reward function is needed")
@@ -329,12 +339,30 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             w = spec.get("weight", 1.0)  # a nan or inf weight would make every reward non-finite
             need(type(w) in (int, float) and math.isfinite(w),
                  f"{key}[{i}].weight must be a finite number, got {w!r}")
-    if cfg.model.path != "tiny" and "/" in cfg.model.path and cfg.model.path.startswith(("/", ".")):
-        need(Path(cfg.model.path).exists(), f"model.path: no such folder {cfg.model.path}")
+    check_model_path(cfg.model.path)
     need(not data.source_problem(cfg.data.source),
          f"data.source: {data.source_problem(cfg.data.source)}")
     if world_size is not None:
         validate_world(cfg, world_size)
+
+
+def check_model_path(path: str) -> None:
+    """`model.path` names a family of the table: a tiny one ("tiny-<model_type>"), or a local
+    folder whose config.json says its model_type (a hub id is checked once downloaded)."""
+    import families as F
+    from model import tiny_type
+    kind = tiny_type(path)
+    if kind is not None:
+        if kind not in F.FAMILIES:
+            raise ConfigError(f"model.path={path}: no tiny model of {kind!r} (known: tiny, "
+                              f"{', '.join('tiny-' + t for t in F.supported())})")
+        return
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ConfigError(f"model.path: no such folder {path}")
+    kind = F.model_type_of(Path(path).expanduser())
+    if kind and kind not in F.FAMILIES:
+        raise ConfigError(f"model.path={path}: model_type {kind!r} is not a supported family "
+                          f"(supported: {', '.join(F.supported())})")
 
 
 def validate_world(cfg: Config, world_size: int, device: str | None = None) -> None:
@@ -385,7 +413,8 @@ def dump_toml(cfg: Config) -> str:
     for section, table in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if value is not None:  # None: unset (TOML has no null; the default is None again)
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -409,6 +438,7 @@ def _toml_value(v: Any) -> str:
 # continue a different experiment, so they stop the run unless run.allow_config_change is set.
 MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
+                "data.system_prompt", "data.enable_thinking",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and

@@ -1,12 +1,18 @@
 """Datasets and prompts: Geometry3K (local folder or hub id), the synthetic set, the step stream.
 
-Every split is a list of `Problem` (stable index, RGB diagram, question text, gold answer spelled
-the way Geometry3K spells it). Loading never crashes on a bad row: a row with a missing or
-unreadable image, an empty / non-string problem or answer, or a JSONL line that is not UTF-8,
-is dropped and reported as (index, reason). A schema problem (missing split file, missing
-column, a JSONL line that is not an object) is a ValueError naming the file: it means the
-folder is not Geometry3K at all.
-`data.source = "synthetic"` draws the offline set of `synthetic.py`.
+Every split is a list of `Problem` (stable index, zero or more RGB images in order, question text,
+gold answer spelled the way the dataset spells it, and every other column of its row). Loading
+never crashes on a bad row: a row with a missing or unreadable image, an empty / non-string
+problem or answer, or a JSONL line that is not UTF-8, is dropped and reported as (index,
+reason). A schema problem (missing split file, missing column, a JSONL line that is not an
+object) is a ValueError naming the file: it means the folder does not hold the dataset at all.
+`data.source = "synthetic"` draws the offline geometry set of `synthetic.py`,
+`"synthetic-text"` its text-only arithmetic set.
+
+Images: the images column (`data.images_column`; "" = a text-only set) holds one image or a list
+of them. A problem text may mark where each image goes with `<image>` (Geometry3K starts every
+problem with one); without markers the images come first. Markers and images must agree in
+number (model.chat_messages), else the row is skipped.
 
 CLI (kept here for compatibility; see synthetic.py): python data.py --write-synthetic DIR
      [--n-train N --n-val N --n-test N --seed S --format jsonl|parquet]
@@ -20,7 +26,7 @@ import logging
 import random
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -29,27 +35,40 @@ from PIL import Image
 log = logging.getLogger("data")
 
 SPLITS = ("train", "validation", "test")
+SYNTHETIC = ("synthetic", "synthetic-text")  # the offline sets (synthetic.py)
 COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` maps a dataset's own
+#                                           ("images": "" = a text-only set)
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
 )
 
 
+IMAGE_MARKER = "<image>"
+
+
 @dataclass
 class Problem:
     index: int  # position in its split; kept when other rows are skipped
-    image: Image.Image | None  # RGB
-    problem: str  # question text without "<image>"
-    answer: str  # gold answer in Geometry3K's spelling
+    images: list  # RGB PIL images, in prompt order (none for a text-only set)
+    problem: str  # question text without "<image>" markers (what rewards and records see)
+    answer: str  # gold answer in the dataset's spelling
+    raw: str = ""  # the question text with its "<image>" markers, where one follows some text
+    columns: dict = field(default_factory=dict)  # every other column of the row (rewards)
+
+    @property
+    def image(self) -> Image.Image | None:
+        """The first image (single-image sets; None for a text-only problem)."""
+        return self.images[0] if self.images else None
 
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
-    """The user turn: `template` with {problem} filled in."""
+    """The user turn: `template` with {problem} filled in (with the problem's `<image>` markers,
+    where it has any: model.prompt_ids puts each image there)."""
     if "{problem}" not in template:
         raise ValueError(f"prompt template has no {{problem}} placeholder: {template!r}")
     # replace, not str.format: templates such as "... in \boxed{}" carry literal braces.
-    return template.replace("{problem}", problem.problem)
+    return template.replace("{problem}", problem.raw or problem.problem)
 
 
 # ---------------------------------------------------------------- loading and bad rows
@@ -86,24 +105,34 @@ def _to_problem(index: int, row: Any) -> Problem:
     if isinstance(row, _BadRow):  # found by the reader (a line that is not UTF-8)
         raise row
     if isinstance(row, Problem):
-        problem, answer, image = row.problem, row.answer, row.image
+        problem, answer, images, columns = row.raw or row.problem, row.answer, row.images, row.columns
     elif isinstance(row, Mapping):
-        problem, answer, images = row.get("problem"), row.get("answer"), row.get("images")
+        problem, answer, images = row.get("problem"), row.get("answer"), row.get("images", [])
+        columns = {k: v for k, v in row.items() if k not in COLUMNS}
     else:
         raise _BadRow(f"row is {type(row).__name__}, not a mapping")
-    if not isinstance(problem, str) or not problem.replace("<image>", "").strip():
+    if not isinstance(problem, str) or not problem.replace(IMAGE_MARKER, "").strip():
         raise _BadRow("problem is empty or not a string")
     if not isinstance(answer, str) or not answer.strip():
         raise _BadRow("answer is empty or not a string")
-    if not isinstance(row, Problem):
-        if isinstance(images, (str, Mapping, Image.Image)):  # a column of single images
-            images = [images]
-        if not isinstance(images, (list, tuple)) or len(images) != 1:
-            raise _BadRow("images is not one image or a list of exactly one image")
-        image = _open_image(images[0])
-    elif not isinstance(image, Image.Image):
-        raise _BadRow("no image")
-    return Problem(index, image, problem.replace("<image>", "").strip(), answer.strip())
+    if isinstance(images, (str, Mapping, Image.Image)):  # a column of single images
+        images = [images]
+    if images is None:
+        images = []
+    if not isinstance(images, (list, tuple)):
+        raise _BadRow(f"images is {type(images).__name__}, not an image or a list of images")
+    images = [im if isinstance(row, Problem) and isinstance(im, Image.Image) else _open_image(im)
+              for im in images]
+    markers = problem.count(IMAGE_MARKER)
+    if markers and markers != len(images):
+        raise _BadRow(f"{len(images)} image(s) for {markers} {IMAGE_MARKER} placeholder(s)")
+    # kept only where a marker sits after some text: leading markers (Geometry3K) = images first
+    lead = problem.strip()
+    while lead.startswith(IMAGE_MARKER):
+        lead = lead[len(IMAGE_MARKER):].lstrip()
+    raw = problem.strip() if IMAGE_MARKER in lead else ""
+    return Problem(index, images, problem.replace(IMAGE_MARKER, "").strip(), answer.strip(), raw,
+                   columns)
 
 
 def skip_bad_rows(
@@ -137,21 +166,26 @@ def _split_files(root: Path, split: str) -> list[Path]:
 
 
 def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
-    """canonical name -> the dataset's own column name (identity where not mapped)."""
-    return {c: (columns or {}).get(c, c) for c in COLUMNS}
+    """canonical name -> the dataset's own column name (identity where not mapped; an images
+    column mapped to "" is left out: a text-only set)."""
+    cols = {c: (columns or {}).get(c, c) for c in COLUMNS}
+    return {c: name for c, name in cols.items() if name}
 
 
 def _missing(where: str, have: Iterable[str], cols: dict[str, str]) -> None:
     have = list(have)
     for canon in ("problem", "answer", "images"):
-        name = cols[canon]
-        if name not in have:
-            key = f" (data.{canon}_column)" if name != canon else ""
+        name = cols.get(canon)
+        if name is not None and name not in have:
+            key = f" (data.{canon}_column)" if name != canon or canon == "images" else ""
             raise ValueError(f"{where}: missing column {name!r}{key}; has {sorted(have)}")
 
 
 def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
-    return {canon: row[name] for canon, name in cols.items()}
+    """The row under the canonical names, plus every other column as it is."""
+    mapped = set(cols.values())
+    return {**{k: v for k, v in row.items() if k not in mapped and k not in COLUMNS},
+            **{canon: row[name] for canon, name in cols.items()}}
 
 
 def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict | _BadRow]:
@@ -175,7 +209,7 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterato
             raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
         _missing(f"{path}:{n}", row, cols)
         row = _canonical(row, cols)
-        images = row["images"]
+        images = row.get("images", [])
         if isinstance(images, str):
             images = [images]
         if isinstance(images, list):  # image paths are relative to the jsonl's folder
@@ -201,7 +235,7 @@ def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -
         except Exception as e:
             raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
         _missing(str(path), table.column_names, cols)
-        for row in table.select(list(cols.values())).to_pylist():
+        for row in table.to_pylist():
             yield _canonical(row, cols)
 
 
@@ -223,14 +257,17 @@ def load_split(
     """(problems, skipped) for one split of "synthetic", a local folder, or a hub id.
 
     `columns` maps the canonical names ("problem", "answer", "images") to the dataset's own
-    column names; a mapped column that is missing is a ValueError naming the file and column.
-    The images column may hold one image per row or a list of exactly one."""
-    if source == "synthetic":
+    column names ("images": "" for a text-only set); a mapped column that is missing is a
+    ValueError naming the file and column. The images column may hold one image per row or a
+    list of them."""
+    if source in SYNTHETIC:
         if split not in SPLITS:
             raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
-        from synthetic import make_synthetic
+        import synthetic
         split_seed = seed * len(SPLITS) + SPLITS.index(split)
-        return make_synthetic(n_synthetic, split_seed, image_size, split=split), []
+        if source == "synthetic-text":
+            return synthetic.make_synthetic_text(n_synthetic, split_seed, split=split), []
+        return synthetic.make_synthetic(n_synthetic, split_seed, image_size, split=split), []
     root = Path(source).expanduser()
     if root.is_dir():
         files = _split_files(root, split)
@@ -252,7 +289,7 @@ def source_problem(source: str) -> str | None:
     A hub id is `owner/name`. Anything else that is not an existing folder is a path that does
     not exist: a relative path too (`data/g3k` whose `data/` exists here, `g3k`, `a/b/c`), which
     would otherwise be sent to the hub and fail there with a message about repo ids."""
-    if source == "synthetic" or Path(source).expanduser().is_dir():
+    if source in SYNTHETIC or Path(source).expanduser().is_dir():
         return None
     path = Path(source).expanduser()
     if path.exists():

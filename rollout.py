@@ -26,13 +26,14 @@ import device as D
 import loss as L
 import model as M
 import rewards
+import sync as S
 
 
 @dataclass
 class Episode:
-    index: int                  # dataset index of the problem; its image is looked up by it
+    index: int                  # dataset index of the problem; its images are looked up by it
     group: int                  # prompt number within the step; the G samples of a prompt share it
-    prompt_ids: list[int]       # chat prompt, ONE unexpanded placeholder per image
+    prompt_ids: list[int]       # chat prompt, ONE unexpanded placeholder per image (maybe none)
     response_ids: list[int]     # sampled tokens, eos included when sampled
     logprobs: list[float]       # engine's logprob of each response token
     reward: float               # weighted total of the reward functions
@@ -99,34 +100,38 @@ def engine_class(name: str) -> type:
 
 
 def build_engine(rc, mc, path: str, procs: M.Processors, *, dev: D.Device, device: torch.device,
-                 local_rank: int, seed: int, timeout_s: float) -> Engine:
-    """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc)."""
+                 local_rank: int, seed: int, timeout_s: float, max_images: int = 1) -> Engine:
+    """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc); `max_images`:
+    the most images one prompt of the run holds."""
     return engine_class(rc.engine).from_config(rc, mc, path, procs, dev=dev, device=device,
                                                local_rank=local_rank, seed=seed,
-                                               timeout_s=timeout_s)
+                                               timeout_s=timeout_s, max_images=max_images)
 
 
 class HFEngine:
     """transformers generation on this rank's device, with its own copy of the weights."""
     OWN_CHANNEL = False
 
-    def __init__(self, path: str, dtype: torch.dtype, tokens: M.Tokens, image_processor,
-                 device: torch.device):
+    def __init__(self, path: str, dtype: torch.dtype, procs: M.Processors, device: torch.device):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
-        self.tokens, self.image_processor, self.device = tokens, image_processor, device
+        self.procs, self.tokens, self.device = procs, procs.tokens, device
 
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
-                    device: torch.device, local_rank: int, seed: int,
-                    timeout_s: float) -> "HFEngine":
-        return cls(path, M.DTYPES[mc.dtype], procs.tokens, procs.image_processor, device)
+                    device: torch.device, local_rank: int, seed: int, timeout_s: float,
+                    max_images: int = 1) -> "HFEngine":
+        return cls(path, M.DTYPES[mc.dtype], procs, device)
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         tk = self.tokens
         images = [im for _, ims in prompts for im in ims]
-        mm = M.image_inputs(self.image_processor, images)
-        counts = iter(M.n_image_tokens(mm["image_grid_thw"]))
+        mm, mm_kw = {}, {}
+        counts = iter(())
+        if images:
+            ip = self.procs.image_processor
+            mm = M.image_inputs(ip, images)
+            counts = iter(M.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
         rows = [M.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
         width = max(map(len, rows))
         # Left padding: every row's last prompt token sits at the same column, so generated
@@ -135,15 +140,16 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         knobs = (dict(do_sample=False) if sp.greedy else
                  dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
+        if mm:  # images: their pixels, grids and where their tokens sit (mRoPE)
+            mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
+                         image_grid_thw=mm["image_grid_thw"].to(self.device),
+                         mm_token_type_ids=(ids == tk.image_pad).int())
         with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask,
-                pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
-                image_grid_thw=mm["image_grid_thw"].to(self.device),
-                mm_token_type_ids=(ids == tk.image_pad).int(),
+                input_ids=ids, attention_mask=mask, **mm_kw,
                 num_return_sequences=1 if sp.greedy else sp.n, max_new_tokens=sp.max_new_tokens,
-                suppress_tokens=list(tk.suppressed), eos_token_id=tk.eos, pad_token_id=tk.pad,
+                suppress_tokens=list(tk.suppressed), eos_token_id=list(tk.stops), pad_token_id=tk.pad,
                 output_logits=True, return_dict_in_generate=True, **knobs)
         resp = out.sequences[:, width:]                                   # [P*n, T]
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
@@ -151,26 +157,32 @@ class HFEngine:
         lp, _ = M.token_logprobs(logits, resp, tk, temp)
         per_prompt = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in prompts]
+        stops = set(tk.stops)
         for row in range(resp.shape[0]):
             r = resp[row].tolist()
-            n = r.index(tk.eos) + 1 if tk.eos in r else len(r)
+            n = next((j + 1 for j, t in enumerate(r) if t in stops), len(r))
             result[row // per_prompt].append(
-                Completion(r[:n], lp[row, :n].tolist(), truncated=tk.eos not in r[:n]))
+                Completion(r[:n], lp[row, :n].tolist(), truncated=not stops & set(r[:n])))
         return result
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
-        """Copy `named` into the model, or with `adopt` make the tensors the model's storage
-        (they must outlive the model's use of them: sync.Receiver's buffers do, and later syncs
-        then write the new weights in place with no copy at all)."""
-        params = dict(self.model.named_parameters())
+        """Copy `named` (checkpoint names, as sync.wire_pieces sends them: MoE experts one by
+        one) into the model, or with `adopt` make a whole tensor the model's storage (it must
+        outlive the model's use of it: sync.Receiver's buffers do, and later syncs then write
+        the new weights in place with no copy at all)."""
+        if not hasattr(self, "_targets"):
+            params = list(self.model.named_parameters())
+            self._targets = {name: (params[pos][1], index)
+                             for name, _, pos, index in S.wire_pieces(self.model)}
         for name, t in named:
-            p = params[name]
-            if adopt and t.dtype == p.dtype and t.device == p.device and t.shape == p.shape:
+            p, index = self._targets[name]
+            if (not index and adopt and t.dtype == p.dtype and t.device == p.device
+                    and t.shape == p.shape):
                 if p.data_ptr() != t.data_ptr():
                     p.data = t
             else:
-                p.copy_(t)
+                (p[index] if index else p).copy_(t)
 
     def receive_weights(self, source: WeightSource) -> int:
         """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's
@@ -194,7 +206,7 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
     reward functions; it lives across steps). Returns (episodes, timings)."""
     from data import user_text
     tokenizer = procs.tokenizer
-    prompts = [(M.prompt_ids(tokenizer, user_text(p, template), 1, procs.tokens), [p.image])
+    prompts = [(M.prompt_ids(procs, user_text(p, template), len(p.images)), p.images)
                for p in problems]
     t0 = time.perf_counter()
     completions = engine.generate(prompts, sp, seed) if prompts else []
@@ -206,7 +218,7 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
             texts.append(tokenizer.decode(c.ids, skip_special_tokens=True))
             samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
                             "response_len": len(c.ids), "truncated": c.truncated,
-                            "max_new_tokens": sp.max_new_tokens})
+                            "max_new_tokens": sp.max_new_tokens, "columns": p.columns})
     episodes = []
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total = parts.pop("reward")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import device as D
-from model import DTYPES
+from model import DTYPES, checkpoint_pieces
 
 ALIGN = 64  # byte alignment of each tensor inside a bucket (dtype views need aligned offsets)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -106,8 +106,17 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def param_specs(model, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(clean_name(n), tuple(p.shape), dtype) for n, p in model.named_parameters()]
+def wire_pieces(model) -> list[tuple[str, tuple[int, ...], int, tuple]]:
+    """What a sync sends, in order: (checkpoint name, shape, position of the parameter in
+    `named_parameters`, index into it) per piece. A parameter goes whole, except MoE experts fused
+    in memory, which go per expert under the names vLLM's loaders take
+    (model.checkpoint_pieces); every parameter's pieces are consecutive, in parameter order."""
+    out = []
+    for pos, (n, p) in enumerate(model.named_parameters()):
+        for name, index in checkpoint_pieces(clean_name(n), tuple(p.shape)):
+            shape = tuple(torch.empty(p.shape, device="meta")[index].shape) if index else tuple(p.shape)
+            out.append((name, shape, pos, index))
+    return out
 
 
 class Sender:
@@ -124,7 +133,10 @@ class Sender:
                  channel: "Channel | None" = None, solo_mb: float = 4.0):
         self.model, self.dtype, self.group, self.src, self.is_root = model, dtype, group, src, is_root
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.plan = plan_buckets(param_specs(model, dtype), self.bucket_bytes, int(solo_mb * 2**20))
+        pieces = wire_pieces(model)
+        self.pieces = [(pos, index) for _, _, pos, index in pieces]  # slot order
+        self.plan = plan_buckets([(n, shape, dtype) for n, shape, _, _ in pieces],
+                                 self.bucket_bytes, int(solo_mb * 2**20))
         self.device = device
         # Control messages always go over `group` (torch world, gloo); bucket data goes over
         # `group` too (HF engines) or over `channel`, the communicator shared with vLLM workers.
@@ -141,24 +153,31 @@ class Sender:
         in flight. `sink` (world of 1): instead of broadcasting, hand each bucket's unpacked
         tensors straight to the in-process engine, through the same pack/unpack path.
         """
-        params = iter(self.model.named_parameters())
+        params = [p for _, p in self.model.named_parameters()]
         if self.is_root and self.group is not None:
             self._send_control(version)
         pending: list = []        # (work, ring buffer index or None, gathered bytes, tensor kept alive)
         gathered = 0              # bytes of gathered tensors whose broadcast is still pending
         sent = 0
         ring = 0
+        pieces = iter(self.pieces)
+        pos, whole = -1, None     # the parameter being sent, gathered
         for bucket in self.plan:
-            own = [next(params)[1] for _ in bucket]
-            full = [full_tensor(p) for p in own]  # collective on every trainer rank
+            full, views = [], []
+            for _ in bucket:
+                p_pos, index = next(pieces)
+                if p_pos != pos:  # each parameter once, in order: a collective on every trainer
+                    pos, whole = p_pos, full_tensor(params[p_pos])
+                full.append(whole[index] if index else whole)
+                views.append(bool(index))
             if not self.is_root:
                 continue
             t = full[0].detach()
             held = 0
-            if (len(bucket) == 1 and t.dtype == DTYPES[self.dtype] and t.is_contiguous()
-                    and t.device == self.device):
+            if (len(bucket) == 1 and not views[0] and t.dtype == DTYPES[self.dtype]
+                    and t.is_contiguous() and t.device == self.device):
                 buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
-                if full[0] is not own[0]:      # a gathered copy (DTensor), not the parameter
+                if full[0] is not params[pos]:  # a gathered copy (DTensor), not the parameter
                     held = buf.numel()
             else:
                 slot, ring = ring, 1 - ring

@@ -349,8 +349,36 @@ def make_synthetic(
     n: int, seed: int, image_size: int = 112, *, split: str | None = None
 ) -> list[Problem]:
     """n synthetic problems, deterministic in seed; `split` keeps only that split's problems."""
-    return [Problem(i, draw_spec(s, image_size), s.question, s.answer)
+    return [Problem(i, [draw_spec(s, image_size)], s.question, s.answer)
             for i, s in enumerate(synthetic_specs(n, seed, split))]
+
+
+# ---------------------------------------------------------------- the text-only set
+# `data.source = "synthetic-text"`: arithmetic word problems with integer answers, for the
+# text-only demo (configs/tiny_text.toml); graded by the same verifier. The split is a hash of
+# the numbers, as for the diagrams.
+_TEXT_KINDS: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "sum": ("What is {a} + {b}?", lambda a, b: a + b),
+    "difference": ("What is {a} - {b}?", lambda a, b: a - b),
+    "product": ("What is {a} times {b}?", lambda a, b: a * b),
+    "apples": ("A basket holds {a} apples. Someone adds {b} more. How many apples are in the "
+               "basket now?", lambda a, b: a + b),
+    "rows": ("A hall has {a} rows of {b} chairs. How many chairs are there?", lambda a, b: a * b),
+}
+
+
+def make_synthetic_text(n: int, seed: int, *, split: str | None = None) -> list[Problem]:
+    """n text problems (no images), deterministic in seed; `split` keeps only that split's."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        kind = rng.choice(list(_TEXT_KINDS))
+        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        if kind == "difference" and b > a:
+            a, b = b, a
+        if split is None or split_of(kind, (("a", a), ("b", b))) == split:
+            text, answer = _TEXT_KINDS[kind]
+            out.append(Problem(len(out), [], text.format(a=a, b=b), str(answer(a, b))))
+    return out
 
 
 def _png(img: Image.Image) -> bytes:

@@ -166,7 +166,7 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
             d.source, split, seed=cfg.run.seed, n_synthetic=d.n_synthetic, image_size=d.image_size,
             max_prompt_len=d.max_prompt_len,
             columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
-            prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.image))
+            prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise C.ConfigError(str(e)) from None
 
@@ -222,34 +222,77 @@ class Setup:
     eval_scorer: rewards.RewardRunner | None  # generation ranks: [eval] functions
     receiver: S.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
     trainer: T.Trainer | None      # trainer ranks
+    model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
 
 
 def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness) -> Setup:
     device, ro = rank_device(cfg, world, dev), cfg.rollout
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
     D.manual_seed_all(cfg.run.seed)
-    procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
+    procs = processors(cfg, model_path)
+    problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
+    full = checked_model(world, model_path)  # rank 0: every weight there, or nothing is built
+    if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
+        print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
+              "train.share_prompt falls back to one row per episode", flush=True)
     engine = (R.build_engine(ro, cfg.model, model_path, procs, dev=dev, device=device,
                              local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                             timeout_s=cfg.cluster.timeout_s) if world.is_gen else None)
-    problems, n_skipped = load_problems(cfg, "train", procs)
+                             timeout_s=cfg.cluster.timeout_s,
+                             max_images=max((len(p.images) for p in problems + (eval_set or [])),
+                                            default=0)) if world.is_gen else None)
     channel = None
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
         channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                         port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
-                  cfg.run.steps, channel) if world.is_trainer else None)
+                  cfg.run.steps, channel, full) if world.is_trainer else None)
+    del full  # the trainers hold their shards now
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc = cfg.reward
     scorer, eval_scorer = ((rewards.RewardRunner(rc.functions, rc.timeout_s, rc.max_consecutive_timeouts),
                             rewards.RewardRunner(cfg.eval.functions, rc.timeout_s,
                                                  rc.max_consecutive_timeouts))
                            if world.is_gen else (None, None))
-    return Setup(procs, problems, {p.index: p.image for p in problems}, n_skipped, eval_set,
-                 engine, scorer, eval_scorer, receiver, tr)
+    return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set,
+                 engine, scorer, eval_scorer, receiver, tr, model_path)
+
+
+def processors(cfg: C.Config, model_path: str) -> M.Processors:
+    """The tokenizer, token ids, image processor and chat template (the same on every rank); a
+    model or data setting that cannot work is a config error, before anything is built."""
+    d = cfg.data
+    try:
+        procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels,
+                                  d.system_prompt, d.enable_thinking)
+    except M.ModelError as e:
+        raise C.ConfigError(str(e)) from None
+    if not procs.vision and (d.source == "synthetic" or (d.images_column and d.source not in
+                                                         data.SYNTHETIC)):
+        raise C.ConfigError(f"model.path={cfg.model.path} is a text-only model: the dataset's images "
+                            f"have nowhere to go; use a text-only set (data.images_column = \"\", "
+                            f"or data.source = \"synthetic-text\"), got data.source={d.source!r}, "
+                            f"data.images_column={d.images_column!r}")
+    return procs
+
+
+def checked_model(world: W.World, model_path: str):
+    """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
+    keeps it for the trainers' shards; every rank learns the verdict, so a folder that does not
+    hold the model's weights stops the run with one line before anything is built."""
+    full, problem = None, None
+    if world.is_root:
+        try:
+            full = M.load_model(model_path, dtype=torch.float32)
+        except M.ModelError as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, 0, group=world.ctrl)
+    if box[0]:
+        raise C.ConfigError(box[0])
+    return full
 
 
 def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
@@ -410,7 +453,7 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
                     "skipped_in_row": progress.skipped_in_row,
                     "skipped_total": progress.skipped_total,
                     "config": C.to_dict(cfg), "world_size": world.size},
-              tokenizer=procs.tokenizer, image_processor=procs.image_processor,
+              procs=procs, source=s.model_path,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
               is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
@@ -444,13 +487,14 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     D.manual_seed_all(cfg.run.seed)
-    procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
+    procs = processors(cfg, model_path)
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
     engine = scorer = None
     if world.is_gen:
         engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
                                 device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
+                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s,
+                                max_images=max((len(p.images) for p in eval_set), default=0))
         scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
                                       cfg.reward.max_consecutive_timeouts)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1

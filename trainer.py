@@ -52,21 +52,25 @@ class Trainer:
 
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
-          channel: S.CommChannel | None = None) -> Trainer:
+          channel: S.CommChannel | None = None, full=None) -> Trainer:
     """Policy (FSDP2), optional frozen reference, AdamW, LR schedule over `total_steps` optimizer
-    steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
+    steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
+    `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
+    whose weights are scattered to every trainer's shards (model.shard_from_rank0)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    # train(): transformers loads in eval mode, where activation checkpointing never runs
-    policy = M.load_model(model_path, dtype=torch.float32, device=device).train()
+    if full is None and world.trainer_index == 0:  # scripts and tests: load it here
+        full = M.load_model(model_path, dtype=torch.float32)
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
-    M.apply_fsdp(policy, mesh, mixed_precision=mc.mixed_precision,
-                 checkpointing=mc.activation_checkpointing)
+    # train(): transformers builds in eval mode, where activation checkpointing never runs
+    policy = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
+                                mixed_precision=mc.mixed_precision,
+                                checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0:  # frozen reference, sharded like the policy; only when used
-        ref = M.apply_fsdp(M.load_model(model_path, torch.float32, device).eval(), mesh,
-                           mixed_precision=mc.mixed_precision)
+        ref = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
+                                 mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
     # foreach: one kernel per group of tensors instead of one per tensor (torch's default on
     # CUDA; on CPU bitwise the same result as the per-tensor loop, and ~15% faster)
@@ -153,16 +157,22 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
     return mbs
 
 
-def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], ip, tc,
-               count: int | None = None) -> list[list[int]]:
+def shares_prompt(tc, procs: M.Processors) -> bool:
+    """One packed row per prompt: `train.share_prompt`, where the model's layers allow it
+    exactly (model.packs_exactly; else one row per episode, said at start)."""
+    return tc.share_prompt and procs.packs_exactly
+
+
+def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: M.Processors,
+               tc, count: int | None = None) -> list[list[int]]:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`).
 
     With `train.share_prompt` and a token budget, the units are the runs of consecutive episodes
     of one prompt (a packed row: prompt once + every response) so the budget counts what is
     really computed; else each episode is a unit (prompt + response). Fixed-size micro-batches
     take the episodes in order, so G-aligned sizes keep each group in one packed row."""
-    n_img = [M.n_image_tokens_of(ip, images[episodes[i].index]) for i in idx]
-    if not (tc.share_prompt and tc.micro_batch_tokens > 0):
+    n_img = [M.image_tokens(procs, images[episodes[i].index]) for i in idx]
+    if not (shares_prompt(tc, procs) and tc.micro_batch_tokens > 0):
         lengths = [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids) + n
                    for i, n in zip(idx, n_img)]
         return plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens, count)
@@ -179,15 +189,15 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], ip, tc
     return _split_to(mbs, count, len(idx))
 
 
-def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, Any], ip, tc,
-                train_group) -> list[list[list[int]]]:
+def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, Any],
+                procs: M.Processors, tc, train_group) -> list[list[list[int]]]:
     """The micro-batch plan of each mini-batch share (`shares[j]`: this rank's episodes of
     mini-batch j), with the same number of micro-batches per mini-batch on every trainer rank
     (FSDP collectives); one all-reduce for all of them."""
-    plans = [plan_share(episodes, sh, images, ip, tc) for sh in shares]
+    plans = [plan_share(episodes, sh, images, procs, tc) for sh in shares]
     n = torch.tensor([len(p) for p in plans])
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=train_group)
-    return [plan_share(episodes, sh, images, ip, tc, count=int(c))
+    return [plan_share(episodes, sh, images, procs, tc, count=int(c))
             for sh, c in zip(shares, n.tolist())]
 
 
@@ -198,12 +208,12 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, and the reference's
     when `loss.kl_coef > 0`, one `([b, L], [b, L] | None)` pair per micro-batch of `plan` (the
     same plan the updates use, so the tensors line up with their batches). No gradient."""
-    ip, tk = procs.image_processor, procs.tokens
+    tk = procs.tokens
     out = []
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
-        batch = M.collate(eps, [images[e.index] for e in eps], ip, tk, tr.device,
-                          share_prompt=tc.share_prompt, pixels=tr.pixels)
+        batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
+                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
         ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if lc.kl_coef > 0 else None
         out.append((lp, ref))
@@ -218,23 +228,23 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
                          proximal: list | None = None) -> dict[str, float]:
     """Forward/backward over this rank's episodes `idx` in micro-batches; gradients accumulate.
 
-    `images[e.index]` is episode e's image; `denom` the update's global loss denominator; `plan`
+    `images[e.index]` are episode e's images; `denom` the update's global loss denominator; `plan`
     the agreed micro-batches (None: plan here); `proximal` the old (and reference) logprobs per
     micro-batch from :func:`proximal_logprobs`, or None for the single-update path (old = the
     current logprobs detached, reference computed here). Returns this rank's sums for the
     step's metrics.
     """
-    ip, tk = procs.image_processor, procs.tokens
+    tk = procs.tokens
     if plan is None:
-        plan = agree_plans([idx], episodes, images, ip, tc, train_group)[0]
+        plan = agree_plans([idx], episodes, images, procs, tc, train_group)[0]
     sums = dict.fromkeys(("loss", "entropy", "tokens", "episode_tokens", "slots", "resp_tokens",
                           *_SUMMED), 0.0)
     lp_diff = 0.0
     for k, mb in enumerate(plan):
         chunk = [idx[j] for j in mb]
         eps = [episodes[i] for i in chunk]
-        batch = M.collate(eps, [images[e.index] for e in eps], ip, tk, tr.device,
-                          share_prompt=tc.share_prompt, pixels=tr.pixels)
+        batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
+                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, temperature)
         if proximal is None:
@@ -326,8 +336,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         whole = slice(j * size, (j + 1) * size)
         denoms.append(max(1.0, L.loss_denominator(lengths[whole], keep[whole].tolist(),
                                                   lc.aggregation, rc.max_new_tokens)))
-    ip = procs.image_processor
-    plans = agree_plans(shares, episodes, images, ip, tc, world.train_group)
+    plans = agree_plans(shares, episodes, images, procs, tc, world.train_group)
     several = n_mb * tc.ppo_epochs > 1
     proximal = [proximal_logprobs(tr, episodes, sh, plan, images, procs=procs, lc=lc, tc=tc,
                                   temperature=rc.temperature) if several else None

@@ -36,7 +36,7 @@ def vllm_sampling_kwargs(sp: Sampling, tokens: M.Tokens, seed: int) -> dict:
     """
     kw = dict(max_tokens=sp.max_new_tokens, logprobs=0, seed=seed,
               logit_bias={i: float("-inf") for i in tokens.suppressed},
-              stop_token_ids=[tokens.eos],
+              stop_token_ids=list(tokens.stops or (tokens.eos,)),
               detokenize=False)  # rollout() decodes; vLLM's detokenizer would only cost time
     if sp.greedy:
         return kw | dict(n=1, temperature=0.0)
@@ -70,46 +70,62 @@ IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor
 
 
 def _image_only_processor() -> None:
-    """Every vLLM process loads Qwen2.5-VL's HF processor with the trainer's image processor
-    class (`model._image_processor_cls`, PIL) and no video processor, on every device.
+    """Every vLLM process loads each Qwen VLM family's HF processor with the trainer's image
+    processor class (`model.image_processor_cls`, PIL) and no video processor, on every device.
 
+    One hook for every family: `InputProcessingContext.get_hf_processor` is the one place every
+    family's `...ProcessingInfo.get_hf_processor` goes through (a patch of one family's info class
+    would not reach the others); a processor class that takes a video processor is swapped for
+    its image-only subclass (:func:`image_only_processor_cls`).
     - One class on both sides: vLLM asks transformers for `use_fast=True`, i.e. the torchvision
       image processor wherever torchvision is installed (GPU/NPU), while the trainer uses the PIL
       one: same grids, slightly different pixels, a systematic logprob gap. `use_fast=False` is
       forced here (a model-level setting loses to vLLM's explicit True; `backend="pil"` would
       also reach the tokenizer), and the class is checked: anything else stops the engine.
-    - transformers 5.x loads a video processor with every Qwen2_5_VLProcessor, and the only one it
-      has needs torchvision (missing on CPU): a subclass without the `video_processor` argument
+    - transformers 5.x loads a video processor with every Qwen VL processor, and the only one it
+      has needs torchvision (missing on CPU): the subclass without the `video_processor` argument
       loads from the same folder; videos are off (limit_mm_per_prompt).
     Needed in every vLLM process (the front end here, the engine core, the worker):
     `_VLLMProcessHook` carries it into the spawned ones.
     """
-    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
+    from vllm.multimodal.processing.context import InputProcessingContext
 
-    if getattr(Qwen2_5_VLProcessingInfo.get_hf_processor, "image_only", False):
+    if getattr(InputProcessingContext.get_hf_processor, "image_only", False):
         return
-    cls = image_only_processor_cls()
+    original = InputProcessingContext.get_hf_processor
 
-    def get_hf_processor(self, **kwargs):
-        return checked_processor(lambda **kw: self.ctx.get_hf_processor(cls, **kw), **kwargs)
+    def get_hf_processor(self, typ=None, /, **kwargs):
+        if isinstance(typ, type) and takes_video(typ):
+            cls = image_only_processor_cls(typ)
+            return checked_processor(lambda **kw: original(self, cls, **kw), **kwargs)
+        return original(self, typ, **kwargs)
 
     get_hf_processor.image_only = True
-    Qwen2_5_VLProcessingInfo.get_hf_processor = get_hf_processor
+    InputProcessingContext.get_hf_processor = get_hf_processor
 
 
-_IMAGE_ONLY: list = []
+def takes_video(processor_cls: type) -> bool:
+    """Whether a transformers processor class is built with a video processor."""
+    import inspect
+    return "video_processor" in inspect.signature(processor_cls.__init__).parameters
 
 
-def image_only_processor_cls():
-    """Qwen2_5_VLProcessor without a video processor (loads from the same folder)."""
-    if not _IMAGE_ONLY:
-        from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+_IMAGE_ONLY: dict[type, type] = {}
 
-        class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-                super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
-        _IMAGE_ONLY.append(ImageOnlyQwen2_5_VLProcessor)
-    return _IMAGE_ONLY[0]
+
+def image_only_processor_cls(processor_cls: type) -> type:
+    """`processor_cls` (a Qwen VL processor) without its video processor: same folder, same
+    image processor and tokenizer, `video_processor=None`. Its `video_processor` attribute is the
+    image processor: videos are off (limit_mm_per_prompt), but vLLM's Qwen3-VL info still sizes
+    a video token budget from a video processor's `size` and patch fields at start-up."""
+    if processor_cls not in _IMAGE_ONLY:
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            processor_cls.__init__(self, image_processor, tokenizer, None, chat_template, **kwargs)
+        _IMAGE_ONLY[processor_cls] = type(f"ImageOnly{processor_cls.__name__}", (processor_cls,),
+                                          {"__init__": __init__,
+                                           "video_processor": property(lambda p: p.image_processor),
+                                           "__module__": processor_cls.__module__})
+    return _IMAGE_ONLY[processor_cls]
 
 
 def checked_processor(load, **kwargs):
@@ -117,7 +133,7 @@ def checked_processor(load, **kwargs):
     logs the class once per process."""
     kwargs["use_fast"] = False  # transformers: the PIL backend of AutoImageProcessor
     proc = load(**kwargs)
-    want, got = M._image_processor_cls(), type(proc.image_processor)
+    want, got = M.image_processor_cls(), type(proc.image_processor)
     if got is not want:
         raise RuntimeError(f"vLLM loaded the image processor {got.__name__}; the trainer uses "
                            f"{want.__name__} (pixels would differ)")
@@ -129,7 +145,27 @@ def checked_processor(load, **kwargs):
 
 def _vllm_process_hook() -> "_VLLMProcessHook":
     _image_only_processor()
+    _cpu_moe_activation()
     return _VLLMProcessHook()
+
+
+def _cpu_moe_activation() -> None:
+    """vLLM 0.23's CPU MoE fallback (`cpu_fused_moe.forward_torch`, the path of every fp32 MoE on
+    an AMX CPU and of shapes its grouped GEMM does not take) builds a `SiluAndMul` CustomOp inside
+    the forward, outside vLLM's config context, and fails ("Current vLLM config is not set").
+    Here the same activation, silu(gate) * up, is its native formula (what that op's
+    `forward_native` computes). CPU processes only; GPU/NPU MoE never take this path."""
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.platforms import current_platform
+    except ImportError:  # another vLLM layout: nothing to mend
+        return
+    if current_platform.is_cpu() and MoEActivation.SILU in getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", {}):
+        def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+            d = x.shape[-1] // 2
+            return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+        cpu_fused_moe._CPU_MOE_ACT_FN[MoEActivation.SILU] = silu_and_mul
 
 
 class _VLLMProcessHook:
@@ -189,21 +225,24 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
-                    device: torch.device, local_rank: int, seed: int,
-                    timeout_s: float) -> "VLLMEngine":
+                    device: torch.device, local_rank: int, seed: int, timeout_s: float,
+                    max_images: int = 1) -> "VLLMEngine":
         # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
         # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
-        print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
-              f"{type(procs.image_processor).__name__}; every vLLM process checks it loads the same",
-              flush=True)
+        if procs.vision:
+            print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
+                  f"{type(procs.image_processor).__name__}; every vLLM process checks it loads "
+                  "the same", flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, max_images=max_images if procs.vision else None)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
-                 llm_kwargs: dict | None = None):
-        """`llm_kwargs`: more `vllm.LLM` arguments (tests: `distributed_executor_backend`)."""
+                 llm_kwargs: dict | None = None, max_images: int | None = 1):
+        """`max_images`: the most images a prompt holds (None: a text-only model, no
+        multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests:
+        `distributed_executor_backend`)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         _prepare_spawn()
@@ -212,6 +251,15 @@ class VLLMEngine:
 
         rc = rollout_cfg
         self.tokens = tokens
+        # at least one image even for text-only prompts: with every limit 0 vLLM would not build
+        # the vision tower, and the weight sync sends it
+        mm = ({} if max_images is None else dict(
+            limit_mm_per_prompt={"image": max(1, max_images), "video": 0},
+            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            # vLLM's processor cache runs the HF processor on text alone, which transformers
+            # 5.x rejects for text with image placeholders; the encoder cache still shares one
+            # image's features among its G samples.
+            mm_processor_cache_gb=0))
         with _environ_restored():
             self.llm = LLM(
                 model=path, dtype=str(dtype).removeprefix("torch."), seed=seed,
@@ -219,16 +267,10 @@ class VLLMEngine:
                 gpu_memory_utilization=rc.gpu_memory_utilization,
                 max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,
                 enable_prefix_caching=True,  # the G samples of a prompt share its KV
-                limit_mm_per_prompt={"image": 1, "video": 0},
-                mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
-                # vLLM's processor cache runs the HF processor on text alone, which transformers
-                # 5.x rejects for text with image placeholders; the encoder cache still
-                # shares one image's features among its G samples.
-                mm_processor_cache_gb=0,
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
-                disable_log_stats=True, **(llm_kwargs or {}))
+                disable_log_stats=True, **mm, **(llm_kwargs or {}))
 
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams

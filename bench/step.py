@@ -103,7 +103,7 @@ def main() -> None:
         cfg = Qwen2_5_VLConfig(**QWEN25_VL_3B)
         with torch.device(device):
             model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
-        ip = M._image_processor_cls()(min_pixels=56 * 56, max_pixels=a.image_px ** 2)
+        ip = M.image_processor_cls()(min_pixels=56 * 56, max_pixels=a.image_px ** 2)
     tc = model.config
     tokens = M.Tokens(image_pad=tc.image_token_id, vision_start=tc.vision_start_token_id,
                       vision_end=tc.vision_end_token_id, eos=1, pad=0,

@@ -239,7 +239,8 @@ def trl_worker(model_dir: Path, data_dir: Path, out: Path, steps: int, seed: int
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")  # TRL's own choice
     processor = ImageOnlyProcessor(M.load_image_processor(path, PIXELS, PIXELS), tokenizer,
                                    chat_template=tokenizer.chat_template)
-    tokens = M.Tokens.of(tokenizer, M.vocab_size(path))
+    procs = M.load_processors(path, PIXELS, PIXELS)
+    tokens = procs.tokens
     problems, skipped = data.load_split(str(data_dir), "train")
     if skipped or len(problems) != PROMPTS:
         raise SystemExit(f"error: {data_dir}: expected {PROMPTS} usable problems, got {len(problems)}")
@@ -250,7 +251,7 @@ def trl_worker(model_dir: Path, data_dir: Path, out: Path, steps: int, seed: int
             {"type": "image", "image": p.image}, {"type": "text", "text": text}]}]],
             add_generation_prompt=True, tokenize=True, return_dict=True)
         n_img = M.n_image_tokens(got["image_grid_thw"])
-        want = M.expand_images(M.prompt_ids(tokenizer, text, 1, tokens), n_img, tokens.image_pad)
+        want = M.expand_images(M.prompt_ids(procs, text, 1), n_img, tokens.image_pad)
         if list(got["input_ids"][0]) != want or n_img != [4]:
             raise SystemExit(f"error: problem {p.index}: TRL's prompt differs from the project's "
                              f"({n_img} image tokens)")

@@ -562,17 +562,15 @@ def test_train_step_several_updates_in_one_process(tmp_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         path = str(M.build_tiny(tmp_path / "tiny"))
-        tok = M.load_tokenizer(path)
-        tokens = M.Tokens.of(tok, M.vocab_size(path))
-        ip = M.load_image_processor(path, 56 * 56, 112 * 112)
-        procs = M.Processors(tok, tokens, ip)
-        engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+        procs = M.load_processors(path, 56 * 56, 112 * 112)
+        tokens = procs.tokens
+        engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
         problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(M.prompt_ids(tok, data.user_text(p), 1, tokens), [p.image]) for p in problems]
+        prompts = [(M.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
                          c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-        images = {p.index: p.image for p in problems}
+        images = {p.index: p.images for p in problems}
         world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
 
         def run(over):
@@ -591,12 +589,12 @@ def test_train_step_several_updates_in_one_process(tmp_path):
 
         # no-grad proximal pass == the training forward, bit for bit
         idx = list(range(8))
-        plan = T.agree_plans([idx], eps, images, ip, cfg.train, dist.group.WORLD)[0]
+        plan = T.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
         prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
                                    temperature=1.0)
         for (old, _), mb in zip(prox, plan):
-            batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb], ip,
-                              tokens, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
+            batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
+                              procs, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
             lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
             assert torch.equal(lp.detach(), old)
 

@@ -79,15 +79,15 @@ def test_model_and_data_give_trl_the_projects_prompt(tmp_path):
     problems, skipped = data.load_split(str(ddir), "train")
     assert len(problems) == 4 and not skipped
     tok = AutoTokenizer.from_pretrained(str(mdir))
-    tokens = M.Tokens.of(tok, M.vocab_size(str(mdir)))
-    ip = M.load_image_processor(str(mdir), V.PIXELS, V.PIXELS)
+    procs = M.load_processors(str(mdir), V.PIXELS, V.PIXELS)
+    ip = procs.image_processor
     for p in problems:
         text = data.user_text(p)
         got = tok.apply_chat_template([{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": text}]}], add_generation_prompt=True,
             tokenize=True)
         got = list(got["input_ids"] if hasattr(got, "keys") else got)
-        assert got == M.prompt_ids(tok, text, 1, tokens)
+        assert got == M.prompt_ids(procs, text, 1)
         assert M.n_image_tokens(M.image_inputs(ip, [p.image])["image_grid_thw"]) == [4]
     # building again reuses the folder (the same weights for every run)
     assert V.build_model(tmp_path / "model", seed=0) == mdir

@@ -298,7 +298,7 @@ def test_bad_rows_are_skipped_and_reported(tmp_path, caplog):
         {"images": ["good.png"], "problem": "<image> ", "answer": "5"},
         {"images": ["good.png"], "problem": "Find y.", "answer": 5},
         {"images": ["good.png"], "problem": "Find z.", "answer": "\\frac { 40 } { 3 }"},
-        {"images": ["good.png", "good.png"], "problem": "Find x.", "answer": "5"},  # two images
+        {"images": ["good.png", "good.png"], "problem": "<image>Find x.", "answer": "5"},  # 2 for 1
         {"images": ["truncated.png"], "problem": "Find x.", "answer": "5"},
     ]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -310,7 +310,8 @@ def test_bad_rows_are_skipped_and_reported(tmp_path, caplog):
     assert sorted(reasons) == [1, 2, 3, 4, 6, 7]
     assert "unreadable image" in reasons[1] and "unreadable image" in reasons[7]
     assert "missing image file" in reasons[2] and "nowhere.png" in reasons[2]
-    assert "problem" in reasons[3] and "answer" in reasons[4] and "images" in reasons[6]
+    assert "problem" in reasons[3] and "answer" in reasons[4]
+    assert reasons[6] == "2 image(s) for 1 <image> placeholder(s)"
     for index, reason in skipped:  # each skipped row logged exactly once, with its index and reason
         assert sum(f"row {index}: {reason}" in r.getMessage() for r in caplog.records) == 1
 
@@ -328,8 +329,9 @@ def test_raw_records_with_image_bytes():
         {"images": [], "problem": "Find x.", "answer": "1"},
     ]
     kept, skipped = data.skip_bad_rows(rows)
-    assert [p.index for p in kept] == [0, 2] and all(p.image.mode == "RGB" for p in kept)
-    assert [i for i, _ in skipped] == [1, 3, 4]
+    assert [p.index for p in kept] == [0, 2, 4] and kept[2].images == []   # no image: text only
+    assert all(p.image.mode == "RGB" for p in kept[:2])
+    assert [i for i, _ in skipped] == [1, 3]
 
 
 image_entry = st.one_of(

@@ -41,21 +41,18 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         path = str(M.build_tiny(tmp_path / "tiny"))
-        tok = M.load_tokenizer(path)
-        tokens = M.Tokens.of(tok, M.vocab_size(path))
-        ip = M.load_image_processor(path, 56 * 56, 112 * 112)
-        engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+        procs = M.load_processors(path, 56 * 56, 112 * 112)
+        engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
         problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i % 2), 1, tokens), [p.image])
+        prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
                    for i, p in enumerate(problems)]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
                          c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-        images = {p.index: p.image for p in problems}
+        images = {p.index: p.images for p in problems}
         policy = M.load_model(path)
         M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
         tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
-        procs = M.Processors(tok, tokens, ip)
         adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
         keep = torch.ones(len(eps), dtype=torch.bool)
         denom = sum(len(e.response_ids) for e in eps)

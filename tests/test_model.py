@@ -1,4 +1,5 @@
-"""The tiny model, prompts, and engine/trainer logprob parity in one process."""
+"""The tiny model, prompts, and engine/trainer logprob parity in one process (Qwen2.5-VL, the
+default family; tests/test_families.py runs the same checks on every family)."""
 from __future__ import annotations
 
 import pytest
@@ -11,50 +12,71 @@ import rollout as R
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(M.build_tiny(tmp_path_factory.mktemp("m") / "tiny", seed=0))
-    tok = M.load_tokenizer(path)
-    return path, tok, M.Tokens.of(tok, M.vocab_size(path)), M.load_image_processor(path, 56 * 56, 112 * 112)
+def tiny(tiny_dir):
+    path = tiny_dir("qwen2_5_vl")
+    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    return path, procs
 
 
 def test_build_is_deterministic_and_loadable(tmp_path, tiny):
-    path, tok, tokens, _ = tiny
+    path, procs = tiny
     other = M.build_tiny(tmp_path / "again", seed=0)
     a = M.load_model(path).state_dict()
     b = M.load_model(str(other)).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     for t in ("<answer>", "</answer>", "<think>", "</think>", "<|image_pad|>"):
-        assert len(tok.encode(t, add_special_tokens=False)) == 1, t
+        assert len(procs.tokenizer.encode(t, add_special_tokens=False)) == 1, t
 
 
 def test_tokens_suppress_vision_and_chat_specials_but_not_eos(tiny):
-    _, tok, tokens, _ = tiny
+    _, procs = tiny
+    tok, tokens = procs.tokenizer, procs.tokens
     for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|endoftext|>"):
         assert tok.convert_tokens_to_ids(t) in tokens.suppressed
-    assert tokens.eos not in tokens.suppressed
+    assert tokens.eos not in tokens.suppressed and tokens.stops == (tokens.eos,)
     assert tok.convert_tokens_to_ids("<answer>") not in tokens.suppressed
 
 
 def test_prompt_has_one_unexpanded_placeholder_then_expands(tiny):
-    _, tok, tokens, ip = tiny
-    ids = M.prompt_ids(tok, "Find x.", 1, tokens)
+    _, procs = tiny
+    tok, tokens = procs.tokenizer, procs.tokens
+    ids = M.prompt_ids(procs, "Find x.", 1)
     assert ids.count(tokens.image_pad) == 1
     i = ids.index(tokens.image_pad)
     assert ids[i - 1] == tokens.vision_start and ids[i + 1] == tokens.vision_end
-    text = tok.decode(ids)
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    # the family's template: Qwen2-VL / Qwen2.5-VL add their default system turn
+    assert tok.decode(ids) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                               "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+                               "Find x.<|im_end|>\n<|im_start|>assistant\n")
     exp = M.expand_images(ids, [16], tokens.image_pad)
     assert exp.count(tokens.image_pad) == 16 and len(exp) == len(ids) + 15
     with pytest.raises(ValueError):
         M.expand_images(ids + ids, [4], tokens.image_pad)
 
 
+def test_system_prompt_and_image_markers(tiny):
+    """data.system_prompt replaces the template's default system turn; `<image>` markers put
+    each image where the text has it; markers and images must agree in number."""
+    import dataclasses
+    path, procs = tiny
+    tok, tokens = procs.tokenizer, procs.tokens
+    mine = dataclasses.replace(procs, chat=dataclasses.replace(procs.chat, system_prompt="Be terse."))
+    text = tok.decode(M.prompt_ids(mine, "Compare <image> with <image>.", 2))
+    assert text == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nCompare "
+                    "<|vision_start|><|image_pad|><|vision_end|> with "
+                    "<|vision_start|><|image_pad|><|vision_end|>.<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="3 image.*2 <image> placeholder"):
+        M.prompt_ids(procs, "Compare <image> with <image>.", 3)
+    assert M.prompt_ids(procs, "No images here.", 0).count(tokens.image_pad) == 0
+
+
 def test_hf_engine_logprobs_equal_trainer_forward(tiny):
     """Left-padded cached generation vs right-padded full forward with mRoPE positions."""
-    path, tok, tokens, ip = tiny
-    engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+    path, procs = tiny
+    tokens = procs.tokens
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=1)
-    prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i), 1, tokens), [p.image])
+    prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]  # different lengths: padding matters
     for temp in (1.0, 0.7):
         out = engine.generate(prompts, R.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=0)
@@ -64,7 +86,7 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
         for e in eps:
             assert not set(e.response_ids) & set(tokens.suppressed)
             assert (tokens.eos in e.response_ids) != e.truncated
-        batch = M.collate(eps, [problems[e.group].image for e in eps], ip, tokens, torch.device("cpu"))
+        batch = M.collate(eps, [problems[e.group].images for e in eps], procs, torch.device("cpu"))
         with torch.no_grad():
             lp, _ = M.sequence_logprobs(engine.model, batch, tokens, temp)
         m = batch["response_mask"].bool()
@@ -73,19 +95,43 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
 
 def test_text_only_positions_would_be_caught(tiny):
     """Without mm_token_type_ids transformers uses text-only positions: the parity check sees it."""
-    path, tok, tokens, ip = tiny
-    engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+    path, procs = tiny
+    tokens = procs.tokens
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     p = synthetic.make_synthetic(1, seed=2)[0]
-    ids = M.prompt_ids(tok, data.user_text(p), 1, tokens)
-    c = engine.generate([(ids, [p.image])], R.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
+    ids = M.prompt_ids(procs, data.user_text(p), 1)
+    c = engine.generate([(ids, p.images)], R.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
     e = R.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
-    batch = M.collate([e], [p.image], ip, tokens, torch.device("cpu"))
+    batch = M.collate([e], [p.images], procs, torch.device("cpu"))
     with torch.no_grad():
         out = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
     lp, _ = M.token_logprobs(out.logits[:, :-1], batch["input_ids"][:, 1:], tokens, 1.0)
     m = batch["response_mask"][:, 1:].bool()
     assert (lp[m] - batch["engine_logprobs"][:, 1:][m]).abs().max() > 1e-3
+
+
+def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny, monkeypatch):
+    """The cheap logits path selects the positions itself (a hook on the LM head's input), so it
+    needs no `slice_logits_to_keep` (transformers < 5.24 has none): with that function gone the
+    logprobs are the same, and the head computes N rows, never [B, L, vocab]."""
+    import transformers.modeling_utils as mu
+    path, procs = tiny
+    model = M.load_model(path)
+    batch = _batch(tiny)
+    with torch.no_grad():
+        before, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    monkeypatch.delattr(mu, "slice_logits_to_keep", raising=False)
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: rows.append(out.shape))
+    try:
+        with torch.no_grad():
+            after, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    finally:
+        hook.remove()
+    assert torch.equal(before, after)
+    n = int(batch["response_mask"][:, 1:].sum())
+    assert rows == [torch.Size([n, procs.tokens.vocab_size])]
 
 
 # --------------------------------------------------------------------- activation checkpointing
@@ -104,16 +150,17 @@ def one_rank_world(tmp_path):
 
 
 def _batch(tiny, n: int = 2):
-    path, tok, tokens, ip = tiny
+    path, procs = tiny
+    tokens = procs.tokens
     problems = synthetic.make_synthetic(n, seed=5)
     g = torch.Generator().manual_seed(0)
     allowed = [i for i in range(tokens.vocab_size) if i not in tokens.suppressed]
     eps = []
     for i, p in enumerate(problems):
         resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
-        eps.append(R.Episode(p.index, i, M.prompt_ids(tok, data.user_text(p), 1, tokens), resp,
+        eps.append(R.Episode(p.index, i, M.prompt_ids(procs, data.user_text(p), 1), resp,
                              [0.0] * len(resp), 0.0, {}, 0, True))
-    return M.collate(eps, [p.image for p in problems], ip, tokens, torch.device("cpu"))
+    return M.collate(eps, [p.images for p in problems], procs, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -123,7 +170,8 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     and is recomputed during backward; train-mode logprobs equal eval-mode ones bitwise."""
     import config as C
     import trainer as T
-    path, tok, tokens, ip = tiny
+    path, procs = tiny
+    tokens = procs.tokens
     mc = C.ModelConfig(activation_checkpointing=checkpointing)
     tr = T.build(path, one_rank_world, torch.device("cpu"), mc, C.TrainConfig(), C.LossConfig(),
                  C.SyncConfig(), total_steps=20)
@@ -158,17 +206,18 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     """train.share_prompt: one row per prompt with its responses after it; each response sees
     the prompt and itself only, continues the prompt's mRoPE positions, and its logprobs,
     entropies and gradients equal the one-row-per-episode forward (and the engine's)."""
-    path, tok, tokens, ip = tiny
-    engine = R.HFEngine(path, torch.float32, tokens, ip, torch.device("cpu"))
+    path, procs = tiny
+    tokens = procs.tokens
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=5)
-    prompts = [(M.prompt_ids(tok, data.user_text(p) * (1 + i), 1, tokens), [p.image])
+    prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]            # prompts of different lengths
     out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=10), seed=2)
     eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-    images = [problems[e.group].image for e in eps]
-    packed = M.collate(eps, images, ip, tokens, torch.device("cpu"), share_prompt=True, pixels={})
-    flat = M.collate(eps, images, ip, tokens, torch.device("cpu"))
+    images = [problems[e.group].images for e in eps]
+    packed = M.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})
+    flat = M.collate(eps, images, procs, torch.device("cpu"))
     assert packed["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 9
     assert int(packed["episode_tokens"]) == int(flat["attention_mask"].sum())
     # the mask: response 2 of row 0 sees the prompt and itself, not response 1

@@ -59,7 +59,9 @@ def _save(out_dir: Path, step: int, tr, keep_last: int = 10, protect=None) -> Pa
     path = ckpt.root(out_dir) / f"step_{step:06d}"
     ckpt.save(path, policy=policy, opt=opt, sched=sched, rng={"cpu": torch.get_rng_state()},
               meta={"step": step, "version": step, "skipped_in_row": 0, "skipped_total": 0.0},
-              tokenizer=_Saves("tokenizer"), image_processor=_Saves("preprocessor"),
+              procs=SimpleNamespace(tokenizer=_Saves("tokenizer"), image_processor=_Saves("preprocessor"),
+                                    chat=SimpleNamespace(template="{{ messages }}")),
+              source=str(path.parent),
               dtype=torch.float32, train_group=dist.group.WORLD, is_root=True,
               keep_last=keep_last, protect=protect)
     return path

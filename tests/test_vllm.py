@@ -84,9 +84,9 @@ def world():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = str(M.build_tiny(tmp_path_factory.mktemp("vllm") / "tiny"))
-    tok = M.load_tokenizer(path)
-    return SimpleNamespace(path=path, tok=tok, tokens=M.Tokens.of(tok, M.vocab_size(path)),
-                           ip=M.load_image_processor(path, MIN_PX, MAX_PX))
+    procs = M.load_processors(path, MIN_PX, MAX_PX)
+    return SimpleNamespace(path=path, procs=procs, tok=procs.tokenizer, tokens=procs.tokens,
+                           ip=procs.image_processor)
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +106,15 @@ def _problems(n: int, seed: int):
 
 
 def _prompts(tiny, problems):
-    return [(M.prompt_ids(tiny.tok, data.user_text(p), 1, tiny.tokens), [p.image]) for p in problems]
+    return [(M.prompt_ids(tiny.procs, data.user_text(p), 1), p.images) for p in problems]
 
 
 def _max_diff(policy, tiny, problems, prompts, out, temperature: float) -> float:
     """max |engine logprob - trainer forward logprob| over every sampled token."""
     eps = [SimpleNamespace(prompt_ids=prompts[g][0], response_ids=c.ids, logprobs=c.logprobs)
            for g, cs in enumerate(out) for c in cs]
-    images = [problems[g].image for g, cs in enumerate(out) for _ in cs]
-    batch = M.collate(eps, images, tiny.ip, tiny.tokens, CPU)
+    images = [problems[g].images for g, cs in enumerate(out) for _ in cs]
+    batch = M.collate(eps, images, tiny.procs, CPU)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(policy, batch, tiny.tokens, temperature)
     m = batch["response_mask"].bool()
@@ -156,7 +156,7 @@ def test_greedy_equals_hf_engine(engine, tiny):
     sp = R.Sampling(n=4, max_new_tokens=10, greedy=True)
     out = engine.generate(prompts, sp, seed=0)
     _check_completions(out, tiny.tokens, 1, 10)
-    hf = R.HFEngine(tiny.path, torch.float32, tiny.tokens, tiny.ip, CPU).generate(prompts, sp, seed=0)
+    hf = R.HFEngine(tiny.path, torch.float32, tiny.procs, CPU).generate(prompts, sp, seed=0)
     assert [c.ids for cs in out for c in cs] == [c.ids for cs in hf for c in cs]
     diff = max(abs(a - b) for cs, hs in zip(out, hf) for c, h in zip(cs, hs)
                for a, b in zip(c.logprobs, h.logprobs))
@@ -166,7 +166,7 @@ def test_greedy_equals_hf_engine(engine, tiny):
 
 def test_expanded_prompt_is_refused(engine, tiny):
     p = _problems(1, seed=4)[0]
-    ids = M.expand_images(M.prompt_ids(tiny.tok, data.user_text(p), 1, tiny.tokens), [16],
+    ids = M.expand_images(M.prompt_ids(tiny.procs, data.user_text(p), 1), [16],
                           tiny.tokens.image_pad)
     with pytest.raises(ValueError, match="placeholder"):
         engine.generate([(ids, [p.image])], R.Sampling(n=2), seed=0)

@@ -46,10 +46,9 @@ def test_prompt_refuses_placeholder_count_mismatch(ids, n_images):
 def test_prompt_ids_from_model_are_accepted(tmp_path):
     """model.prompt_ids (what rollout() sends) has exactly one placeholder per image."""
     path = str(M.build_tiny(tmp_path / "tiny", seed=0))
-    tok = M.load_tokenizer(path)
-    tokens = M.Tokens.of(tok, M.vocab_size(path))
-    ids = M.prompt_ids(tok, "Find x.", 1, tokens)
-    assert V.vllm_prompt(ids, ["im"], tokens)["prompt_token_ids"] == ids
+    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    ids = M.prompt_ids(procs, "Find x.", 1)
+    assert V.vllm_prompt(ids, ["im"], procs.tokens)["prompt_token_ids"] == ids
 
 
 # --------------------------------------------------------------------------- sampling
@@ -328,7 +327,7 @@ def test_rpc_returns_and_reraises_within_the_deadline():
 
 # --------------------------------------------------------------------------- image processor
 def test_checked_processor_forces_pil_and_refuses_another_class(capsys, monkeypatch):
-    want = M._image_processor_cls()
+    want = M.image_processor_cls()
     seen = {}
 
     def load(**kw):
@@ -353,7 +352,8 @@ def test_use_fast_false_gives_the_pil_class_where_torchvision_is_installed(tmp_p
     assert auto._resolve_backend(None, None, "Qwen2VLImageProcessor") == "torchvision"
     assert auto._resolve_backend(None, False, "Qwen2VLImageProcessor") == "pil"
     path = str(M.build_tiny(tmp_path / "tiny", seed=0))
-    cls = V.image_only_processor_cls()
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    cls = V.image_only_processor_cls(Qwen2_5_VLProcessor)
     proc = V.checked_processor(lambda **kw: cls.from_pretrained(path, **kw),
                                min_pixels=56 * 56, max_pixels=112 * 112)
-    assert type(proc.image_processor) is M._image_processor_cls()
+    assert type(proc.image_processor) is M.image_processor_cls()

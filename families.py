@@ -1,0 +1,204 @@
+"""Model families: the one table of what differs between Qwen generations.
+
+The family of a model folder is its `config.json` `model_type`. Almost everything else is asked
+of the config or the model, never of the family's name (model.py): the Auto class (a config with
+a `vision_config` is a vision-language model), the image / vision token ids (`config.*_token_id`),
+the patch size and merge (the image processor's config), the FSDP units (`_no_split_modules`),
+mRoPE (the model's own `get_rope_index`), whether one packed row per prompt is exact (every text
+layer full attention), the MoE expert layout (transformers' fused `experts.gate_up_proj`).
+
+What is truly per family sits in :data:`FAMILIES`, one row each:
+- `tiny`: the config of a tiny random model of that family (`model.path = "tiny-<model_type>"`),
+  for the CPU tests and demos; nothing is downloaded;
+- `chat_template`: the template written into such a tiny folder. It reproduces the parts of the
+  family's published chat template that a prompt uses (a default system turn or none, image
+  placeholders, `enable_thinking`); a real model folder's own template is always what is used;
+- `processor`: the transformers processor class vLLM's loader for the family asks for (VLMs), so
+  that the one image-only hook in vllm_engine.py is checked against the table.
+
+Adding a family: one row here plus its tests (tests/test_families.py runs every row).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+# ----------------------------------------------------------------------------- chat templates
+# Content is a string or a list of {"type": "image"} / {"type": "text", "text": ...} items, as
+# transformers' processors take it. Every piece of output is an explicit string expression, so
+# Jinja's whitespace control never eats a newline.
+_CONTENT = (
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif item['type'] == 'text' -%}{{- item['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}")
+
+
+def _template(default_system: str = "", thinking: str = "") -> str:
+    """A Qwen chat template: `<|im_start|>role\ncontent<|im_end|>\n` per message, a default
+    system turn when the first message is not one (`default_system`, "" = none), and the
+    generation prompt `<|im_start|>assistant\n` followed by `thinking` (Jinja: the Qwen3
+    `enable_thinking` switch)."""
+    system = ("{%- if messages[0]['role'] != 'system' -%}"
+              "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' -}}{%- endif -%}"
+              if default_system else "")
+    return (system + "{%- for message in messages -%}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT
+            + "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}" + thinking
+            + "{%- endif -%}")
+
+
+# Qwen3 / Qwen3-MoE: thinking unless enable_thinking is false (then an empty think block).
+_QWEN3_THINKING = ("{%- if enable_thinking is defined and enable_thinking is false -%}"
+                   "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}")
+# Qwen3.5: the generation prompt opens the think block; enable_thinking=false closes it empty.
+_QWEN3_5_THINKING = ("{%- if enable_thinking is defined and enable_thinking is false -%}"
+                     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- else -%}{{- '<think>\\n' -}}"
+                     "{%- endif -%}")
+
+
+# ----------------------------------------------------------------------------- tiny configs
+def _text(ids: dict, hidden: int, layers: int, **extra) -> dict:
+    """A tiny decoder: head_dim 32 (vLLM's CPU attention supports 32, 64, 80, ... not 16)."""
+    head_dim = 32
+    return dict(vocab_size=ids["vocab"], hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
+                num_key_value_heads=max(1, hidden // head_dim // 2), head_dim=head_dim,
+                max_position_embeddings=4096, tie_word_embeddings=False,
+                bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], **extra)
+
+
+def _rope(mrope: bool = False, interleaved: bool = False) -> dict:
+    r = {"rope_type": "default", "rope_theta": 10000.0}
+    if mrope:
+        r["mrope_section"] = [4, 6, 6]  # sums to head_dim / 2
+    if interleaved:
+        r["mrope_interleaved"] = True
+    return r
+
+
+def _vlm(ids: dict, text: dict, vision: dict) -> dict:
+    return dict(text_config=text, vision_config=vision, image_token_id=ids["image_pad"],
+                video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+                vision_end_token_id=ids["vision_end"], tie_word_embeddings=False)
+
+
+def _vision3(hidden: int, **extra) -> dict:
+    """Qwen3-VL / Qwen3.5 vision tower: patch 16 (32 pixels a token after the 2 x 2 merge)."""
+    return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
+                num_position_embeddings=64, **extra)
+
+
+def _moe(hidden: int) -> dict:
+    # expert size 96 != hidden 64 and 2 x 96 != 64: a transposed or swapped expert weight cannot
+    # load by accident (model-families.md); norm_topk_prob as the released MoE configs set it
+    # (vLLM's loaders read it; transformers' Qwen3-VL-MoE config class has no default)
+    return dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=True)
+
+
+def _linear_attention() -> dict:
+    """Qwen3.5's Gated DeltaNet layers (3 of every 4), tiny."""
+    return dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4)
+
+
+def _tiny_qwen2_vl(ids, hidden, layers):
+    return _vlm(ids, _text(ids, hidden, layers, rope_parameters=_rope(mrope=True)),
+                dict(depth=2, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=2,
+                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2))
+
+
+def _tiny_qwen2_5_vl(ids, hidden, layers):
+    return _vlm(ids, _text(ids, hidden, layers, rope_parameters=_rope(mrope=True)),
+                dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                     fullatt_block_indexes=[1], out_hidden_size=hidden))
+
+
+def _tiny_qwen3_vl(ids, hidden, layers, moe=False):
+    text = _text(ids, hidden, layers, rope_parameters=_rope(mrope=True, interleaved=True),
+                 **(_moe(hidden) if moe else {}))
+    return _vlm(ids, text, _vision3(hidden, deepstack_visual_indexes=[0]))
+
+
+def _tiny_qwen3_5(ids, hidden, layers, moe=False):
+    # 4 layers: three linear-attention layers and one full-attention layer, as the real ratio
+    rope = {**_rope(mrope=True, interleaved=True), "partial_rotary_factor": 1.0}
+    extra = dict(_moe(hidden), shared_expert_intermediate_size=96) if moe else {}
+    text = _text(ids, hidden, max(layers, 4), rope_parameters=rope, **_linear_attention(), **extra)
+    return _vlm(ids, text, _vision3(hidden))
+
+
+def _tiny_text(ids, hidden, layers, moe=False, tied=False):
+    return _text(ids, hidden, layers, rope_parameters=_rope(), **(_moe(hidden) if moe else {}),
+                 ) | dict(tie_word_embeddings=tied)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str                  # config.json's model_type
+    tiny: Callable[..., dict]        # (token ids, hidden, layers) -> tiny config kwargs
+    chat_template: str               # the tiny folder's template (see the module docstring)
+    processor: str = ""              # vLLM's HF processor class for the family (VLMs)
+    notes: str = ""                  # what a user should know (README's families table)
+
+
+_QWEN2_VL_SYSTEM = "You are a helpful assistant."
+_QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in [
+    Family("qwen2_vl", _tiny_qwen2_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2VLProcessor"),
+    Family("qwen2_5_vl", _tiny_qwen2_5_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2_5_VLProcessor"),
+    Family("qwen3_vl", _tiny_qwen3_vl, _template(), "Qwen3VLProcessor"),
+    Family("qwen3_vl_moe", lambda i, h, n: _tiny_qwen3_vl(i, h, n, moe=True), _template(),
+           "Qwen3VLProcessor"),
+    Family("qwen3_5", _tiny_qwen3_5, _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
+           notes="linear-attention layers: one row per episode (train.share_prompt off)"),
+    Family("qwen3_5_moe", lambda i, h, n: _tiny_qwen3_5(i, h, n, moe=True),
+           _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
+           notes="linear-attention layers: one row per episode (train.share_prompt off)"),
+    Family("qwen2", _tiny_text, _template(_QWEN2_5_SYSTEM)),
+    # Qwen3's small dense models tie the LM head to the embeddings: the tiny one does too
+    Family("qwen3", lambda i, h, n: _tiny_text(i, h, n, tied=True), _template(thinking=_QWEN3_THINKING)),
+    Family("qwen3_moe", lambda i, h, n: _tiny_text(i, h, n, moe=True),
+           _template(thinking=_QWEN3_THINKING)),
+]}
+
+DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
+
+
+def supported() -> list[str]:
+    return list(FAMILIES)
+
+
+def model_type_of(path: str | Path) -> str:
+    """`model_type` of the model folder at `path` (its config.json); "" when it has none."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return ""
+    try:
+        return str(json.loads(cfg.read_text()).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def get(model_type: str) -> Family:
+    """The table row of `model_type`; KeyError naming the supported ones."""
+    if model_type not in FAMILIES:
+        raise KeyError(f"model_type {model_type!r} is not a supported family "
+                       f"(supported: {', '.join(FAMILIES)})")
+    return FAMILIES[model_type]
+
+
+def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):
+    """The transformers config of a tiny random model of `model_type` (`ids`: the tiny
+    tokenizer's vocab size and special token ids)."""
+    from transformers import CONFIG_MAPPING
+    return CONFIG_MAPPING[model_type](**get(model_type).tiny(ids, hidden, layers))
