@@ -159,6 +159,8 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, tokeniz
         if path_final.exists():  # never on a normal run (the branch was cleared at resume)
             _move_aside(path_final.parent, [path_final])
         tmp.rename(path_final)  # the commit point
+        if fault_active("checkpoint_after_rename", meta["step"]):  # tests: die right after it
+            os.kill(os.getpid(), signal.SIGKILL)
         keep = Path(protect).resolve() if protect else None
         for old in complete(path_final.parent.parent)[:-keep_last]:
             if old.resolve() != keep:

@@ -325,9 +325,9 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         if cfg.run.eval_every and (progress.step % cfg.run.eval_every == 0
                                    or progress.step == cfg.run.steps):
             metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
-        save_checkpoint(cfg, world, s, dev, out_dir, progress)
-        if rec:
+        if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
             rec.step(metrics, episodes)
+        save_checkpoint(cfg, world, s, dev, out_dir, progress)
         if too_many_skipped(cfg, world, progress):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
