@@ -255,6 +255,11 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"--config: no such file {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config: {path} is a folder, not a TOML file") from None
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all
+            raise ConfigError(f"--config: cannot read {path} "
+                              f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for section, table in data.items():
