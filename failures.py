@@ -338,6 +338,23 @@ def exit_bad_input(e: C.ConfigError) -> int:
     os._exit(2)
 
 
+def world_failed(e: BaseException, timeout_s: float) -> int:
+    """Setting up the world (torch.distributed over MASTER_ADDR:MASTER_PORT) failed, before any
+    failure handling exists: ONE line naming this rank, the address, the port and the timeout;
+    exit code 4. An unreachable master or a timeout is torch.distributed's own error (no
+    traceback: the line says it all); any other error prints its traceback first."""
+    import torch.distributed as dist
+    env = os.environ
+    network = isinstance(e, getattr(dist, "DistError", ())) or is_communication_error(e)
+    if not network:
+        traceback.print_exc()
+    hint = "; is rank 0's node up, and MASTER_PORT open to this one?" if network else ""
+    say(f"error: rank {env.get('RANK', '0')} could not set up the world (MASTER_ADDR="
+        f"{env.get('MASTER_ADDR', '?')}, MASTER_PORT={env.get('MASTER_PORT', '?')}, "
+        f"cluster.timeout_s = {timeout_s:g} s): {one_line(e).rstrip('.')}{hint}")
+    return 4
+
+
 def guarded(live: Liveness, job: Callable[[], int]) -> int:
     """Run `job`; any failure ends THIS rank at once with a line naming the culprit (torchrun
     then stops the others, which print their own view). Config and start-up errors pass

@@ -120,7 +120,10 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
     C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
-    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
+    try:
+        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
+    except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
+        return failures.world_failed(e, cfg.cluster.timeout_s)
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import rewards
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, env, free_port, metrics
 
 TIMEOUT = 20  # cluster.timeout_s in these tests
 
@@ -93,6 +93,25 @@ def test_bad_world_split_fails_before_any_group_work(tmp_path):
     assert _ours(p.stderr) == ["config error: cluster.gen_ranks=3 leaves no trainer rank in a world of 3"]
     assert _exit_codes(p.stderr) == [2, 2, 2], p.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_unreachable_master_is_one_line_naming_address_port_and_timeout(tmp_path):
+    """Launched without torchrun (env://, rank 1 of 2) while nothing listens at MASTER_PORT: the
+    world's set-up fails within cluster.timeout_s with one line, exit 4 (it used to run outside
+    the failure handling: a traceback, no error line)."""
+    port = free_port()
+    e = env()
+    e.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
+                        "--cluster.timeout_s=3"], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 4, p.stderr[-3000:]
+    [line] = _ours(p.stderr)
+    assert line.startswith(f"error: rank 1 could not set up the world (MASTER_ADDR=127.0.0.1, "
+                           f"MASTER_PORT={port}, cluster.timeout_s = 3 s): DistNetworkError: "), line
+    assert line.endswith("is rank 0's node up, and MASTER_PORT open to this one?")
+    assert "Traceback" not in p.stderr and p.stderr.rstrip().splitlines()[-1] == line
 
 
 @pytest.mark.slow
