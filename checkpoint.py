@@ -257,11 +257,12 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
     the one line naming every difference. Optimizer keys (config.OPTIMIZER_KEYS) may change;
     they are listed in "optimizer_changes" (the trainer applies them after the restore), with
-    run.steps when a decaying schedule is stretched or shortened by it.
+    run.steps when a decaying schedule is stretched or shortened by it. Every other key that
+    differs is in "other_changes" (the start-up summary lists them in one line).
     """
     import config as C
     plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
-            "optimizer_changes": [], "error": None}
+            "optimizer_changes": [], "other_changes": [], "error": None}
     if picked is None:
         return plan
     path, meta = picked
@@ -272,8 +273,11 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
         changes.append(("the rank split (trainers of ranks)", f"{saved[0]} of {saved[1]}",
                         f"{n_trainers} of {world_size}"))
     schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
+    listed = set(C.MEANING_KEYS + schedule)
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),
+                other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys()
+                                                             if k not in listed)),
                 meta={k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total")})
     if changes and not cfg.run.allow_config_change:
         plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)

@@ -412,10 +412,14 @@ def _toml_value(v: Any) -> str:
 # ----------------------------------------------------------------------------- resume checks
 # Keys that change what a run means: resuming a checkpoint with other values would silently
 # continue a different experiment, so they stop the run unless run.allow_config_change is set.
+# (reward.functions: what reward/mean measures; train.mini_batches, train.ppo_epochs and
+# loss.kl_coef: what one step's update and the loss are.) Every other changed key is listed in
+# one line at resume (checkpoint.resume_plan "other_changes").
 MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
-                "loss.advantage", "loss.aggregation", "cluster.gen_ranks")
+                "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
+                "train.ppo_epochs", "reward.functions", "loss.kl_coef")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
 # schedule (and says so).
 OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2",
@@ -425,6 +429,11 @@ OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2"
 def lookup(tree: dict, dotted: str, default: Any = None) -> Any:
     section, key = dotted.split(".", 1)
     return tree.get(section, {}).get(key, default)
+
+
+def all_keys() -> tuple[str, ...]:
+    """Every `section.key` of the config tree."""
+    return tuple(f"{s}.{k}" for s, table in to_dict(Config()).items() for k in table)
 
 
 def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

@@ -233,6 +233,10 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
                  f"steps {p.step} -> {cfg.run.steps} ==" if plan["path"] else
                  f"== fresh start: steps 0 -> {cfg.run.steps}, {cfg.rollout.prompts_per_step} "
                  f"prompts x {cfg.rollout.group_size} samples per step")
+    changed = plan.get("other_changes", []) + (plan.get("meaning_changes", []) if plan["path"] else [])
+    if changed:  # the meaning changes are here only when run.allow_config_change let them pass
+        lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"
+                                                                    for k, a, b in changed))
     return "\n".join(lines)
 
 
