@@ -162,6 +162,8 @@ class Recorder:
         self.step_times.append(now - self.t_last)
         self.t_last = now
         print(self.line(m), flush=True)
+        if m.get("train/dropped_groups", 0) > 0:  # DAPO's refill bound hit: said every such step
+            print(dropped_note(m, len({e.group for e in episodes})), file=sys.stderr, flush=True)
 
     def line(self, m: dict) -> str:
         """The console line of one step."""
@@ -206,6 +208,17 @@ class Recorder:
         self.trackers.close(failed=failed)
         self.metrics.close()
         self.samples.close()
+
+
+def dropped_note(m: dict, n_groups: int) -> str:
+    """The line of a step whose groups with equal rewards (no learning signal) reached the update:
+    DAPO's refill ran out of rounds (`rollout.max_refill_rounds`)."""
+    d = int(m["train/dropped_groups"])
+    return (f"warning: step {m['step'] + 1}: {d} of {n_groups} groups have equal rewards after "
+            f"{int(m.get('rollout/refill_rounds', 0))} refill round(s) "
+            f"({int(m.get('rollout/prompts_drawn', 0))} prompts drawn; rollout.max_refill_rounds): "
+            "masked out of the update" + ("; every group is: this step's update is a no-op "
+                                          "(loss 0, gradient norm 0)" if d >= n_groups else ""))
 
 
 def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problems: int,

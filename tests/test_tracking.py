@@ -370,3 +370,22 @@ def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_pat
     assert str(e.value).startswith(f"cannot write {tmp_path / 'samples.jsonl'}: No space left on "
                                    f"device ({tmp_path}: ")
     assert "\n" not in str(e.value) and "then restart" in str(e.value)
+
+
+def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, capsys):
+    """DAPO: when the refill rounds run out, the groups with equal rewards are masked out; with
+    every group so the update is a no-op, which only the metrics used to say."""
+    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    base = {"weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0, "time/generate_s": 0.1,
+            "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2,
+            "rollout/refill_rounds": 4, "rollout/prompts_drawn": 20}
+    eps = [types.SimpleNamespace(group=g) for g in range(4) for _ in range(4)]
+    for step, dropped in enumerate([4, 1, 0]):
+        rec.step({"step": step, **base, "train/dropped_groups": float(dropped)}, eps)
+    rec.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: step 1: 4 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "
+        "drawn; rollout.max_refill_rounds): masked out of the update; every group is: this "
+        "step's update is a no-op (loss 0, gradient norm 0)",
+        "warning: step 2: 1 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "
+        "drawn; rollout.max_refill_rounds): masked out of the update"]
