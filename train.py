@@ -28,8 +28,19 @@ vllm_engine.py, the weight transport in sync.py, failure handling in failures.py
 """
 from __future__ import annotations
 
-import json
+import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a stop while torch imports (seconds): one line, exit 128 + signal
+    def _stopped(signum, _frame):  # until failures.on_signals takes over
+        sys.stderr.write(f"error: rank {os.environ.get('RANK', '0')} stopped by "
+                         f"{signal.Signals(signum).name} during start-up\n")
+        os._exit(128 + signum)
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _stopped)
+
+import json  # (the imports below come after those handlers: torch alone takes seconds)
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -193,6 +193,32 @@ def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
         assert word not in err, word
 
 
+def _proc_has(pid: int, sig: int | None = None, lib: str | None = None) -> bool:
+    """Whether process `pid` catches `sig` (/proc SigCgt), or has mapped a library named `lib`."""
+    try:
+        if sig is not None:
+            cgt = next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigCgt:"))
+            return bool(int(cgt.split()[1], 16) >> (sig - 1) & 1)
+        return lib in open(f"/proc/{pid}/maps").read()
+    except (OSError, StopIteration):
+        return False
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
+    """SIGINT in the first moments (`import torch` takes seconds): the one documented line and
+    exit 130, not a KeyboardInterrupt traceback and exit -2. The signal is sent as soon as the
+    process catches SIGTERM (train.py's first handler) or has begun loading libtorch."""
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}"],
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (_proc_has(p.pid, sig=signal.SIGTERM) or _proc_has(p.pid, lib="libtorch")):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.001)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (130, "error: rank 0 stopped by SIGINT during start-up\n")
+
+
 @rewards.register("_test_raises")
 def _raises(response, sample):
     raise ValueError("boom")
