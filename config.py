@@ -120,6 +120,9 @@ class RolloutConfig:
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
+    # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
+    # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
+    start_timeout_s: float = num(900.0, "> 0")
     # DAPO dynamic sampling (with loss.drop_zero_variance): while a generation rank has fewer than
     # its share of groups with non-zero reward variance, it draws another share of prompts from a
     # seeded stream (seed, step, round, rank), at most this many extra rounds; zero-variance groups

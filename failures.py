@@ -67,6 +67,26 @@ def fault_active(point: str, step: int | None = None) -> bool:
     return not rank or int(rank) == int(os.environ.get("RANK", 0))
 
 
+def inject_start(timeout_s: float) -> None:
+    """Tests: an engine slower to start than the collective timeout `timeout_s` (1.5 times it)."""
+    if fault_active("slow_engine_start"):
+        time.sleep(1.5 * timeout_s)
+
+
+def start_barrier(group, timeout_s: float, key: str) -> None:
+    """Every rank of `group` meets here within `timeout_s` (config `key`), a deadline of its own:
+    the engines' start-up takes longer than any collective should (cluster.timeout_s). Past it,
+    a RuntimeError saying so (the diagnosis then names the rank still starting)."""
+    import torch.distributed as dist
+    try:
+        dist.barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise RuntimeError(f"start-up timed out: not every rank was ready within {key} = "
+                           f"{timeout_s:g} s") from e
+
+
 def inject(step: int, live: "Liveness") -> None:
     """Tests: a rank killed mid-run (`die`), alive but stuck (`hang`), or raising its own
     error (`raise`) at `step`."""
@@ -110,6 +130,7 @@ class Liveness:
         self.role = roles[rank]
         self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.where: tuple[int | None, str] = (None, "start-up")
+        self.phase(None, "start-up")  # a rank is never shown without a phase
         self._stop = threading.Event()
         self.failing = False
         # The first of {this rank's failure report, a signal stop} prints; the other waits for
@@ -175,8 +196,8 @@ class Liveness:
             ended = {r for r in others if has(f"exit/{r}")} | set(failed)
             signalled = {r: self.store.get(f"{self.ns}/signal/{r}").decode()
                          for r in others if has(f"signal/{r}")}
-            phases = [self.store.get(f"{self.ns}/phase/{r}").decode() if has(f"phase/{r}") else "?"
-                      for r in range(self.world)]
+            phases = [self.store.get(f"{self.ns}/phase/{r}").decode() if has(f"phase/{r}")
+                      else "start-up" for r in range(self.world)]  # not even Liveness built yet
         except Exception as e:  # noqa: BLE001
             return Diagnosis(line=f"could not diagnose ({type(e).__name__}: the launcher's store "
                                   "is gone)")

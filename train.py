@@ -140,7 +140,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     failures.on_signals(live)
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
-        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, eval_checkpoint))
+        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,
+                                                                  eval_checkpoint))
     return failures.guarded(live, lambda: train(cfg, world, dev, live, resume, sources))
 
 
@@ -245,10 +246,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    engine = (R.build_engine(ro, cfg.model, model_path, procs, dev=dev, device=device,
-                             local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                             timeout_s=cfg.cluster.timeout_s) if world.is_gen else None)
     problems, n_skipped = load_problems(cfg, "train", procs)
+    engine = start_engine(cfg, world, dev, device, live, model_path, procs)
     channel = None
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
@@ -264,6 +263,23 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                            if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.image for p in problems}, n_skipped, eval_set,
                  engine, scorer, eval_scorer, receiver, tr)
+
+
+def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.device,
+                 live: failures.Liveness, model_path: str, procs: M.Processors) -> R.Engine | None:
+    """A generation rank's engine (None elsewhere); then every rank waits until every engine has
+    started, for `rollout.start_timeout_s`: vLLM's start-up outlasts any collective timeout."""
+    engine = None
+    if world.is_gen:
+        live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
+        failures.inject_start(cfg.cluster.timeout_s)
+        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
+                                local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
+                                timeout_s=cfg.cluster.timeout_s)
+    live.phase(None, "start: waiting for every engine to start")
+    failures.start_barrier(world.ctrl, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
+    live.phase(None, "start-up")
+    return engine
 
 
 def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
@@ -450,7 +466,8 @@ def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder |
     return metrics
 
 
-def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint: str) -> int:
+def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+                        checkpoint: str) -> int:
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
@@ -460,13 +477,9 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     D.manual_seed_all(cfg.run.seed)
     procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
-    engine = scorer = None
-    if world.is_gen:
-        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
-                                device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
-        scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
-                                      cfg.reward.max_consecutive_timeouts)
+    engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs)
+    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
+                                   cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
     m, eps = E.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                         seed=cfg.run.seed * 7919 + max(step, 0))

@@ -75,6 +75,31 @@ def test_consecutive_nans_stop_the_run(tmp_path):
     assert len(metrics(tmp_path)) == 2
 
 
+@pytest.mark.slow
+def test_engine_start_up_has_its_own_deadline_apart_from_the_collective_timeout(tmp_path):
+    """An engine that takes 1.5 x cluster.timeout_s to start (vLLM profiling and compiling on a
+    loaded machine): the job waits for it under rollout.start_timeout_s and trains; with a
+    start-up deadline shorter than that, one line names it and the rank still starting."""
+    def two_ranks(out, *extra):
+        e = dict(env(), GRPO_FAULT="slow_engine_start:1")
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", str(ROOT / "train.py"), *TINY,
+                               f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
+                               "--cluster.timeout_s=10", *extra],
+                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    p = two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "a")] == [0, 1]
+    p = two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")
+    assert p.returncode != 0
+    line = _ours(p.stderr)[0]
+    assert line.startswith("error: rank 0 (trainer) failed during start: waiting for every engine to "
+                           "start: RuntimeError: start-up timed out: not every rank was ready within "
+                           "rollout.start_timeout_s = 3 s; no rank died; rank 1 (generation) is "
+                           "stuck in 'start: starting the hf engine'"), p.stderr[-3000:]
+    assert "?" not in line
+
+
 def _ours(stderr: str) -> list[str]:
     """The lines our ranks print (torchrun's own log lines and summary left out)."""
     return [ln for ln in stderr.splitlines() if ln.startswith(("error:", "config error:", "warning:"))]
@@ -217,6 +242,23 @@ def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert (p.returncode, err) == (130, "error: rank 0 stopped by SIGINT during start-up\n")
+
+
+def test_a_rank_without_a_phase_yet_is_shown_in_start_up_never_as_a_question_mark():
+    """The diagnosis of a rank that has posted no phase (it is still importing, or its engine
+    is starting before its first phase) says 'start-up'; it used to print '?'."""
+    import torch.distributed as dist
+    import failures
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        live = failures.Liveness(0, ["trainer", "generation"])   # rank 1 never arrives
+        live.INTERVAL = 0.05
+        d = live.diagnose()
+        live.close()
+    finally:
+        dist.destroy_process_group()
+    assert d.dead == [1] and "?" not in d.line
+    assert d.line.endswith("last phases: 0:start-up | 1:start-up"), d.line
 
 
 @rewards.register("_test_raises")
