@@ -146,16 +146,6 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
 
 
 # ----------------------------------------------------------------------------- set-up
-@dataclass
-class Progress:
-    """What a checkpoint must carry beyond the weights (the data position is the step)."""
-    step: int = 0
-    version: int = 0           # weight version the engines hold
-    skipped_in_row: int = 0    # consecutive non-finite steps
-    skipped_total: float = 0.0
-    resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
-
-
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
     own = R.engine_class(cfg.rollout.engine).OWN_CHANNEL
@@ -184,24 +174,6 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
             prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.image))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise C.ConfigError(str(e)) from None
-
-
-def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None) -> dict:
-    """Where the run starts, before anything is built: the newest intact checkpoint (or
-    `--resume`; checkpoint.pick), its config compared with this one (checkpoint.resume_plan,
-    rank 0), every rank learns it. A refused resume is a config error on every rank."""
-    picked = ckpt.pick(out_dir, resume, ctrl=world.ctrl, train_group=world.train_group,
-                       is_root=world.is_root, is_trainer=world.is_trainer)
-    plan = [ckpt.resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None]
-    dist.broadcast_object_list(plan, 0, group=world.ctrl)
-    if plan[0]["error"]:
-        raise C.ConfigError(plan[0]["error"])
-    m = plan[0].pop("meta")
-    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
-                                    plan[0]["path"]) if m else Progress())
-    if m and world.is_root and not plan[0]["finished"]:
-        ckpt.abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
-    return plan[0]
 
 
 def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict) -> None:
@@ -283,11 +255,11 @@ def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.dev
 
 
 def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
-          resume: str | None, sources: str) -> tuple[Setup, Progress, tracking.Recorder | None] | None:
+          resume: str | None, sources: str) -> tuple[Setup, ckpt.Progress, tracking.Recorder | None] | None:
     """Everything before the first step: where the run starts, the records, the models and
     engines, the resumed state, the start-up summary. None when the run is already finished."""
     out_dir = Path(cfg.run.out_dir)
-    plan = plan_resume(cfg, world, out_dir, resume)
+    plan = ckpt.plan(cfg, world, out_dir, resume)
     progress = plan["progress"]
     if plan["finished"]:
         if world.is_root:
@@ -357,7 +329,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
             metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
         if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
             rec.step(metrics, episodes)
-        save_checkpoint(cfg, world, s, dev, out_dir, progress)
+        ckpt.save_progress(cfg, world, s.trainer, s.procs, dev, out_dir, progress)
         if too_many_skipped(cfg, world, progress):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
@@ -396,7 +368,7 @@ def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode],
 
 
 def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episode],
-                progress: Progress, step: int) -> dict[str, float]:
+                progress: ckpt.Progress, step: int) -> dict[str, float]:
     """One optimizer step on the trainer ranks; counts non-finite (skipped) steps."""
     out: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -412,7 +384,7 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     return out
 
 
-def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> dict[str, float]:
+def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
     """Send the new weights to every engine (version + 1) and, if asked, verify them bitwise."""
     tr = s.trainer
     out = {"sync/bytes": 0.0}
@@ -427,25 +399,7 @@ def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> d
     return out
 
 
-def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_dir: Path,
-                    progress: Progress) -> None:
-    """Every `run.save_every` steps and at the end (collective over the trainer ranks)."""
-    r, done, tr, procs = cfg.run, progress.step, s.trainer, s.procs
-    due = (r.save_every and done % r.save_every == 0) or done == r.steps
-    if r.keep_last <= 0 or not due or tr is None:
-        return
-    ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr.policy, opt=tr.opt,
-              sched=tr.sched, rng=D.rng_state(dev),
-              meta={"step": done, "version": progress.version,
-                    "skipped_in_row": progress.skipped_in_row,
-                    "skipped_total": progress.skipped_total,
-                    "config": C.to_dict(cfg), "world_size": world.size},
-              tokenizer=procs.tokenizer, image_processor=procs.image_processor,
-              dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
-              is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
-
-
-def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
+def too_many_skipped(cfg: C.Config, world: W.World, progress: ckpt.Progress) -> bool:
     """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row."""
     stop = torch.tensor([progress.skipped_in_row >= cfg.train.max_skipped_steps], dtype=torch.int64)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world.ctrl)
