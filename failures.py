@@ -14,6 +14,10 @@
   and then the line names that failure instead.
 - :func:`exit_bad_input`: a config or start-up error that every rank finds alike: printed once
   (rank 0), exit code 2 on every rank.
+- :func:`world_failed`: the world's set-up failed (an unreachable master), before any of the
+  above exists: one line naming the address, the port and the timeout, exit code 4.
+- :func:`start_barrier`: every rank waits for the engines' start-up under a deadline of its own
+  (`rollout.start_timeout_s`), not under the collective timeout.
 - :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
   ``GRPO_FAULT=<point>[@<step>][:<rank>]`` is set.
 """
