@@ -41,6 +41,7 @@ import socket
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -140,6 +141,36 @@ def _unwritable(d: Path, e: OSError) -> str:
 
 
 # ----------------------------------------------------------------------------- saving
+@dataclass
+class Progress:
+    """What a checkpoint must carry beyond the weights (the data position is the step)."""
+    step: int = 0
+    version: int = 0           # weight version the engines hold
+    skipped_in_row: int = 0    # consecutive non-finite steps
+    skipped_total: float = 0.0
+    resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
+
+
+def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
+                  progress: Progress) -> None:
+    """The training loop's save: every `run.save_every` steps and at the end, trainer `tr`'s
+    state at `progress` (collective over the trainer ranks; a no-op elsewhere); `source` is the
+    model folder the run started from (its generation config goes into the export)."""
+    import config as C
+    import device as D
+    r, done = cfg.run, progress.step
+    due = (r.save_every and done % r.save_every == 0) or done == r.steps
+    if r.keep_last <= 0 or not due or tr is None:
+        return
+    save(root(out_dir) / f"step_{done:06d}", policy=tr.policy, opt=tr.opt, sched=tr.sched,
+         rng=D.rng_state(dev),
+         meta={"step": done, "version": progress.version, "skipped_in_row": progress.skipped_in_row,
+               "skipped_total": progress.skipped_total, "config": C.to_dict(cfg),
+               "world_size": world.size},
+         procs=procs, source=source, dtype=getattr(torch, cfg.model.dtype), train_group=world.train_group,
+         is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
+
+
 def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, source: str,
          dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
          protect: str | Path | None = None) -> None:
@@ -160,6 +191,8 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, 
         if path_final.exists():  # never on a normal run (the branch was cleared at resume)
             _move_aside(path_final.parent, [path_final])
         tmp.rename(path_final)  # the commit point
+        if fault_active("checkpoint_after_rename", meta["step"]):  # tests: die right after it
+            os.kill(os.getpid(), signal.SIGKILL)
         keep = Path(protect).resolve() if protect else None
         for old in complete(path_final.parent.parent)[:-keep_last]:
             if old.resolve() != keep:
@@ -262,11 +295,12 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
     the one line naming every difference. Optimizer keys (config.OPTIMIZER_KEYS) may change;
     they are listed in "optimizer_changes" (the trainer applies them after the restore), with
-    run.steps when a decaying schedule is stretched or shortened by it.
+    run.steps when a decaying schedule is stretched or shortened by it. Every other key that
+    differs is in "other_changes" (the start-up summary lists them in one line).
     """
     import config as C
     plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
-            "optimizer_changes": [], "error": None}
+            "optimizer_changes": [], "other_changes": [], "error": None}
     if picked is None:
         return plan
     path, meta = picked
@@ -277,14 +311,37 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
         changes.append(("the rank split (trainers of ranks)", f"{saved[0]} of {saved[1]}",
                         f"{n_trainers} of {world_size}"))
     schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
+    listed = set(C.MEANING_KEYS + schedule)
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),
+                other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys()
+                                                             if k not in listed)),
                 meta={k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total")})
     if changes and not cfg.run.allow_config_change:
         plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
                          + " would change what the run means; set --run.allow_config_change=true "
                          "to resume anyway, or use another run.out_dir")
     return plan
+
+def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
+    """Where the run starts, before anything is built: the newest intact checkpoint (or `named`,
+    `--resume`; :func:`pick`), its config compared with this one (:func:`resume_plan`, rank 0),
+    every rank learns it, with its :class:`Progress` under "progress". A refused resume is a
+    config error on every rank. Collective over the world."""
+    import config as C
+    picked = pick(out_dir, named, ctrl=world.ctrl, train_group=world.train_group,
+                  is_root=world.is_root, is_trainer=world.is_trainer)
+    p = _bcast(resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None,
+               world.ctrl)
+    if p["error"]:
+        raise C.ConfigError(p["error"])
+    m = p.pop("meta")
+    p["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
+                              p["path"]) if m else Progress())
+    if m and world.is_root and not p["finished"]:
+        abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
+    return p
+
 
 def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
          is_trainer: bool) -> tuple[Path, dict] | None:

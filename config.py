@@ -130,6 +130,9 @@ class RolloutConfig:
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
+    # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
+    # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
+    start_timeout_s: float = num(900.0, "> 0")
     # DAPO dynamic sampling (with loss.drop_zero_variance): while a generation rank has fewer than
     # its share of groups with non-zero reward variance, it draws another share of prompts from a
     # seeded stream (seed, step, round, rank), at most this many extra rounds; zero-variance groups
@@ -265,6 +268,11 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"--config: no such file {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config: {path} is a folder, not a TOML file") from None
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or not text at all
+            raise ConfigError(f"--config: cannot read {path} "
+                              f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for section, table in data.items():
@@ -436,11 +444,15 @@ def _toml_value(v: Any) -> str:
 # ----------------------------------------------------------------------------- resume checks
 # Keys that change what a run means: resuming a checkpoint with other values would silently
 # continue a different experiment, so they stop the run unless run.allow_config_change is set.
+# (reward.functions: what reward/mean measures; train.mini_batches, train.ppo_epochs and
+# loss.kl_coef: what one step's update and the loss are.) Every other changed key is listed in
+# one line at resume (checkpoint.resume_plan "other_changes").
 MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
                 "data.system_prompt", "data.enable_thinking",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
-                "loss.advantage", "loss.aggregation", "cluster.gen_ranks")
+                "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
+                "train.ppo_epochs", "reward.functions", "loss.kl_coef")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
 # schedule (and says so).
 OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2",
@@ -450,6 +462,11 @@ OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2"
 def lookup(tree: dict, dotted: str, default: Any = None) -> Any:
     section, key = dotted.split(".", 1)
     return tree.get(section, {}).get(key, default)
+
+
+def all_keys() -> tuple[str, ...]:
+    """Every `section.key` of the config tree."""
+    return tuple(f"{s}.{k}" for s, table in to_dict(Config()).items() for k in table)
 
 
 def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

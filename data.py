@@ -273,7 +273,11 @@ def load_split(
         files = _split_files(root, split)
         rows = (_read_jsonl(files[0], columns) if files[0].suffix == ".jsonl"
                 else _read_parquet(files, columns))
-        return skip_bad_rows(rows)
+        kept, skipped = skip_bad_rows(rows)
+        if not kept and not skipped:  # not a max_prompt_len matter: there is nothing to read
+            raise ValueError(f"data.source: {' + '.join(map(str, files))} is empty (no rows in "
+                             f"split {split!r})")
+        return kept, skipped
     problem = source_problem(source)
     if problem:
         raise ValueError(f"data.source: {problem}")
@@ -281,6 +285,10 @@ def load_split(
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# First components that name a local folder, not a hub owner: `data/g3k` typed in another
+# working directory is a folder that is missing there, not a dataset to download.
+_LOCAL_FIRST = {"data", "dataset", "datasets", "runs", "out", "output", "outputs", "tmp", "home",
+                "mnt", "scratch", "work", "local", "shared"}
 
 
 def source_problem(source: str) -> str | None:
@@ -288,14 +296,17 @@ def source_problem(source: str) -> str | None:
 
     A hub id is `owner/name`. Anything else that is not an existing folder is a path that does
     not exist: a relative path too (`data/g3k` whose `data/` exists here, `g3k`, `a/b/c`), which
-    would otherwise be sent to the hub and fail there with a message about repo ids."""
+    would otherwise be sent to the hub and fail there with a message about repo ids; so is an
+    `owner/name` that looks like a path (`data/g3k`, `runs/x`: see _LOCAL_FIRST; `x/train.jsonl`)."""
     if source in SYNTHETIC or Path(source).expanduser().is_dir():
         return None
     path = Path(source).expanduser()
     if path.exists():
         return f"{source} is not a dataset folder"
+    first = source.split("/")[0]
     if (source.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(source)
-            or Path(source.split("/")[0]).is_dir()):
+            or Path(first).is_dir() or first.lower() in _LOCAL_FIRST
+            or source.endswith((".jsonl", ".json", ".parquet"))):
         where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
         return (f"{source} is not a dataset folder: no such folder{where}; a source is "
                 "\"synthetic\", a local folder, or a hub dataset id owner/name")
@@ -312,8 +323,10 @@ def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image
                                image_size=image_size, columns=columns)
     rows, more = skip_bad_rows(rows, is_too_long=lambda p: prompt_len(p) > max_prompt_len)
     if not rows:
+        long = sum(why == "too long" for _, why in more)
         raise ValueError(f"data.source: no usable rows in split {split!r} of {source} "
-                         f"({len(skipped) + len(more)} skipped; see data.max_prompt_len)")
+                         f"({len(skipped) + len(more)} skipped: {len(skipped) + len(more) - long} "
+                         f"bad rows, {long} prompts longer than data.max_prompt_len)")
     return rows, len(skipped) + len(more)
 
 

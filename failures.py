@@ -14,6 +14,10 @@
   and then the line names that failure instead.
 - :func:`exit_bad_input`: a config or start-up error that every rank finds alike: printed once
   (rank 0), exit code 2 on every rank.
+- :func:`world_failed`: the world's set-up failed (an unreachable master), before any of the
+  above exists: one line naming the address, the port and the timeout, exit code 4.
+- :func:`start_barrier`: every rank waits for the engines' start-up under a deadline of its own
+  (`rollout.start_timeout_s`), not under the collective timeout.
 - :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
   ``GRPO_FAULT=<point>[@<step>][:<rank>]`` is set.
 """
@@ -67,6 +71,26 @@ def fault_active(point: str, step: int | None = None) -> bool:
     return not rank or int(rank) == int(os.environ.get("RANK", 0))
 
 
+def inject_start(timeout_s: float) -> None:
+    """Tests: an engine slower to start than the collective timeout `timeout_s` (1.5 times it)."""
+    if fault_active("slow_engine_start"):
+        time.sleep(1.5 * timeout_s)
+
+
+def start_barrier(group, timeout_s: float, key: str) -> None:
+    """Every rank of `group` meets here within `timeout_s` (config `key`), a deadline of its own:
+    the engines' start-up takes longer than any collective should (cluster.timeout_s). Past it,
+    a RuntimeError saying so (the diagnosis then names the rank still starting)."""
+    import torch.distributed as dist
+    try:
+        dist.barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise RuntimeError(f"start-up timed out: not every rank was ready within {key} = "
+                           f"{timeout_s:g} s") from e
+
+
 def inject(step: int, live: "Liveness") -> None:
     """Tests: a rank killed mid-run (`die`), alive but stuck (`hang`), or raising its own
     error (`raise`) at `step`."""
@@ -110,6 +134,7 @@ class Liveness:
         self.role = roles[rank]
         self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.where: tuple[int | None, str] = (None, "start-up")
+        self.phase(None, "start-up")  # a rank is never shown without a phase
         self._stop = threading.Event()
         self.failing = False
         # The first of {this rank's failure report, a signal stop} prints; the other waits for
@@ -175,8 +200,8 @@ class Liveness:
             ended = {r for r in others if has(f"exit/{r}")} | set(failed)
             signalled = {r: self.store.get(f"{self.ns}/signal/{r}").decode()
                          for r in others if has(f"signal/{r}")}
-            phases = [self.store.get(f"{self.ns}/phase/{r}").decode() if has(f"phase/{r}") else "?"
-                      for r in range(self.world)]
+            phases = [self.store.get(f"{self.ns}/phase/{r}").decode() if has(f"phase/{r}")
+                      else "start-up" for r in range(self.world)]  # not even Liveness built yet
         except Exception as e:  # noqa: BLE001
             return Diagnosis(line=f"could not diagnose ({type(e).__name__}: the launcher's store "
                                   "is gone)")
@@ -336,6 +361,23 @@ def exit_bad_input(e: C.ConfigError) -> int:
         except Exception:  # noqa: BLE001 - a rank that never arrives: exit anyway
             pass
     os._exit(2)
+
+
+def world_failed(e: BaseException, timeout_s: float) -> int:
+    """Setting up the world (torch.distributed over MASTER_ADDR:MASTER_PORT) failed, before any
+    failure handling exists: ONE line naming this rank, the address, the port and the timeout;
+    exit code 4. An unreachable master or a timeout is torch.distributed's own error (no
+    traceback: the line says it all); any other error prints its traceback first."""
+    import torch.distributed as dist
+    env = os.environ
+    network = isinstance(e, getattr(dist, "DistError", ())) or is_communication_error(e)
+    if not network:
+        traceback.print_exc()
+    hint = "; is rank 0's node up, and MASTER_PORT open to this one?" if network else ""
+    say(f"error: rank {env.get('RANK', '0')} could not set up the world (MASTER_ADDR="
+        f"{env.get('MASTER_ADDR', '?')}, MASTER_PORT={env.get('MASTER_PORT', '?')}, "
+        f"cluster.timeout_s = {timeout_s:g} s): {one_line(e).rstrip('.')}{hint}")
+    return 4
 
 
 def guarded(live: Liveness, job: Callable[[], int]) -> int:

@@ -309,6 +309,21 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
     return procs
 
 
+def processors(path: str, mc, dc) -> Processors:
+    """:func:`load_processors` with the run's pixel bounds (`[model]` mc) and prompt settings
+    (`[data]` dc), refusing a dataset with images for a text-only model (ModelError)."""
+    procs = load_processors(path, mc.min_pixels, mc.max_pixels, dc.system_prompt,
+                            dc.enable_thinking)
+    import data
+    if not procs.vision and (dc.source == "synthetic" or (dc.images_column and
+                                                          dc.source not in data.SYNTHETIC)):
+        raise ModelError(f"model.path={mc.path} is a text-only model: the dataset's images have "
+                         "nowhere to go; use a text-only set (data.images_column = \"\", or "
+                         f"data.source = \"synthetic-text\"), got data.source={dc.source!r}, "
+                         f"data.images_column={dc.images_column!r}")
+    return procs
+
+
 def _stops(path: str, tokenizer) -> list[int]:
     """The ids that end a response: the generation config's eos ids, else the tokenizer's eos."""
     from transformers import GenerationConfig

@@ -25,9 +25,12 @@ is refused at start rather than left to a login prompt that would hang a torchru
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -117,10 +120,7 @@ class Recorder:
 
     def __init__(self, out_dir: Path, n_samples: int, start: int, total: int, trackers: Trackers):
         self.out_dir, self.n_samples, self.total, self.trackers = Path(out_dir), n_samples, total, trackers
-        # A resumed run drops what a crashed run logged after its last checkpoint.
-        _truncate(self.out_dir / "metrics.jsonl", lambda r: r["step"] < start)
-        _truncate(self.out_dir / "samples.jsonl", lambda r: r["step"] < start)
-        _truncate(self.out_dir / "eval.jsonl", lambda r: "checkpoint" in r or r.get("after", 0) <= start)
+        resume_records(self.out_dir, start)  # what a stopped run logged of the steps it redoes
         self.metrics = open(self.out_dir / "metrics.jsonl", "a")
         self.samples = open(self.out_dir / "samples.jsonl", "a")
         self.t_last = time.perf_counter()
@@ -133,7 +133,8 @@ class Recorder:
         that cannot start stops the run here, before anything is built), the run's files."""
         import config as C
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.toml").write_text(C.dump_toml(cfg))
+        with _writing(out_dir / "config.toml"):
+            (out_dir / "config.toml").write_text(C.dump_toml(cfg))
         trackers = Trackers.open(cfg.run.report_to, out_dir, C.to_dict(cfg),
                                  run_name=out_dir.resolve().name, start_step=start)
         return cls(out_dir, cfg.run.log_samples, start, cfg.run.steps, trackers)
@@ -144,21 +145,25 @@ class Recorder:
 
     def step(self, m: dict, episodes: list) -> None:
         """One step: its metrics and samples to the files and trackers, one console line."""
-        self.metrics.write(json.dumps(m) + "\n")
-        self.metrics.flush()
+        with _writing(self.out_dir / "metrics.jsonl"):
+            self.metrics.write(json.dumps(m) + "\n")
+            self.metrics.flush()
         chosen = episodes if self.n_samples < 0 else episodes[:self.n_samples]
         rows = [{"index": e.index, "group": e.group, "version": e.version, "reward": e.reward,
                  "parts": e.parts, "length": len(e.response_ids), "truncated": e.truncated,
                  "response": e.text} for e in chosen]
-        for r in rows:
-            self.samples.write(json.dumps({"step": m["step"], **r}) + "\n")
-        self.samples.flush()
+        with _writing(self.out_dir / "samples.jsonl"):
+            for r in rows:
+                self.samples.write(json.dumps({"step": m["step"], **r}) + "\n")
+            self.samples.flush()
         self.trackers.log(m, m["step"])
         self.trackers.log_samples(m["step"], rows[:8] if self.n_samples < 0 else rows)
         now = time.perf_counter()
         self.step_times.append(now - self.t_last)
         self.t_last = now
         print(self.line(m), flush=True)
+        if m.get("train/dropped_groups", 0) > 0:  # DAPO's refill bound hit: said every such step
+            print(dropped_note(m, len({e.group for e in episodes})), file=sys.stderr, flush=True)
 
     def line(self, m: dict) -> str:
         """The console line of one step."""
@@ -205,6 +210,17 @@ class Recorder:
         self.samples.close()
 
 
+def dropped_note(m: dict, n_groups: int) -> str:
+    """The line of a step whose groups with equal rewards (no learning signal) reached the update:
+    DAPO's refill ran out of rounds (`rollout.max_refill_rounds`)."""
+    d = int(m["train/dropped_groups"])
+    return (f"warning: step {m['step'] + 1}: {d} of {n_groups} groups have equal rewards after "
+            f"{int(m.get('rollout/refill_rounds', 0))} refill round(s) "
+            f"({int(m.get('rollout/prompts_drawn', 0))} prompts drawn; rollout.max_refill_rounds): "
+            "masked out of the update" + ("; every group is: this step's update is a no-op "
+                                          "(loss 0, gradient norm 0)" if d >= n_groups else ""))
+
+
 def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problems: int,
                     n_skipped: int, n_eval: int, plan: dict, sources: str) -> str:
     """Who does what, on what, with which data and config, and where the run starts."""
@@ -230,6 +246,10 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
                  f"steps {p.step} -> {cfg.run.steps} ==" if plan["path"] else
                  f"== fresh start: steps 0 -> {cfg.run.steps}, {cfg.rollout.prompts_per_step} "
                  f"prompts x {cfg.rollout.group_size} samples per step")
+    changed = plan.get("other_changes", []) + (plan.get("meaning_changes", []) if plan["path"] else [])
+    if changed:  # the meaning changes are here only when run.allow_config_change let them pass
+        lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"
+                                                                    for k, a, b in changed))
     return "\n".join(lines)
 
 
@@ -241,24 +261,88 @@ def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, row
     folder = Path(out_dir) / "eval"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (f"{Path(checkpoint).name}.eval-only.jsonl" if checkpoint else f"step_{after:06d}.jsonl")
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with open(Path(out_dir) / "eval.jsonl", "a") as f:
+    with _writing(path):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with _writing(Path(out_dir) / "eval.jsonl"), open(Path(out_dir) / "eval.jsonl", "a") as f:
         f.write(json.dumps({"after": after, "weight_version": version, **metrics,
                             **({"checkpoint": str(checkpoint)} if checkpoint else {})}) + "\n")
     return path
 
 
-def _truncate(path: Path, keep) -> None:
-    """Keep the rows of `path` (JSON lines) for which `keep(row)` holds; the others (what a run
-    logged after the checkpoint it is resumed from) move to `<name>.abandoned.jsonl`: nothing is
-    lost, as the abandoned checkpoints are moved aside, not deleted."""
-    if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        kept = [ln for ln in lines if keep(json.loads(ln))]
-        if len(kept) < len(lines):
-            with open(path.with_name(path.stem + ".abandoned.jsonl"), "a") as f:
-                f.writelines(ln + "\n" for ln in lines if not keep(json.loads(ln)))
-            path.write_text("".join(ln + "\n" for ln in kept))
+RECORDS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+
+
+def _kept(name: str, row: dict, start: int) -> bool:
+    """Whether a row stays when the run resumes at step `start`. A step's rows are written before
+    its checkpoint is committed (train.py), so the rows of the steps before `start` are the ones
+    the checkpoint covers; the evaluation `after` k optimizer steps ran in step k - 1 (k = 0:
+    before the first step, run again by a fresh start); `--eval-only` rows always stay."""
+    if name == "eval.jsonl":
+        return "checkpoint" in row or row["after"] < start or row["after"] == start > 0
+    return row["step"] < start
+
+
+def resume_records(out_dir: Path, start: int) -> None:
+    """A run starting at step `start` keeps exactly the rows of the steps before it in every
+    record file; the other rows (a stopped run's steps that this one does again) move to
+    `<name>.abandoned.jsonl`: nothing is lost. A last line cut off mid-write (a full disk, a
+    kill) is dropped, said in one line naming the file. Every file is read and checked before
+    anything is moved: a line that is no record of this run stops the start (:class:`Fatal`,
+    naming the file and line) with every file as it was."""
+    from failures import Fatal  # here: importing tracking loads no torch
+    plans = []
+    for name in RECORDS:
+        path = out_dir / name
+        if not path.exists():
+            continue
+        lines = [ln for ln in path.read_text(errors="replace").split("\n") if ln.strip()]
+        rows, torn = [], None
+        for n, ln in enumerate(lines, 1):
+            try:
+                rows.append((ln, _kept(name, json.loads(ln), start)))
+            except json.JSONDecodeError as e:
+                if n < len(lines):
+                    raise Fatal(f"{path}:{n}: not JSON ({e.msg}); only a last line cut off "
+                                "mid-write is dropped by itself: repair or move the file") from None
+                torn = ln
+            except (KeyError, TypeError):
+                raise Fatal(f"{path}:{n}: not a record of this run (no "
+                            f"{'after' if name == 'eval.jsonl' else 'step'} field): repair or "
+                            "move the file") from None
+        plans.append((path, rows, torn))
+    for path, rows, torn in plans:
+        if torn is not None:
+            print(f"warning: {path}: its last line was cut off mid-write ({len(torn)} bytes, not "
+                  "JSON; a full disk or a kill while writing): dropped", file=sys.stderr, flush=True)
+        gone = [ln for ln, keep in rows if not keep]
+        if gone:
+            abandoned = path.with_name(path.stem + ".abandoned.jsonl")
+            with _writing(abandoned), open(abandoned, "a") as f:
+                f.writelines(ln + "\n" for ln in gone)
+        if gone or torn is not None:  # the file itself last, replaced whole (never half written)
+            tmp = path.with_name(path.name + ".tmp")
+            with _writing(path):
+                tmp.write_text("".join(ln + "\n" for ln, keep in rows if keep))
+                os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """An OSError while writing `path` (a full disk) stops the run with one line naming the file
+    and its folder (:class:`failures.Fatal`; rank 0 writes the records)."""
+    try:
+        yield
+    except OSError as e:
+        from failures import Fatal
+        why = e.strerror or str(e)
+        if e.errno == errno.ENOSPC:
+            try:
+                free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+            except OSError:
+                free = "free space unknown"
+            why = f"No space left on device ({path.parent}: {free})"
+        raise Fatal(f"cannot write {path}: {why}; free space or fix the folder, then restart: "
+                    "the run resumes from its last checkpoint") from e
 
 
 def _duration(seconds: float) -> str:

@@ -28,8 +28,19 @@ vllm_engine.py, the weight transport in sync.py, failure handling in failures.py
 """
 from __future__ import annotations
 
-import json
+import os
+import signal
 import sys
+
+if __name__ == "__main__":  # a stop while torch imports (seconds): one line, exit 128 + signal
+    def _stopped(signum, _frame):  # until failures.on_signals takes over
+        sys.stderr.write(f"error: rank {os.environ.get('RANK', '0')} stopped by "
+                         f"{signal.Signals(signum).name} during start-up\n")
+        os._exit(128 + signum)
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _stopped)
+
+import json  # (the imports below come after those handlers: torch alone takes seconds)
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,27 +131,21 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
     C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
-    world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
+    try:
+        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
+    except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
+        return failures.world_failed(e, cfg.cluster.timeout_s)
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
-        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, eval_checkpoint))
+        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,
+                                                                  eval_checkpoint))
     return failures.guarded(live, lambda: train(cfg, world, dev, live, resume, sources))
 
 
 # ----------------------------------------------------------------------------- set-up
-@dataclass
-class Progress:
-    """What a checkpoint must carry beyond the weights (the data position is the step)."""
-    step: int = 0
-    version: int = 0           # weight version the engines hold
-    skipped_in_row: int = 0    # consecutive non-finite steps
-    skipped_total: float = 0.0
-    resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
-
-
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
     own = R.engine_class(cfg.rollout.engine).OWN_CHANNEL
@@ -158,6 +163,14 @@ def prepare_run_dir(cfg: C.Config, world: W.World, out_dir: Path) -> str:
     return M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
+def processors(cfg: C.Config, model_path: str) -> M.Processors:
+    """model.processors, a model setting that cannot work being a config error (every rank)."""
+    try:
+        return M.processors(model_path, cfg.model, cfg.data)
+    except M.ModelError as e:
+        raise C.ConfigError(str(e)) from None
+
+
 def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list, int]:
     """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
     d = cfg.data
@@ -169,24 +182,6 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
             prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise C.ConfigError(str(e)) from None
-
-
-def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None) -> dict:
-    """Where the run starts, before anything is built: the newest intact checkpoint (or
-    `--resume`; checkpoint.pick), its config compared with this one (checkpoint.resume_plan,
-    rank 0), every rank learns it. A refused resume is a config error on every rank."""
-    picked = ckpt.pick(out_dir, resume, ctrl=world.ctrl, train_group=world.train_group,
-                       is_root=world.is_root, is_trainer=world.is_trainer)
-    plan = [ckpt.resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None]
-    dist.broadcast_object_list(plan, 0, group=world.ctrl)
-    if plan[0]["error"]:
-        raise C.ConfigError(plan[0]["error"])
-    m = plan[0].pop("meta")
-    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
-                                    plan[0]["path"]) if m else Progress())
-    if m and world.is_root and not plan[0]["finished"]:
-        ckpt.abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
-    return plan[0]
 
 
 def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict) -> None:
@@ -233,15 +228,12 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    full = checked_model(world, model_path)  # rank 0: every weight there, or nothing is built
+    full = T.load_checked(world, model_path)  # rank 0: every weight there, or nothing is built
     if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
         print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
               "train.share_prompt falls back to one row per episode", flush=True)
-    engine = (R.build_engine(ro, cfg.model, model_path, procs, dev=dev, device=device,
-                             local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                             timeout_s=cfg.cluster.timeout_s,
-                             max_images=max((len(p.images) for p in problems + (eval_set or [])),
-                                            default=0)) if world.is_gen else None)
+    engine = start_engine(cfg, world, dev, device, live, model_path, procs,
+                          problems + (eval_set or []))
     channel = None
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
@@ -260,47 +252,32 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                  engine, scorer, eval_scorer, receiver, tr, model_path)
 
 
-def processors(cfg: C.Config, model_path: str) -> M.Processors:
-    """The tokenizer, token ids, image processor and chat template (the same on every rank); a
-    model or data setting that cannot work is a config error, before anything is built."""
-    d = cfg.data
-    try:
-        procs = M.load_processors(model_path, cfg.model.min_pixels, cfg.model.max_pixels,
-                                  d.system_prompt, d.enable_thinking)
-    except M.ModelError as e:
-        raise C.ConfigError(str(e)) from None
-    if not procs.vision and (d.source == "synthetic" or (d.images_column and d.source not in
-                                                         data.SYNTHETIC)):
-        raise C.ConfigError(f"model.path={cfg.model.path} is a text-only model: the dataset's images "
-                            f"have nowhere to go; use a text-only set (data.images_column = \"\", "
-                            f"or data.source = \"synthetic-text\"), got data.source={d.source!r}, "
-                            f"data.images_column={d.images_column!r}")
-    return procs
-
-
-def checked_model(world: W.World, model_path: str):
-    """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
-    keeps it for the trainers' shards; every rank learns the verdict, so a folder that does not
-    hold the model's weights stops the run with one line before anything is built."""
-    full, problem = None, None
-    if world.is_root:
-        try:
-            full = M.load_model(model_path, dtype=torch.float32)
-        except M.ModelError as e:
-            problem = str(e)
-    box = [problem]
-    dist.broadcast_object_list(box, 0, group=world.ctrl)
-    if box[0]:
-        raise C.ConfigError(box[0])
-    return full
+def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.device,
+                 live: failures.Liveness, model_path: str, procs: M.Processors,
+                 problems: list) -> R.Engine | None:
+    """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
+    holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
+    vLLM's start-up outlasts any collective timeout."""
+    engine = None
+    if world.is_gen:
+        live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
+        failures.inject_start(cfg.cluster.timeout_s)
+        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
+                                local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
+                                timeout_s=cfg.cluster.timeout_s,
+                                max_images=max((len(p.images) for p in problems), default=0))
+    live.phase(None, "start: waiting for every engine to start")
+    failures.start_barrier(world.ctrl, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
+    live.phase(None, "start-up")
+    return engine
 
 
 def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
-          resume: str | None, sources: str) -> tuple[Setup, Progress, tracking.Recorder | None] | None:
+          resume: str | None, sources: str) -> tuple[Setup, ckpt.Progress, tracking.Recorder | None] | None:
     """Everything before the first step: where the run starts, the records, the models and
     engines, the resumed state, the start-up summary. None when the run is already finished."""
     out_dir = Path(cfg.run.out_dir)
-    plan = plan_resume(cfg, world, out_dir, resume)
+    plan = ckpt.plan(cfg, world, out_dir, resume)
     progress = plan["progress"]
     if plan["finished"]:
         if world.is_root:
@@ -368,9 +345,9 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         if cfg.run.eval_every and (progress.step % cfg.run.eval_every == 0
                                    or progress.step == cfg.run.steps):
             metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
-        save_checkpoint(cfg, world, s, dev, out_dir, progress)
-        if rec:
+        if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
             rec.step(metrics, episodes)
+        ckpt.save_progress(cfg, world, s.trainer, s.procs, s.model_path, dev, out_dir, progress)
         if too_many_skipped(cfg, world, progress):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
@@ -409,7 +386,7 @@ def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode],
 
 
 def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episode],
-                progress: Progress, step: int) -> dict[str, float]:
+                progress: ckpt.Progress, step: int) -> dict[str, float]:
     """One optimizer step on the trainer ranks; counts non-finite (skipped) steps."""
     out: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -425,7 +402,7 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     return out
 
 
-def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> dict[str, float]:
+def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
     """Send the new weights to every engine (version + 1) and, if asked, verify them bitwise."""
     tr = s.trainer
     out = {"sync/bytes": 0.0}
@@ -440,25 +417,7 @@ def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> d
     return out
 
 
-def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_dir: Path,
-                    progress: Progress) -> None:
-    """Every `run.save_every` steps and at the end (collective over the trainer ranks)."""
-    r, done, tr, procs = cfg.run, progress.step, s.trainer, s.procs
-    due = (r.save_every and done % r.save_every == 0) or done == r.steps
-    if r.keep_last <= 0 or not due or tr is None:
-        return
-    ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr.policy, opt=tr.opt,
-              sched=tr.sched, rng=D.rng_state(dev),
-              meta={"step": done, "version": progress.version,
-                    "skipped_in_row": progress.skipped_in_row,
-                    "skipped_total": progress.skipped_total,
-                    "config": C.to_dict(cfg), "world_size": world.size},
-              procs=procs, source=s.model_path,
-              dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
-              is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
-
-
-def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
+def too_many_skipped(cfg: C.Config, world: W.World, progress: ckpt.Progress) -> bool:
     """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row."""
     stop = torch.tensor([progress.skipped_in_row >= cfg.train.max_skipped_steps], dtype=torch.int64)
     dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world.ctrl)
@@ -479,7 +438,8 @@ def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder |
     return metrics
 
 
-def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint: str) -> int:
+def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+                        checkpoint: str) -> int:
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
@@ -489,14 +449,10 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     D.manual_seed_all(cfg.run.seed)
     procs = processors(cfg, model_path)
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
-    engine = scorer = None
-    if world.is_gen:
-        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
-                                device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s,
-                                max_images=max((len(p.images) for p in eval_set), default=0))
-        scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
-                                      cfg.reward.max_consecutive_timeouts)
+    engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
+                          eval_set)
+    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
+                                   cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
     m, eps = E.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                         seed=cfg.run.seed * 7919 + max(step, 0))

@@ -82,6 +82,25 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     return Trainer(policy, ref, opt, sched, sender, device)
 
 
+def load_checked(world, model_path: str):
+    """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
+    keeps it for the trainers' shards (:func:`build`); every rank learns the verdict, so a folder
+    that does not hold the model's weights stops the run with one line (ConfigError) before
+    anything is built. Collective over `world.ctrl`."""
+    import config as C
+    full, problem = None, None
+    if world.is_root:
+        try:
+            full = M.load_model(model_path, dtype=torch.float32)
+        except M.ModelError as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, 0, group=world.ctrl)
+    if box[0]:
+        raise C.ConfigError(box[0])
+    return full
+
+
 def lr_factor(step: int, tc, total_steps: int) -> float:
     """The LR multiplier at optimizer step `step` (0-based): linear warm-up over
     `tc.warmup_steps` ((step + 1) / warmup), then `tc.lr_schedule`: "constant" 1; "linear" from 1

@@ -10,6 +10,7 @@ crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from pathlib import Path
@@ -183,8 +184,11 @@ class _VLLMProcessHook:
         return (_vllm_process_hook, ())
 
 
-def _prepare_spawn() -> None:
-    """Environment that vLLM's spawned processes inherit; set before vLLM starts them."""
+def _prepare_spawn(start_timeout_s: float | None = None) -> None:
+    """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
+    before this process imports vLLM's engine client, which reads its start-up deadline once)."""
+    if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
@@ -245,7 +249,7 @@ class VLLMEngine:
         `distributed_executor_backend`)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
-        _prepare_spawn()
+        _prepare_spawn(rollout_cfg.start_timeout_s)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 

@@ -16,7 +16,8 @@
 #   NPROC_PER_NODE  (8)
 #   CONFIG          (configs/vl3b.toml)
 #   GRPO_DEVICE     (cuda) cuda | npu
-#   RDZV_TIMEOUT    (600) seconds node 0 waits for the other nodes to join
+#   RDZV_TIMEOUT    (600) seconds node 0 waits for the other nodes to join, and another node
+#                   for node 0 to answer (then torchrun stops with an error naming the address)
 # Extra arguments are --section.key=value overrides (the same on every node!).
 # Tensor-parallel engines (rollout.tensor_parallel_size = T > 1): the engine node runs 8 / T
 # processes, e.g. T = 2: NODE_RANK=1 NPROC_PER_NODE=4 and --cluster.gen_ranks=4 on both nodes
@@ -56,6 +57,14 @@ fi
 args=(--config "$CONFIG" --cluster.nnodes="$NNODES" --cluster.nproc_per_node="$NPROC_PER_NODE" "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   exec "${PYTHON:-python3}" "$root/train.py" "${args[@]}" --dry-run
+fi
+# Say what this node waits for: until every node has joined, torchrun prints nothing.
+if [ "$NODE_RANK" = 0 ]; then
+  echo "multinode.sh: node 0 of $NNODES hosts the rendezvous on port $MASTER_PORT; waiting up to" \
+    "$RDZV_TIMEOUT s (RDZV_TIMEOUT) for the other $((NNODES - 1)) node(s) to join" >&2
+else
+  echo "multinode.sh: node $NODE_RANK of $NNODES joins the rendezvous at $MASTER_ADDR:$MASTER_PORT" \
+    "(node 0); waiting up to $RDZV_TIMEOUT s (RDZV_TIMEOUT) for it to answer" >&2
 fi
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --node_rank "$NODE_RANK" \
   --rdzv_backend static --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

@@ -47,11 +47,22 @@ def test_flag_without_a_value_is_one_line_exit_2(main, args, line):
     assert (code, err) == (2, line + "\n")
 
 
+def test_config_that_is_a_folder_or_not_text_is_one_line_exit_2(main, tmp_path):
+    code, err = main("--config", str(tmp_path), "--dry-run")
+    assert (code, err) == (2, f"config error: --config: {tmp_path} is a folder, not a TOML file\n")
+    (tmp_path / "x.toml").write_bytes(b"\xff\xfe[run]\n")
+    code, err = main("--config", str(tmp_path / "x.toml"), "--dry-run")
+    assert (code, err) == (2, f"config error: --config: cannot read {tmp_path / 'x.toml'} "
+                              "(UnicodeDecodeError)\n")
+
+
 @pytest.mark.parametrize("source", ["no_such_dataset", "tests/no_such_dataset", "a/b/c",
-                                    "./no_such_dataset"])
+                                    "./no_such_dataset", "data/nope", "datasets/g3k",
+                                    "mine/train.jsonl"])
 def test_relative_data_source_that_does_not_exist_is_named(main, monkeypatch, source):
-    """Not sent to the hub as a repo id: a bare name, a path under an existing local folder,
-    more than owner/name, or ./..."""
+    """Not sent to the hub as a repo id (which said `pip install datasets`): a bare name, a path
+    under an existing local folder, more than owner/name, ./..., an owner/name that looks like
+    a path (`data/nope` where no data/ exists, a file name)."""
     monkeypatch.chdir(ROOT)
     code, err = main(*TINY, "--dry-run", f"--data.source={source}")
     assert code == 2 and err.count("\n") == 1, err

@@ -63,6 +63,12 @@ def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     q = torchrun(3, [*ARGS, f"--run.out_dir={tmp_path}", "--run.steps=6"])
     assert "resumed from" in q.stdout and "step_000002" in q.stdout
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
+    # every record file holds every step once: steps 2-3, logged before step 4's checkpoint
+    # failed to commit, were moved aside and done again
+    assert _column(tmp_path, "samples.jsonl", "step") == [s for s in range(6) for _ in range(2)]
+    assert _column(tmp_path, "eval.jsonl", "after") == [2, 4, 6]
+    assert _column(tmp_path, "metrics.abandoned.jsonl", "step") == [2, 3]
+    assert _column(tmp_path, "eval.abandoned.jsonl", "after") == [4]
     # keep_last=2, and rotation never deletes the checkpoint the run resumed from
     assert sorted(x.name for x in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
@@ -126,6 +132,36 @@ def test_resume_from_an_older_checkpoint_owns_its_branch(tmp_path):
     assert sorted(x.name for x in aside.iterdir()) == ["step_000003", "step_000004"]
     assert sorted(x.name for x in ck.iterdir() if x != aside) == ["step_000002", "step_000004"]
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+def _column(out_dir, name: str, key: str) -> list:
+    return [json.loads(ln)[key] for ln in (out_dir / name).read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_kill_right_after_a_checkpoint_commit_and_a_torn_line_lose_no_record(tmp_path):
+    """kill -9 right after step 2's checkpoint is committed, then a last line of samples.jsonl
+    cut off mid-write (what a full disk leaves): the restart drops the torn line saying so, and
+    every step is in every record file exactly once (the step's records were written before
+    its checkpoint's commit; the loop used to write them after it, losing step 1 for good)."""
+    args = [f"--run.out_dir={tmp_path}", "--run.steps=4", "--run.save_every=1", "--run.keep_last=1",
+            "--run.eval_every=1", "--run.eval_size=2"]
+    p = _one(args, fault="checkpoint_after_rename@2")
+    assert p.returncode == -9, p.stderr[-3000:]
+    assert sorted(x.name for x in (tmp_path / "checkpoints").iterdir()) == ["step_000001",
+                                                                            "step_000002"]
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"step": 2, "index": 7, "gro')
+    q = _one(args)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert _ours(q.stderr) == [f"warning: {tmp_path / 'samples.jsonl'}: its last line was cut off "
+                               "mid-write (28 bytes, not JSON; a full disk or a kill while writing): "
+                               "dropped"]
+    assert "resumed from" in q.stdout and "step_000002 at step 2" in q.stdout
+    assert _column(tmp_path, "metrics.jsonl", "step") == [0, 1, 2, 3]
+    assert _column(tmp_path, "samples.jsonl", "step") == [0, 0, 1, 1, 2, 2, 3, 3]  # log_samples = 2
+    assert _column(tmp_path, "eval.jsonl", "after") == [1, 2, 3, 4]
+    assert not list(tmp_path.glob("*.abandoned.jsonl"))   # nothing after the checkpoint to move
 
 
 @pytest.mark.slow

@@ -226,6 +226,28 @@ def test_schema_errors_name_file_and_column(tmp_path):
         data.load_split(str(tmp_path / "missing"), "train")
 
 
+def test_empty_split_file_is_named_as_empty(tmp_path):
+    """Not "no usable rows ... see data.max_prompt_len": there is nothing to read at all."""
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(ValueError) as e:
+        data.load_split(str(tmp_path), "train")
+    assert str(e.value) == f"data.source: {tmp_path / 'train.jsonl'} is empty (no rows in split 'train')"
+    with pytest.raises(ValueError, match="train.jsonl is empty"):
+        data.load_problems(str(tmp_path), "train", seed=0, n_synthetic=1, image_size=28,
+                           prompt_len=len, max_prompt_len=10)
+
+
+def test_no_usable_rows_says_how_many_were_bad_and_how_many_too_long(tmp_path):
+    (tmp_path / "good.png").write_bytes(GOOD_PNG)
+    rows = [{"images": ["good.png"], "problem": "Find x.", "answer": "5"},
+            {"images": ["nowhere.png"], "problem": "Find x.", "answer": "5"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"no usable rows in split 'train' of .* \(2 skipped: 1 bad "
+                                         r"rows, 1 prompts longer than data.max_prompt_len\)"):
+        data.load_problems(str(tmp_path), "train", seed=0, n_synthetic=1, image_size=28,
+                           prompt_len=lambda p: 99, max_prompt_len=10)
+
+
 def test_parquet_schema_error(tmp_path):
     pa = pytest.importorskip("pyarrow", reason="pyarrow not installed; parquet layout untested here")
     import pyarrow.parquet as pq

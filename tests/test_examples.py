@@ -158,3 +158,23 @@ def test_launch_script_dry_run_for_real(script, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert '"groups"' in p.stdout and "torchrun" not in p.stderr
+
+
+@pytest.mark.slow
+def test_multinode_node_1_says_what_it_waits_for_and_gives_up_at_the_timeout(tmp_path):
+    """Node 1 with nothing at MASTER_ADDR:MASTER_PORT: one line says what it waits for and for
+    how long, and torchrun gives up after RDZV_TIMEOUT (it used to print nothing for minutes)."""
+    import time
+    from tests.util import free_port
+    port = free_port()
+    e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="1",
+             NPROC_PER_NODE="1", RDZV_TIMEOUT="3", GRPO_DEVICE="cpu", OMP_NUM_THREADS="1",
+             CONFIG=str(ROOT / "configs" / "tiny.toml"), HOME=str(tmp_path))
+    t0 = time.monotonic()
+    p = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and time.monotonic() - t0 < 60
+    assert p.stderr.splitlines()[0] == (f"multinode.sh: node 1 of 2 joins the rendezvous at "
+                                        f"127.0.0.1:{port} (node 0); waiting up to 3 s "
+                                        "(RDZV_TIMEOUT) for it to answer"), p.stderr[:2000]
+    assert f"timed out after 3000ms while trying to connect to (127.0.0.1, {port})" in p.stderr

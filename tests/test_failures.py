@@ -11,7 +11,7 @@ import time
 import pytest
 
 import rewards
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, env, free_port, metrics
 
 TIMEOUT = 20  # cluster.timeout_s in these tests
 
@@ -75,6 +75,31 @@ def test_consecutive_nans_stop_the_run(tmp_path):
     assert len(metrics(tmp_path)) == 2
 
 
+@pytest.mark.slow
+def test_engine_start_up_has_its_own_deadline_apart_from_the_collective_timeout(tmp_path):
+    """An engine that takes 1.5 x cluster.timeout_s to start (vLLM profiling and compiling on a
+    loaded machine): the job waits for it under rollout.start_timeout_s and trains; with a
+    start-up deadline shorter than that, one line names it and the rank still starting."""
+    def two_ranks(out, *extra):
+        e = dict(env(), GRPO_FAULT="slow_engine_start:1")
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", str(ROOT / "train.py"), *TINY,
+                               f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
+                               "--cluster.timeout_s=10", *extra],
+                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
+    p = two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "a")] == [0, 1]
+    p = two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")
+    assert p.returncode != 0
+    line = _ours(p.stderr)[0]
+    assert line.startswith("error: rank 0 (trainer) failed during start: waiting for every engine to "
+                           "start: RuntimeError: start-up timed out: not every rank was ready within "
+                           "rollout.start_timeout_s = 3 s; no rank died; rank 1 (generation) is "
+                           "stuck in 'start: starting the hf engine'"), p.stderr[-3000:]
+    assert "?" not in line
+
+
 def _ours(stderr: str) -> list[str]:
     """The lines our ranks print (torchrun's own log lines and summary left out)."""
     return [ln for ln in stderr.splitlines() if ln.startswith(("error:", "config error:", "warning:"))]
@@ -93,6 +118,25 @@ def test_bad_world_split_fails_before_any_group_work(tmp_path):
     assert _ours(p.stderr) == ["config error: cluster.gen_ranks=3 leaves no trainer rank in a world of 3"]
     assert _exit_codes(p.stderr) == [2, 2, 2], p.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_unreachable_master_is_one_line_naming_address_port_and_timeout(tmp_path):
+    """Launched without torchrun (env://, rank 1 of 2) while nothing listens at MASTER_PORT: the
+    world's set-up fails within cluster.timeout_s with one line, exit 4 (it used to run outside
+    the failure handling: a traceback, no error line)."""
+    port = free_port()
+    e = env()
+    e.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
+                        "--cluster.timeout_s=3"], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 4, p.stderr[-3000:]
+    [line] = _ours(p.stderr)
+    assert line.startswith(f"error: rank 1 could not set up the world (MASTER_ADDR=127.0.0.1, "
+                           f"MASTER_PORT={port}, cluster.timeout_s = 3 s): DistNetworkError: "), line
+    assert line.endswith("is rank 0's node up, and MASTER_PORT open to this one?")
+    assert "Traceback" not in p.stderr and p.stderr.rstrip().splitlines()[-1] == line
 
 
 @pytest.mark.slow
@@ -172,6 +216,49 @@ def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
     assert sorted(int(ln.split()[2]) for ln in ours) == [0, 1, 2]
     for word in ("died", "stuck", "KeyboardInterrupt", "Connection closed"):
         assert word not in err, word
+
+
+def _proc_has(pid: int, sig: int | None = None, lib: str | None = None) -> bool:
+    """Whether process `pid` catches `sig` (/proc SigCgt), or has mapped a library named `lib`."""
+    try:
+        if sig is not None:
+            cgt = next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigCgt:"))
+            return bool(int(cgt.split()[1], 16) >> (sig - 1) & 1)
+        return lib in open(f"/proc/{pid}/maps").read()
+    except (OSError, StopIteration):
+        return False
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
+    """SIGINT in the first moments (`import torch` takes seconds): the one documented line and
+    exit 130, not a KeyboardInterrupt traceback and exit -2. The signal is sent as soon as the
+    process catches SIGTERM (train.py's first handler) or has begun loading libtorch."""
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}"],
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (_proc_has(p.pid, sig=signal.SIGTERM) or _proc_has(p.pid, lib="libtorch")):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.001)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (130, "error: rank 0 stopped by SIGINT during start-up\n")
+
+
+def test_a_rank_without_a_phase_yet_is_shown_in_start_up_never_as_a_question_mark():
+    """The diagnosis of a rank that has posted no phase (it is still importing, or its engine
+    is starting before its first phase) says 'start-up'; it used to print '?'."""
+    import torch.distributed as dist
+    import failures
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        live = failures.Liveness(0, ["trainer", "generation"])   # rank 1 never arrives
+        live.INTERVAL = 0.05
+        d = live.diagnose()
+        live.close()
+    finally:
+        dist.destroy_process_group()
+    assert d.dead == [1] and "?" not in d.line
+    assert d.line.endswith("last phases: 0:start-up | 1:start-up"), d.line
 
 
 @rewards.register("_test_raises")

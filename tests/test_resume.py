@@ -288,3 +288,44 @@ def test_missing_resume_and_eval_checkpoint_folders_are_named(tmp_path, world):
     with pytest.raises(failures.StartError, match="--checkpoint: .* holds no model"):
         ckpt.claim_run_dir(run, w, eval_checkpoint=str(tmp_path))
     assert not (tmp_path / "run").exists()   # checked before the run folder is touched
+
+
+def _plan(old_overrides: list[str], new_overrides: list[str]) -> dict:
+    import config as C
+    old = C.load(str(Path(__file__).parents[1] / "configs" / "tiny.toml"), old_overrides)
+    meta = {"step": 2, "version": 2, "skipped_in_row": 0, "skipped_total": 0.0,
+            "config": C.to_dict(old), "world_size": 3, "trainers": 2}
+    new = C.load(str(Path(__file__).parents[1] / "configs" / "tiny.toml"), new_overrides)
+    return ckpt.resume_plan(new, (Path("runs/x/checkpoints/step_000002"), meta), 3, 2)
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("--train.mini_batches=2", "train.mini_batches 1 -> 2"),
+    ("--train.ppo_epochs=2", "train.ppo_epochs 1 -> 2"),
+    ("--loss.kl_coef=0.01", "loss.kl_coef 0.0 -> 0.01"),
+    ('--reward.functions=[{name="geometry", weight=2.0}]', "reward.functions [{"),
+])
+def test_resume_refuses_a_change_of_the_update_or_the_reward(override, shown):
+    """They change what a step's update, the loss or reward/mean mean: refused, named."""
+    plan = _plan([], [override])
+    assert plan["error"] and shown in plan["error"] and "run.allow_config_change" in plan["error"]
+    allowed = _plan([], [override, "--run.allow_config_change=true"])
+    assert allowed["error"] is None and allowed["meaning_changes"][0][0] == override[2:].split("=")[0]
+
+
+def test_every_other_changed_key_is_listed_in_one_line_at_resume():
+    import tracking
+    plan = _plan(["--run.steps=2"], ["--run.steps=4", "--rollout.temperature=0.7",
+                                     "--train.lr=1e-3", "--reward.timeout_s=9"])
+    assert plan["error"] is None
+    assert plan["other_changes"] == [("run.steps", 2, 4), ("rollout.temperature", 1.0, 0.7),
+                                     ("reward.timeout_s", 5.0, 9.0)]
+    assert plan["optimizer_changes"] == [("train.lr", 0.002, 0.001)]   # said by the restore
+    import config as C
+    cfg = C.load(str(Path(__file__).parents[1] / "configs" / "tiny.toml"), ["--run.steps=4"])
+    plan["progress"] = SimpleNamespace(step=2, version=2)
+    text = tracking.startup_summary(cfg, ["trainer", "trainer", "generation"], "cpu", 10, 8, 0, 0,
+                                    plan, "configs/tiny.toml")
+    [line] = [ln for ln in text.splitlines() if "changed since the checkpoint" in ln]
+    assert line == ("   changed since the checkpoint: run.steps 2 -> 4; rollout.temperature 1.0 -> "
+                    "0.7; reward.timeout_s 5.0 -> 9.0")

@@ -11,6 +11,7 @@ import re
 import struct
 import subprocess
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -293,3 +294,98 @@ def test_no_tracker_is_a_no_op_and_importing_loads_no_package(offline):
             "bad = {'torch', 'wandb', 'swanlab', 'tensorboard'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ----------------------------------------------------------------------------- the run's records
+def _records(out: Path, steps: int, evals: list[int]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n"
+                                               for s in range(steps)))
+    (out / "samples.jsonl").write_text("".join(json.dumps({"step": s, "index": i}) + "\n"
+                                               for s in range(steps) for i in range(2)))
+    (out / "eval.jsonl").write_text("".join(json.dumps({"after": a, "eval/accuracy": 0.5}) + "\n"
+                                            for a in evals))
+
+
+def _col(path: Path, key: str) -> list:
+    return [json.loads(ln)[key] for ln in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "eval.jsonl"])
+def test_resume_keeps_the_steps_before_it_and_drops_a_torn_last_line(tmp_path, capsys, name):
+    """Resuming at step 3: the rows of steps 0-2 stay (the evaluation after 3 steps ran in step
+    2), the later ones move aside; a last line cut off mid-write is dropped, naming its file."""
+    _records(tmp_path, 5, [0, 2, 3, 4])
+    with open(tmp_path / name, "a") as f:
+        f.write('{"step": 5, "ind')
+    T.resume_records(tmp_path, 3)
+    assert capsys.readouterr().err == (f"warning: {tmp_path / name}: its last line was cut off "
+                                       "mid-write (16 bytes, not JSON; a full disk or a kill while "
+                                       "writing): dropped\n")
+    assert _col(tmp_path / "metrics.jsonl", "step") == [0, 1, 2]
+    assert _col(tmp_path / "metrics.abandoned.jsonl", "step") == [3, 4]
+    assert _col(tmp_path / "samples.jsonl", "step") == [0, 0, 1, 1, 2, 2]
+    assert _col(tmp_path / "eval.jsonl", "after") == [0, 2, 3]
+    assert _col(tmp_path / "eval.abandoned.jsonl", "after") == [4]
+    assert not list(tmp_path.glob("*.tmp"))
+    T.resume_records(tmp_path, 3)                       # the same start again: nothing moves
+    assert _col(tmp_path / "metrics.abandoned.jsonl", "step") == [3, 4]
+
+
+def test_fresh_start_moves_every_row_aside_even_the_first_evaluation(tmp_path):
+    """A start at step 0 runs eval.before_start again: its row (after 0) moves aside too."""
+    _records(tmp_path, 2, [0, 1])
+    T.resume_records(tmp_path, 0)
+    assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "eval.jsonl").read_text() == ""
+    assert _col(tmp_path / "eval.abandoned.jsonl", "after") == [0, 1]
+
+
+def test_a_damaged_record_file_stops_the_start_before_anything_moves(tmp_path):
+    import failures
+    _records(tmp_path, 4, [1, 2])
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:9]                             # not the last line: not a torn write
+    (tmp_path / "samples.jsonl").write_text("\n".join(lines) + "\n")
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    with pytest.raises(failures.Fatal) as e:
+        T.resume_records(tmp_path, 1)
+    assert str(e.value).startswith(f"{tmp_path / 'samples.jsonl'}:3: not JSON (")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before   # metrics.jsonl too
+
+
+def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_path):
+    """/dev/full fails every write with ENOSPC, as a full file system does."""
+    import failures
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    rec = T.Recorder(tmp_path, 2, 0, 3, T.Trackers())
+    rec.samples.close()
+    rec.samples = open("/dev/full", "a")
+    m = {"step": 0, "weight_version": 0, "reward/mean": 0.5, "response_len/mean": 4.0,
+         "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
+    ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={}, response_ids=[1],
+                               truncated=False, text="x" * 10_000)   # more than the buffer holds
+    with pytest.raises(failures.Fatal) as e:
+        rec.step(m, [ep])
+    assert str(e.value).startswith(f"cannot write {tmp_path / 'samples.jsonl'}: No space left on "
+                                   f"device ({tmp_path}: ")
+    assert "\n" not in str(e.value) and "then restart" in str(e.value)
+
+
+def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, capsys):
+    """DAPO: when the refill rounds run out, the groups with equal rewards are masked out; with
+    every group so the update is a no-op, which only the metrics used to say."""
+    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    base = {"weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0, "time/generate_s": 0.1,
+            "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2,
+            "rollout/refill_rounds": 4, "rollout/prompts_drawn": 20}
+    eps = [types.SimpleNamespace(group=g) for g in range(4) for _ in range(4)]
+    for step, dropped in enumerate([4, 1, 0]):
+        rec.step({"step": step, **base, "train/dropped_groups": float(dropped)}, eps)
+    rec.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: step 1: 4 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "
+        "drawn; rollout.max_refill_rounds): masked out of the update; every group is: this "
+        "step's update is a no-op (loss 0, gradient norm 0)",
+        "warning: step 2: 1 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "
+        "drawn; rollout.max_refill_rounds): masked out of the update"]

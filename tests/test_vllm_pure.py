@@ -124,6 +124,13 @@ def test_prepare_spawn_environment(monkeypatch):
     assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", root]
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # vLLM's own start-up deadline follows rollout.start_timeout_s, unless set by the user
+    monkeypatch.delenv("VLLM_ENGINE_READY_TIMEOUT_S", raising=False)
+    V._prepare_spawn(900.5)
+    assert os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] == "901"
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "42")
+    V._prepare_spawn(900.0)
+    assert os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] == "42"
 
 
 def test_environ_restored_undoes_edits(monkeypatch):
