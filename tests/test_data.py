@@ -394,7 +394,7 @@ def test_property_bad_rows_never_raise(rows):
     kept, skipped = data.skip_bad_rows(rows)
     assert sorted([p.index for p in kept] + [i for i, _ in skipped]) == list(range(len(rows)))
     for p in kept:
-        assert isinstance(p.image, Image.Image) and p.image.mode == "RGB"
+        assert all(isinstance(im, Image.Image) and im.mode == "RGB" for im in p.images)
         assert p.problem and "<image>" not in p.problem and isinstance(p.answer, str) and p.answer
         assert is_well_typed(rows[p.index])
     for i, row in enumerate(rows):
