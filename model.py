@@ -119,10 +119,12 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str)
     model = _auto_class(config).from_config(config).to(torch.float32)
     config.architectures = [type(model).__name__]
     # transformers' default init (std 0.02) gives a nearly uniform policy; a larger init makes
-    # the tiny random model's samples varied enough for GRPO groups to disagree.
+    # the tiny random model's samples varied enough for GRPO groups to disagree (the embeddings
+    # too where they are the LM head as well: tied)
+    tied = _ties(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2 and "embed" not in name:
+            if p.dim() >= 2 and ("embed" not in name or tied):
                 p.normal_(0.0, 0.08)
     # Written directly (transformers' save_pretrained silently skips non-zero ranks once
     # torch.distributed is initialised, and any rank may be the one building), in the checkpoint
