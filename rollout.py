@@ -135,7 +135,7 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         knobs = (dict(do_sample=False) if sp.greedy else
                  dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
-        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+        with D.fork_rng(self.device):  # the device type explicitly (NPU: not "cuda")
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask,

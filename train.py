@@ -107,7 +107,7 @@ def dry_run(cfg: C.Config) -> int:
     """The resolved config, one JSON line per rank, and one with every group's members."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
-    C.validate_world(cfg, n, D.planned_kind())
+    C.validate_world(cfg, n, D.planned_kind(), dry_run=True)
     for row in W.plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
                            cfg.rollout.tensor_parallel_size,
                            R.engine_class(cfg.rollout.engine).OWN_CHANNEL):

@@ -46,21 +46,99 @@ def test_narrow_visible(monkeypatch):
 def test_hccl_env_against_the_watchdog():
     """HCCL_EXEC_TIMEOUT must stay below cluster.timeout_s (torch-npu's watchdog): derived when
     unset, refused when set at or above it; AIV expansion mode is refused for training."""
-    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1620"}
+    assert D.hccl_env(2000.0, {}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1619"}  # 90% of 1799 (below)
     assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {}
-    for bad in ("1800", "3600", "0", "abc"):
-        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=1800"):
-            D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": bad})
+    for bad in ("2000", "3600", "0", "abc"):
+        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=2000"):
+            D.hccl_env(2000.0, {"HCCL_EXEC_TIMEOUT": bad})
+    with pytest.raises(ValueError, match=r"HCCL_EXEC_TIMEOUT=1799 must be in \[1, cluster.timeout_s=1800\) "
+                                         r"\(used as 1799 s\)"):
+        D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1799"})
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV"):
         D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "AIV", "HCCL_EXEC_TIMEOUT": "100"})
-    assert D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1620"}
+    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+
+
+def test_group_timeout_avoids_torch_npus_unset_sentinel():
+    """torch-npu takes a process-group timeout of exactly 1,800,000 ms as "unset" and then waits
+    HCCL_EXEC_TIMEOUT + 1800 s: on NPU that value becomes 1799 s, with a line saying why; every
+    other value, and every value on CPU/CUDA, is kept."""
+    assert D.HCCL_UNSET_TIMEOUT_MS == 1_800_000
+    for t in (1800.0, 1800, 1800.0004):  # timedelta keeps microseconds, torch-npu milliseconds
+        got, note = D.group_timeout("npu", t)
+        assert got == 1799.0 and "torch-npu's 'unset' value" in note and "1799 s" in note
+    for t in (1799.999, 1800.001, 300.0, 3600.0):
+        assert D.group_timeout("npu", t) == (t, "")
+    for kind in ("cpu", "cuda"):
+        assert D.group_timeout(kind, 1800.0) == (1800.0, "")
+    assert D.hccl_env(1800.0, {}) == D.hccl_env(1799.0, {})  # HCCL_EXEC_TIMEOUT below what runs
+
+
+def test_world_backend_gloo_where_the_process_never_uses_its_device():
+    for kind in ("cpu", "cuda", "npu"):
+        assert D.world_backend(D.TABLE[kind], uses_device=True) == D.TABLE[kind].backend
+        assert D.world_backend(D.TABLE[kind], uses_device=False) == "gloo"
+
+
+def test_fork_rng_names_the_device_type(monkeypatch):
+    """On an NPU the HF engine's generator fork goes to torch.npu's generators, never to CUDA's
+    (torch's default device type: "cuda" before 2.13); the states are restored afterwards."""
+    import torch
+    calls = []
+
+    class FakeNPU:
+        @staticmethod
+        def get_rng_state(device):
+            calls.append(("get", str(device)))
+            return torch.zeros(1)
+
+        @staticmethod
+        def set_rng_state(state, device):
+            calls.append(("set", str(device)))
+
+        @staticmethod
+        def device_count():
+            return 8
+
+    real = torch.get_device_module
+
+    def get_device_module(kind=None):
+        if kind == "cuda":
+            raise AssertionError("Torch not compiled with CUDA enabled")
+        return FakeNPU if kind == "npu" else real(kind)
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    class NPU3:  # torch.device("npu", 3) parses only once torch_npu renamed privateuse1
+        type = "npu"
+
+        def __str__(self):
+            return "npu:3"
+    before = torch.get_rng_state()
+    with D.fork_rng(NPU3()):
+        torch.manual_seed(123)
+        torch.rand(3)
+    assert calls == [("get", "npu:3"), ("set", "npu:3")]
+    assert torch.equal(torch.get_rng_state(), before)
+    calls.clear()
+    with D.fork_rng(torch.device("cpu")):  # CPU: only the CPU generator
+        torch.manual_seed(5)
+    assert calls == [] and torch.equal(torch.get_rng_state(), before)
 
 
 def test_no_accelerator_calls_outside_device_py():
-    out = subprocess.run(["git", "grep", "-n", "-E", r"torch\.(cuda|npu)\.|import torch_npu",
-                          "--", "*.py", ":!device.py", ":!tests/*", ":!bench/*"],
-                         cwd=ROOT, capture_output=True, text=True)
+    """Device-dependent calls (accelerator modules, RNG forks, streams and events, device
+    modules, memory statistics) go through device.py."""
+    pattern = (r"torch\.(cuda|npu|xpu|mps|accelerator)\.|import torch_npu|random\.fork_rng|"
+               r"torch\.(Stream|Event)\(|get_device_module|max_memory_|memory_allocated|"
+               r"mem_get_info|empty_cache|set_device\(")
+    out = subprocess.run(["git", "grep", "-n", "-E", pattern, "--", "*.py", ":!device.py",
+                          ":!tests/*", ":!bench/*"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode in (0, 1), out.stderr
     assert out.stdout == "", out.stdout
+    # the pattern finds what it is for
+    probe = subprocess.run(["git", "grep", "-c", "-E", pattern, "--", "device.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert int(probe.stdout.strip().rpartition(":")[2] or 0) >= 10, probe.stdout
 
 
 def test_accelerator_packages_are_not_imported_at_module_level():
