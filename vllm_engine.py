@@ -226,6 +226,10 @@ class VLLMEngine:
                 # shares one image's features among its G samples.
                 mm_processor_cache_gb=0,
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
+                # Off on every device: vLLM turns it on by default on GPU/NPU, but its CPU build
+                # forces it off, so generate -> reset_prefix_cache -> reload only ever ran
+                # without it; one behaviour everywhere (the engine's batches are whole steps).
+                async_scheduling=False,
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **(llm_kwargs or {}))

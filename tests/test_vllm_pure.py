@@ -155,6 +155,32 @@ def test_process_hook_is_identity_and_unpickles_through_the_patch():
     assert hook.__reduce__() == (V._vllm_process_hook, ())
 
 
+def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch):
+    """vLLM 0.23 turns async scheduling on by default on GPU/NPU, while its CPU build forces it
+    off: the engine turns it off itself, so what runs here (generate, reset_prefix_cache, the
+    weight reload) is what runs on every device; the name is a field of vLLM's EngineArgs."""
+    import importlib.util
+    import sys
+
+    import config as C
+    captured: dict = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            captured.update(kw)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(V, "_image_only_processor", lambda: None)
+    monkeypatch.setattr(V, "_prepare_spawn", lambda: None)
+    V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm"), 1, 2, seed=0)
+    assert captured["async_scheduling"] is False
+    monkeypatch.delitem(sys.modules, "vllm")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed: the argument name is not checked")
+    args = (Path(spec.origin).parent / "engine" / "arg_utils.py").read_text()  # no vLLM import
+    assert "\n    async_scheduling: bool | None = " in args
+
+
 # --------------------------------------------------------------------------- worker extension
 class _RecordingChannel:
     """Trainer side: keeps a copy of every broadcast bucket."""
