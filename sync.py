@@ -19,6 +19,8 @@ lives in `vllm_engine.VLLMWorkerExtension`, which uses `plan_from_plain` / `unpa
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -99,6 +101,28 @@ def unpack(buf: torch.Tensor, bucket: list[Slot]) -> list[tuple[str, torch.Tenso
 def pack(tensors: list[torch.Tensor], bucket: list[Slot], buf: torch.Tensor) -> None:
     for t, s in zip(tensors, bucket, strict=True):
         view(buf, s).copy_(t)
+
+
+class LiveBytes:
+    """Bytes of the tensors `track`ed that are still alive (their storage, views included), and
+    the most at once: a weakref finalizer on each storage subtracts it when freed."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._lock = threading.Lock()  # a storage may be freed in another thread
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        n = storage.nbytes()
+        with self._lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        with self._lock:
+            self.now -= n
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
