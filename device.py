@@ -136,6 +136,15 @@ def torch_device(dev: Device, local_rank: int) -> torch.device:
     return torch.device(dev.kind, local_rank)
 
 
+def current_device(dev: Device) -> torch.device:
+    """The device this process made current (:func:`torch_device`); cpu on CPU."""
+    if dev.kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.kind == "npu":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
 def narrow_visible(dev: Device, device_ids: list[int]) -> None:
     """Make only `device_ids` (this node's device indices) visible to processes this one spawns
     (vLLM's engine and its workers, which then number them from 0).

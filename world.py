@@ -113,7 +113,8 @@ def check_node_devices(node: int, first_rank: int, n_local: int, n_trainers: int
         f"processes per node (torchrun --nproc_per_node; cluster.nproc_per_node in a dry run)")
 
 
-def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> World:
+def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
+          claim_engine_devices: bool = False) -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
     With an accelerator `dev` (device.Device), each rank first checks that its node has the
@@ -127,6 +128,8 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> 
     sync group, which then carries only control messages, is gloo on every member. NPU:
     HCCL_EXEC_TIMEOUT is derived from `timeout_s` when unset (device.hccl_env), and a timeout
     torch-npu would read as "unset" is adjusted, with a line (device.group_timeout).
+    `claim_engine_devices` (`train.py --check-channel`, no engine starts): such a generation
+    rank claims its engine's first device itself, to join the weight channel from there.
     """
     import torch.distributed as dist
 
@@ -150,7 +153,7 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> 
         print(note, flush=True)
     if kind == "npu":  # HCCL_EXEC_TIMEOUT below the watchdog (timeout_s)
         os.environ.update(D.hccl_env(timeout_s))
-    own = engine_devices is not None and rank not in trainers
+    own = engine_devices is not None and rank not in trainers and not claim_engine_devices
     if kind != "cpu":
         n_local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
         try:
@@ -160,7 +163,7 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> 
                                D.device_count(dev), f"{kind} devices visible here")
         except ValueError as e:
             raise C.NodeConfigError(str(e)) from None
-        mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices if own else 1)
+        mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices or 1)
         if own:
             D.narrow_visible(dev, mine)
         else:

@@ -147,3 +147,26 @@ def test_accelerator_packages_are_not_imported_at_module_level():
             "bad = [m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run(["python", "-c", code], cwd=ROOT, check=True)
+
+
+def test_every_collective_names_its_group():
+    """Ranks may join the world with different backends (device.world_backend: gloo alone where
+    the process never touches its device), so no collective may run on the world group by
+    default: `dist.barrier()` there would pick NCCL/HCCL on some ranks and gloo on others."""
+    import ast
+    collectives = {"barrier", "all_reduce", "broadcast", "all_gather", "all_gather_object",
+                   "broadcast_object_list", "gather_object", "scatter_object_list", "reduce",
+                   "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
+                   "all_to_all", "monitored_barrier", "gather", "scatter"}
+    files = subprocess.run(["git", "ls-files", "*.py", ":!tests/*", ":!bench/*"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    unnamed, seen = [], 0
+    for f in files:
+        for node in ast.walk(ast.parse((ROOT / f).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+                    and node.func.attr in collectives):
+                seen += 1
+                if not any(k.arg == "group" for k in node.keywords):
+                    unnamed.append(f"{f}:{node.lineno} dist.{node.func.attr}")
+    assert seen >= 20 and not unnamed, unnamed

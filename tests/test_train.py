@@ -131,12 +131,14 @@ def test_rank_plan_draws_tensor_parallel_engines():
                                           "{dev}:4,5", "{dev}:6,7"]
 
 
-@pytest.mark.parametrize("rank,engine,want,backend", [
-    (1, "vllm", ("set_device", 1), "cpu:gloo,npu:hccl"),  # a trainer binds its device first
-    (3, "vllm", ("narrow", [3, 4]), "gloo"),  # a vLLM engine rank only narrows; builds no HCCL
-    (3, "hf", ("set_device", 3), "cpu:gloo,npu:hccl"),    # an HF engine computes in this process
+@pytest.mark.parametrize("rank,engine,check,want,backend", [
+    (1, "vllm", False, ("set_device", 1), "cpu:gloo,npu:hccl"),  # a trainer binds its device first
+    (3, "vllm", False, ("narrow", [3, 4]), "gloo"),  # a vLLM engine rank only narrows; no HCCL
+    (3, "hf", False, ("set_device", 3), "cpu:gloo,npu:hccl"),    # an HF engine computes here
+    (3, "vllm", True, ("set_device", 3), "cpu:gloo,npu:hccl"),   # --check-channel: its first device
 ])
-def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine, want, backend):
+def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine, check, want,
+                                                       backend):
     from types import SimpleNamespace
     import torch.distributed as dist
 
@@ -158,7 +160,7 @@ def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine
     for k, v in dict(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=4).items():
         monkeypatch.setenv(k, str(v))
     with pytest.raises(Stop):
-        W.setup(1, 60, "cpu:gloo,npu:hccl", D.TABLE["npu"], rc)
+        W.setup(1, 60, "cpu:gloo,npu:hccl", D.TABLE["npu"], rc, claim_engine_devices=check)
     assert calls == [want, ("init_process_group", backend)]
     calls.clear()
     with pytest.raises(Stop):  # CPU: nothing to claim
