@@ -170,3 +170,63 @@ def test_every_collective_names_its_group():
                 if not any(k.arg == "group" for k in node.keywords):
                     unnamed.append(f"{f}:{node.lineno} dist.{node.func.attr}")
     assert seen >= 20 and not unnamed, unnamed
+
+
+MIXED_WORLD = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeProcessGroup
+import device as D, world as W
+
+built = []  # the groups this process built a device backend for (torch-npu: ProcessGroupHCCL)
+def creator(opts, pg_options):
+    built.append(opts.group_id)
+    return FakeProcessGroup._create_internal(opts.group_rank, opts.group_size)
+dist.Backend.register_backend("fakeacc", creator, extended_api=True, devices=["cuda"])
+dev = D.Device("cuda", "cpu:gloo,cuda:fakeacc", "CUDA_VISIBLE_DEVICES", "pynccl")
+D.torch_device = lambda dev, i: None          # no device to claim here
+D.device_count = lambda dev: 8
+world = W.setup(1, 60, dev.backend, dev, SimpleNamespace(engine="vllm", tensor_parallel_size=1))
+got = [None] * world.size
+dist.all_gather_object(got, world.rank, group=world.ctrl)
+ctrl = torch.tensor([7 if world.is_root else 0])
+if world.is_root or world.is_gen:
+    dist.broadcast(ctrl, 0, group=world.sync_group)
+    box = [{"plan": 1} if world.is_root else None]
+    dist.broadcast_object_list(box, 0, group=world.sync_group)
+if world.is_trainer:
+    x = torch.ones(1)
+    dist.all_reduce(x, group=world.train_group)
+dist.barrier(group=world.ctrl)
+with open(f"rank{world.rank}.json", "w") as f:  # ranks share stdout: one file each
+    json.dump({"rank": world.rank, "built": built, "gathered": got, "ctrl": int(ctrl),
+               "backend": dist.get_backend_config()}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_world_with_gloo_only_engine_ranks_is_legal(tmp_path):
+    """3 ranks under torchrun: two trainers with a device backend (a stand-in for HCCL, registered
+    for "cuda"), one vLLM generation rank with gloo alone. Every group is created on every rank
+    and works; the generation rank builds no device backend, the trainers build theirs for the
+    world and their own group only (the sync group is gloo)."""
+    import json
+    import sys
+
+    from tests.util import env
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_WORLD)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=3", str(script), str(ROOT)], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    assert all(r["gathered"] == [0, 1, 2] for r in rows)
+    assert rows[0]["ctrl"] == rows[2]["ctrl"] == 7
+    assert rows[2]["built"] == [] and rows[2]["backend"] == "cpu:gloo,cuda:gloo"
+    assert rows[0]["built"] == rows[1]["built"] and len(rows[0]["built"]) == 2  # world + trainers
+    assert "fakeacc" in rows[0]["backend"]
