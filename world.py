@@ -166,9 +166,9 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
         mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices or 1)
         if own:
             D.narrow_visible(dev, mine)
+            backend = D.world_backend(dev, uses_device=False)  # gloo alone: no HCCL/NCCL here
         else:
             D.torch_device(dev, mine[0])
-        backend = D.world_backend(dev, uses_device=not own)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout)
     # Object exchange (episodes, metrics, checksums) always on gloo: CPU objects.
