@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line and names the key."""
 
 
+class NodeConfigError(ConfigError):
+    """A launch error only the ranks of one node find (its device count): that node's first rank
+    prints it, not only rank 0 (failures.exit_bad_input)."""
+
+
 def num(default: int | float, rule: str) -> Any:
     """A numeric field with its allowed range, checked at load (:func:`check_ranges`): "> 0",
     ">= 1", "(0, 1]", "[0, 1)", ... Every int and float field has one (a test checks)."""
@@ -82,6 +87,7 @@ class ClusterConfig:
     timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
     nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
     nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node
+    devices_per_node: int = num(8, ">= 1")   # for --dry-run only: GPUs/NPUs per node (a run counts the node's own)
 
 
 @dataclass
@@ -373,11 +379,14 @@ def check_model_path(path: str) -> None:
                           f"(supported: {', '.join(F.supported())})")
 
 
-def validate_world(cfg: Config, world_size: int, device: str | None = None) -> None:
+def validate_world(cfg: Config, world_size: int, device: str | None = None,
+                   dry_run: bool = False) -> None:
     """Rules that depend on the launch: how many ranks train and generate (world.split_roles),
     and on which device kind (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without
-    GRPO_DEVICE; None: not checked)."""
-    from world import split_roles
+    GRPO_DEVICE; None: not checked). `dry_run`: every node of the plan (cluster.nnodes x
+    cluster.nproc_per_node) must fit in cluster.devices_per_node devices; a run checks each node
+    against its own device count instead (world.setup)."""
+    from world import check_node_devices, split_roles
     c, ro = cfg.cluster, cfg.rollout
     try:
         trainers, gens = split_roles(world_size, c.gen_ranks)
@@ -391,6 +400,14 @@ def validate_world(cfg: Config, world_size: int, device: str | None = None) -> N
         raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
                           "would share one device (NCCL/HCCL refuse that; vLLM takes "
                           "rollout.gpu_memory_utilization of it); launch 2+ ranks or use engine 'hf'")
+    if dry_run and device not in (None, "cpu") and world_size > 1:
+        per = c.nproc_per_node
+        for node in range(world_size // per):
+            try:  # tensor_parallel_size > 1 is vLLM's alone (validate), so it is the engine's span
+                check_node_devices(node, node * per, per, n_train, ro.tensor_parallel_size,
+                                   c.devices_per_node, "cluster.devices_per_node")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if device == "npu":
         import device as D
         try:

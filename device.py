@@ -14,6 +14,7 @@ CPU machine. No other module calls `torch.cuda` / `torch.npu` directly (a test g
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -70,6 +71,60 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
+def device_count(dev: Device) -> int:
+    """How many devices of `dev`'s kind this process sees (through any visibility the launcher
+    set); 0 on CPU. Asked lazily: torch_npu is imported only here, on NPU."""
+    if dev.kind == "cuda":
+        return torch.cuda.device_count()
+    if dev.kind == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+        return torch.npu.device_count()
+    return 0
+
+
+def world_backend(dev: Device, uses_device: bool) -> str:
+    """This rank's backend for init_process_group: the device's pair (gloo + NCCL/HCCL) where the
+    process computes on its device, plain gloo where it never touches it (a generation rank whose
+    vLLM engine runs in processes of its own).
+
+    Why: torch builds a group's backends when the group is created, on every member, and
+    torch-npu's ProcessGroupHCCL constructor calls ACL at once (aclrtSetOpWaitTimeout, torch-npu
+    2.10 ProcessGroupHCCL.cpp), with no device set in such a process; NCCL communicators are
+    created lazily, but a process that never computes has no use for them either. Backends may
+    differ across ranks (torch checks no agreement; each collective goes to the backend of its
+    tensors' device): such a rank joins only CPU-tensor collectives, on gloo, as every rank
+    does for those. Its groups must then be gloo too (world.setup: the sync group)."""
+    return dev.backend if uses_device else "gloo"
+
+
+# torch-npu reads a process-group timeout of exactly 30 min as "not set" (ProcessGroupHCCL.hpp
+# DEFAULT_TIMEOUT = 30 * 60 * 1000 ms; torch-npu 2.9-2.12) and then runs its watchdog for
+# HCCL_EXEC_TIMEOUT + 1800 s instead (3,420 s with the derived HCCL_EXEC_TIMEOUT of 1,620 s).
+HCCL_UNSET_TIMEOUT_MS = 30 * 60 * 1000
+
+
+def group_timeout(kind: str, timeout_s: float) -> tuple[float, str]:
+    """(seconds, note): the timeout the process groups get for `cluster.timeout_s`, and a line
+    saying why when it differs. On NPU a value torch-npu would take as "unset" (1800 s, to the
+    millisecond its timedelta conversion keeps) becomes 1799 s, so the watchdog fires after
+    what the config says and HCCL_EXEC_TIMEOUT stays below it (:func:`hccl_env`)."""
+    ms = datetime.timedelta(seconds=timeout_s) // datetime.timedelta(milliseconds=1)
+    if kind == "npu" and ms == HCCL_UNSET_TIMEOUT_MS:
+        return 1799.0, (f"cluster.timeout_s={timeout_s:g} is torch-npu's 'unset' value (its HCCL "
+                        "watchdog would then wait HCCL_EXEC_TIMEOUT + 1800 s): the process groups "
+                        "use 1799 s")
+    return timeout_s, ""
+
+
+def fork_rng(device: torch.device):
+    """`with fork_rng(device):` seeding inside leaves the CPU's and `device`'s generators as they
+    were. The device type is passed explicitly: torch.random.fork_rng's default is the current
+    accelerator in torch 2.13, "cuda" in earlier releases (on an NPU: "Torch not compiled with
+    CUDA enabled")."""
+    return torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
+                                 device_type=device.type)
+
+
 def torch_device(dev: Device, local_rank: int) -> torch.device:
     """The torch.device of this rank (CPU: always cpu) and make it current."""
     if dev.kind == "cpu":
@@ -79,6 +134,15 @@ def torch_device(dev: Device, local_rank: int) -> torch.device:
     else:
         torch.npu.set_device(local_rank)
     return torch.device(dev.kind, local_rank)
+
+
+def current_device(dev: Device) -> torch.device:
+    """The device this process made current (:func:`torch_device`); cpu on CPU."""
+    if dev.kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.kind == "npu":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
 
 
 def narrow_visible(dev: Device, device_ids: list[int]) -> None:
@@ -100,12 +164,12 @@ def narrow_visible(dev: Device, device_ids: list[int]) -> None:
 
 def hccl_env(timeout_s: float, environ=os.environ) -> dict[str, str]:
     """HCCL settings of an NPU run checked against `cluster.timeout_s` (the process groups'
-    timeout, i.e. torch-npu's watchdog), before any process group exists. Returns the variables
-    to set; raises ValueError (one line) on a contradiction.
+    timeout, i.e. torch-npu's watchdog, as :func:`group_timeout` gives it), before any process
+    group exists. Returns the variables to set; raises ValueError (one line) on a contradiction.
 
     - HCCL_EXEC_TIMEOUT (how long a started collective waits for its peers) must stay below the
       watchdog, or the watchdog kills the job first and HCCL's own report (plog) is lost; unset,
-      it becomes 90% of cluster.timeout_s (HCCL reads it when communicators are created).
+      it becomes 90% of the watchdog's timeout (HCCL reads it when communicators are created).
     - HCCL_OP_EXPANSION_MODE=AIV is refused: CANN documents it for inference only, not for
       several communicators in one process, with a single-node Broadcast, and it caps
       HCCL_EXEC_TIMEOUT at 1091 s.
@@ -113,13 +177,15 @@ def hccl_env(timeout_s: float, environ=os.environ) -> dict[str, str]:
     if environ.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV":
         raise ValueError("HCCL_OP_EXPANSION_MODE=AIV is for inference only (CANN: not for several "
                          "communicators per process, Broadcast single-node); unset it for training")
+    watchdog, note = group_timeout("npu", timeout_s)
     exec_s = environ.get("HCCL_EXEC_TIMEOUT")
     if exec_s is None:
-        return {"HCCL_EXEC_TIMEOUT": str(max(1, int(timeout_s * 0.9)))}
-    if not exec_s.strip().isdigit() or not 0 < int(exec_s) < timeout_s:
-        raise ValueError(f"HCCL_EXEC_TIMEOUT={exec_s} must be in [1, cluster.timeout_s={timeout_s:g}) "
-                         "(torch-npu's watchdog would fire first and HCCL's report be lost); "
-                         "lower it, raise cluster.timeout_s, or unset it (then 90% of it)")
+        return {"HCCL_EXEC_TIMEOUT": str(max(1, int(watchdog * 0.9)))}
+    if not exec_s.strip().isdigit() or not 0 < int(exec_s) < watchdog:
+        used = f" (used as {watchdog:g} s)" if note else ""
+        raise ValueError(f"HCCL_EXEC_TIMEOUT={exec_s} must be in [1, cluster.timeout_s={timeout_s:g}"
+                         f"){used} (torch-npu's watchdog would fire first and HCCL's report be "
+                         "lost); lower it, raise cluster.timeout_s, or unset it (then 90% of it)")
     return {}
 
 

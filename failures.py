@@ -328,14 +328,15 @@ _EARLY = threading.Lock()
 
 def exit_bad_input(e: C.ConfigError) -> int:
     """A config or start-up error that every rank finds alike: ONE line (rank 0 prints it) and
-    exit code 2 on every rank.
+    exit code 2 on every rank. One only a node's ranks find (config.NodeConfigError: its
+    devices) is printed by that node's first rank.
 
     Under torchrun the ranks first meet in the launcher's store (at most 60 s), so that none is
     still working when torchrun sees the first exit and stops the others with SIGTERM, and a
     rank stopped that way meanwhile still exits 2 without a word. A plain process returns 2.
     """
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    if rank == 0 or (isinstance(e, C.NodeConfigError) and os.environ.get("LOCAL_RANK") == "0"):
         say(f"{getattr(e, 'prefix', 'config error')}: {e}")
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         import torch.distributed as dist

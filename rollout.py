@@ -144,7 +144,7 @@ class HFEngine:
             mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
                          image_grid_thw=mm["image_grid_thw"].to(self.device),
                          mm_token_type_ids=(ids == tk.image_pad).int())
-        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+        with D.fork_rng(self.device):  # the device type explicitly (NPU: not "cuda")
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, **mm_kw,

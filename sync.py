@@ -19,6 +19,8 @@ lives in `vllm_engine.VLLMWorkerExtension`, which uses `plan_from_plain` / `unpa
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -99,6 +101,28 @@ def unpack(buf: torch.Tensor, bucket: list[Slot]) -> list[tuple[str, torch.Tenso
 def pack(tensors: list[torch.Tensor], bucket: list[Slot], buf: torch.Tensor) -> None:
     for t, s in zip(tensors, bucket, strict=True):
         view(buf, s).copy_(t)
+
+
+class LiveBytes:
+    """Bytes of the tensors `track`ed that are still alive (their storage, views included), and
+    the most at once: a weakref finalizer on each storage subtracts it when freed."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._lock = threading.Lock()  # a storage may be freed in another thread
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        n = storage.nbytes()
+        with self._lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        with self._lock:
+            self.now -= n
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -371,8 +395,10 @@ def checksum(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
 # workers need a communicator that is not torch's global one (the trainer's torch.distributed
 # already holds the torchrun world). One code path; the library is chosen by device.Device.comm.
 import contextlib  # noqa: E402  (imports of this section, kept with it)
+import json  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 
@@ -537,3 +563,69 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
         return None
     return (open_channel(comm, host, port, 0, size, device, listen_socket=sock,
                          deadline_s=timeout_s) if world.is_root else None)
+
+
+def check_channel(world, dev: D.Device, own_channel: bool, sc, timeout_s: float | None = None) -> int:
+    """`train.py --check-channel`: the weight channel alone, before a long run. Trainer rank 0
+    broadcasts one bucket of `bucket_mb` (`[sync]` sc) to every generation rank twice (the first
+    includes the device library's own connection set-up) and rank 0 prints one JSON line;
+    every receiver checks the bytes. Returns the exit code (0: every generation rank got them).
+
+    With `own_channel` (vLLM) it is the engines' communicator (gloo / PyNccl / PyHccl, by
+    device) opened as vLLM's workers open it, on `channel_port` of MASTER_ADDR, but from each
+    generation rank itself on its engine's first device (world.setup(claim_engine_devices=True)),
+    so no engine starts; otherwise the torch sync group the HF engines receive over. Collective
+    over the world; destroys the process group at the end.
+    """
+    if world.size == 1:
+        import config as C
+        raise C.ConfigError("--check-channel needs generation ranks besides trainer rank 0 (2+ ranks)")
+    device = D.current_device(dev)
+    member = world.is_root or world.is_gen
+    t0 = time.monotonic()
+    if own_channel:
+        sock = listen(sc.channel_port) if world.is_root else None
+        addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]]
+                if world.is_root else [None, None])
+        dist.broadcast_object_list(addr, 0, group=world.ctrl)
+        channel = (open_channel(dev.comm, addr[0], addr[1], 1 + world.gen_index if world.is_gen else 0,
+                                1 + len(world.gens), device, listen_socket=sock, deadline_s=timeout_s)
+                   if member else None)
+        what = f"{dev.comm} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+    else:
+        channel = TorchChannel(world.sync_group, 0) if member else None
+        what = "the torch sync group (the hf engines' channel)"
+    mine = None
+    n = max(8, int(sc.bucket_mb * 2**20) // 8 * 8)
+    if member:
+        expect = torch.arange(n // 8, dtype=torch.int64, device=device).view(torch.uint8)
+        buf = expect.clone() if world.is_root else torch.zeros(n, dtype=torch.uint8, device=device)
+        mine = {"rank": world.rank, "open_s": time.monotonic() - t0}
+    for key in ("first_s", "broadcast_s"):
+        dist.barrier(group=world.ctrl)  # every member starts together
+        if member:
+            if not world.is_root:
+                buf.zero_()
+            t = time.monotonic()
+            channel.broadcast(buf).wait()
+            D.synchronize(dev)  # an NCCL/HCCL work's wait() only orders the current stream
+            mine[key] = time.monotonic() - t
+            mine["ok"] = mine.get("ok", True) and bool(torch.equal(buf, expect))
+    got: list = [None] * world.size
+    dist.all_gather_object(got, mine, group=world.ctrl)
+    rows = [g for g in got if g is not None]
+    bad = [r["rank"] for r in rows if not r["ok"]]
+    if world.is_root:
+        slow = max(r["broadcast_s"] for r in rows)
+        print(json.dumps({"check": "weight channel", "ok": not bad, "channel": what,
+                          "from": "trainer rank 0", "to": list(world.gens), "bytes": n,
+                          "open_s": round(max(r["open_s"] for r in rows), 3),
+                          "first_s": round(max(r["first_s"] for r in rows), 4),
+                          "broadcast_s": round(slow, 4), "gb_per_s": round(n / slow / 1e9, 3),
+                          "per_rank": [{k: round(v, 4) if isinstance(v, float) else v
+                                        for k, v in r.items()} for r in rows]}), flush=True)
+        if bad:
+            print(f"error: weight channel check: rank(s) {bad} received other bytes than trainer "
+                  f"rank 0 sent", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    return 1 if bad else 0

@@ -64,7 +64,7 @@ import world as W
 
 USAGE = """\
 usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
-                [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT]
+                [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT] [--check-channel]
 GRPO for Qwen2.5-VL: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
   --config FILE         a TOML config; repeatable, later files override earlier ones
                         (a preset after the base: --config configs/tiny.toml --config configs/presets/dapo.toml)
@@ -72,6 +72,7 @@ GRPO for Qwen2.5-VL: one torchrun launch, trainer ranks (FSDP2) + generation ran
   --dry-run             print the resolved config, the rank plan and the groups; start nothing
   --resume CHECKPOINT   resume from this checkpoint (default: the newest intact one of run.out_dir)
   --eval-only --checkpoint CHECKPOINT   evaluate a saved checkpoint with the [eval] keys
+  --check-channel       only time one sync.bucket_mb bucket over the weight channel; one JSON line
   -h, --help            this text
 Precedence: defaults < config files in order < overrides. Every key is documented where it is
 defined, in config.py (sections run, cluster, model, data, rollout, train, loss, reward, eval,
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise C.ConfigError(f"{key} needs a value (see --help)")
                 flags[key] = val
                 configs += [val] if key == "--config" else []
-            elif a in ("--dry-run", "--eval-only"):
+            elif a in ("--dry-run", "--eval-only", "--check-channel"):
                 flags[a] = True
             else:
                 overrides.append(a)
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             raise C.ConfigError("--eval-only needs --checkpoint DIR")
         sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")
         return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
-                   if flags.get("--eval-only") else None, sources=sources or "defaults")
+                   if flags.get("--eval-only") else None, sources=sources or "defaults",
+                   check=flags.get("--check-channel", False))
     except C.ConfigError as e:  # also the start-up checks: once (rank 0), exit 2 on every rank
         return failures.exit_bad_input(e)
 
@@ -118,7 +120,7 @@ def dry_run(cfg: C.Config) -> int:
     """The resolved config, one JSON line per rank, and one with every group's members."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
-    C.validate_world(cfg, n, D.planned_kind())
+    C.validate_world(cfg, n, D.planned_kind(), dry_run=True)
     for row in W.plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
                            cfg.rollout.tensor_parallel_size,
                            R.engine_class(cfg.rollout.engine).OWN_CHANNEL):
@@ -127,17 +129,21 @@ def dry_run(cfg: C.Config) -> int:
 
 
 def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None,
-        sources: str = "") -> int:
+        sources: str = "", check: bool = False) -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
     C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
     try:
-        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout)
+        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout,
+                        claim_engine_devices=check)
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
         return failures.world_failed(e, cfg.cluster.timeout_s)
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
+    if check:  # --check-channel: the weight channel alone, then exit (sync.check_channel)
+        return failures.guarded(live, lambda: S.check_channel(world, dev, R.engine_class(
+            cfg.rollout.engine).OWN_CHANNEL, cfg.sync, cfg.cluster.timeout_s))
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,

@@ -272,6 +272,10 @@ class VLLMEngine:
                 max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,
                 enable_prefix_caching=True,  # the G samples of a prompt share its KV
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
+                # Off on every device: vLLM turns it on by default on GPU/NPU, but its CPU build
+                # forces it off, so generate -> reset_prefix_cache -> reload only ever ran
+                # without it; one behaviour everywhere (the engine's batches are whole steps).
+                async_scheduling=False,
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **mm, **(llm_kwargs or {}))
@@ -396,14 +400,55 @@ class VLLMWorkerExtension:
             self.model_runner.reload_weights(weights_iterator=self.weight_stream(buckets),
                                              is_checkpoint_format=True)
         D.synchronize(D.TABLE[self.device.type])
+        if getattr(self, "weight_version", None) is None:  # once: what a sync costs here
+            print(f"vLLM worker {self.rank}: a weight sync held at most "
+                  f"{self.receive_memory.peak / 2**20:.1f} MiB of received tensors at once, outside "
+                  f"vLLM's memory budget (largest bucket {max(map(sync.bucket_size, buckets)) / 2**20:.1f} MiB)",
+                  flush=True)
         self.weight_version = version
         return sum(len(b) for b in buckets)
 
+    def weight_sync_memory(self) -> dict:
+        """The last sync's received tensors: bytes alive now and at most at once (tests)."""
+        return {"peak": self.receive_memory.peak, "now": self.receive_memory.now}
+
     def weight_stream(self, buckets: list):
-        """(HF name, tensor) of every bucket, received in order, each bucket into a fresh buffer:
-        the reload keeps a layer's tensors until the layer is complete (a layer can span
-        buckets), and the views keep their buffer alive until then (no copies)."""
-        for bucket in buckets:
-            buf = torch.empty(sync.bucket_size(bucket), dtype=torch.uint8, device=self.device)
-            self.weight_channel.broadcast(buf).wait()
-            yield from sync.unpack(buf, bucket)
+        """(HF name, tensor) of every bucket, received in order; each tensor is one the reload
+        owns, so what a sync adds outside vLLM's memory budget stays about two buckets.
+
+        The reload keeps a layer's tensors until the layer is complete (a layer can span buckets;
+        one that never completes, e.g. a padded vocabulary, until the end of the sync) and then
+        drops them. So a bucket of one tensor is received straight into memory of its own (the
+        reload then owns it, no copy), and a packed bucket (tensors under sync's solo size) into
+        one of two receive buffers reused for the whole sync, each of its tensors handed over as
+        a copy: an unfinished layer keeps its own bytes alive, never a whole bucket (views into a
+        fresh buffer per bucket kept each buffer alive until every layer in it was done). The
+        next bucket is received while this one loads: the other ring buffer, or its own memory.
+        `receive_memory` counts the bytes alive (weakref finalizers on the storages).
+        """
+        live = self.receive_memory = sync.LiveBytes()
+        packed = [i for i, b in enumerate(buckets) if len(b) > 1]
+        size = max((sync.bucket_size(buckets[i]) for i in packed), default=0)
+        ring = [live.track(torch.empty(size, dtype=torch.uint8, device=self.device))
+                for _ in range(min(2, len(packed)))]
+        slot = {i: k % 2 for k, i in enumerate(packed)}
+
+        def receive(i: int):
+            n = sync.bucket_size(buckets[i])
+            buf = (ring[slot[i]][:n] if i in slot else
+                   live.track(torch.empty(n, dtype=torch.uint8, device=self.device)))
+            # the broadcast waits for this thread's earlier work (the copies out of the same
+            # ring buffer two buckets ago): sync.CommChannel.broadcast
+            return buf, self.weight_channel.broadcast(buf)
+
+        pending = receive(0) if buckets else None
+        for i, bucket in enumerate(buckets):
+            buf, work = pending
+            work.wait()
+            pending = receive(i + 1) if i + 1 < len(buckets) else None
+            if i in slot:
+                for name, t in sync.unpack(buf, bucket):
+                    yield name, live.track(t.clone())
+            else:
+                yield from sync.unpack(buf, bucket)  # the whole buffer: the reload owns it
+            del buf

@@ -91,19 +91,49 @@ def local_devices(rank: int, local_rank: int, local_world_size: int, n_trainers:
     return list(range(first, first + engine_devices))
 
 
-def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> World:
+def node_devices(first_rank: int, n_local: int, n_trainers: int, engine_devices: int = 1) -> int:
+    """Devices the node running ranks first_rank .. first_rank + n_local - 1 uses
+    (:func:`local_devices`: trainers one each, then engines of `engine_devices`)."""
+    return max(local_devices(first_rank + i, i, n_local, n_trainers, engine_devices)[-1]
+               for i in range(n_local)) + 1
+
+
+def check_node_devices(node: int, first_rank: int, n_local: int, n_trainers: int,
+                       engine_devices: int, have: int, have_what: str) -> None:
+    """ValueError naming the keys when that node's ranks need more devices than it has."""
+    need = node_devices(first_rank, n_local, n_trainers, engine_devices)
+    if need <= have:
+        return
+    ranks = range(first_rank, first_rank + n_local)
+    t = sum(r < n_trainers for r in ranks)
+    raise ValueError(
+        f"node {node} (ranks {ranks[0]}-{ranks[-1]}) needs {need} devices ({t} trainer(s) + "
+        f"{n_local - t} engine(s) x rollout.tensor_parallel_size={engine_devices}) but has {have} "
+        f"({have_what}); lower cluster.gen_ranks or rollout.tensor_parallel_size, or run fewer "
+        f"processes per node (torchrun --nproc_per_node; cluster.nproc_per_node in a dry run)")
+
+
+def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
+          claim_engine_devices: bool = False) -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
-    With an accelerator `dev` (device.Device), each rank first claims its devices, before any
-    NCCL/HCCL state exists (otherwise a communicator or barrier can land on device 0, trainer 0's):
-    a rank that computes in this process (trainers; generation ranks of an in-process engine)
-    makes its device current; a generation rank whose engine runs in processes of its own (vLLM,
-    `[rollout]` rc: tensor_parallel_size devices) only narrows the visible devices those
-    processes inherit, and never touches the accelerator itself. NPU: HCCL_EXEC_TIMEOUT is
-    derived from `timeout_s` when unset (device.hccl_env).
+    With an accelerator `dev` (device.Device), each rank first checks that its node has the
+    devices the layout needs (config.NodeConfigError naming the keys), then claims its devices,
+    before any NCCL/HCCL state exists (otherwise a communicator or barrier can land on device 0,
+    trainer 0's): a rank that computes in this process (trainers; generation ranks of an
+    in-process engine) makes its device current and joins the world with `backend`; a
+    generation rank whose engine runs in processes of its own (vLLM, `[rollout]` rc:
+    tensor_parallel_size devices) only narrows the visible devices those processes inherit,
+    never touches the accelerator itself, and joins with gloo alone (device.world_backend); the
+    sync group, which then carries only control messages, is gloo on every member. NPU:
+    HCCL_EXEC_TIMEOUT is derived from `timeout_s` when unset (device.hccl_env), and a timeout
+    torch-npu would read as "unset" is adjusted, with a line (device.group_timeout).
+    `claim_engine_devices` (`train.py --check-channel`, no engine starts): such a generation
+    rank claims its engine's first device itself, to join the weight channel from there.
     """
     import torch.distributed as dist
 
+    import config as C
     import device as D
     from rollout import engine_class
 
@@ -117,14 +147,26 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     trainers, gens = split_roles(size, gen_ranks)
-    if dev is not None and dev.kind == "npu":  # HCCL_EXEC_TIMEOUT below the watchdog (timeout_s)
+    kind = dev.kind if dev is not None else "cpu"
+    timeout_s, note = D.group_timeout(kind, timeout_s)
+    if note and rank == 0:
+        print(note, flush=True)
+    if kind == "npu":  # HCCL_EXEC_TIMEOUT below the watchdog (timeout_s)
         os.environ.update(D.hccl_env(timeout_s))
-    if dev is not None and dev.kind != "cpu":
-        own = engine_devices is not None and rank not in trainers
-        mine = local_devices(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-                             len(trainers), engine_devices if own else 1)
+    own = engine_devices is not None and rank not in trainers and not claim_engine_devices
+    if kind != "cpu":
+        n_local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        try:
+            check_node_devices(int(os.environ.get("GROUP_RANK", rank // n_local)),
+                               rank - local_rank, n_local, len(trainers),
+                               engine_devices if engine_devices and size > 1 else 1,
+                               D.device_count(dev), f"{kind} devices visible here")
+        except ValueError as e:
+            raise C.NodeConfigError(str(e)) from None
+        mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices or 1)
         if own:
             D.narrow_visible(dev, mine)
+            backend = D.world_backend(dev, uses_device=False)  # gloo alone: no HCCL/NCCL here
         else:
             D.torch_device(dev, mine[0])
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -132,7 +174,10 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None) -> 
     # Object exchange (episodes, metrics, checksums) always on gloo: CPU objects.
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     train_group = dist.new_group(list(trainers), timeout=timeout) if size > 1 else dist.group.WORLD
-    sync_group = dist.new_group([0, *gens], timeout=timeout) if size > 1 else None
+    # An engine with a channel of its own gets only control messages (CPU) over the sync group.
+    sync_group = (dist.new_group([0, *gens], timeout=timeout,
+                                 backend="gloo" if engine_devices is not None else None)
+                  if size > 1 else None)
     return World(dist.get_rank(), size, local_rank, trainers, gens, ctrl, train_group, sync_group)
 
 

@@ -8,6 +8,13 @@
 #   node 1 (engines):   MASTER_ADDR=10.0.0.1 NODE_RANK=1 bash launch/multinode.sh
 #   Ascend: add GRPO_DEVICE=npu (then launch/npu_env.sh is sourced on every node).
 #   DRY_RUN=1 MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh   # the plan, start nothing
+# Before a long run, check the weight channel (seconds: no model, no engine): the same command
+# with --check-channel on both nodes. Trainer rank 0 broadcasts one sync.bucket_mb bucket to
+# every engine rank, over the channel the run uses (NCCL/HCCL from node 0's device 0 to each
+# engine's device), and node 0 prints one JSON line ("ok", "broadcast_s", "gb_per_s"):
+#   node 0 (trainers):  MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh --check-channel --sync.channel_port=29600
+#   node 1 (engines):   MASTER_ADDR=10.0.0.1 NODE_RANK=1 bash launch/multinode.sh --check-channel --sync.channel_port=29600
+#   A hang there (until cluster.timeout_s) means a port or interface below is not reachable.
 # Variables:
 #   MASTER_ADDR     (required) address of node 0, reachable from every node
 #   NODE_RANK       (required) 0 on the trainer node, 1 on the engine node

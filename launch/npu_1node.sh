@@ -3,7 +3,8 @@
 # GEN_RANKS each run one vllm-ascend engine. Default: 8 NPUs = 4 trainers + 4 engines.
 #   bash launch/npu_1node.sh
 #   bash launch/npu_1node.sh --run.steps=20
-#   NPROC_PER_NODE=16 GEN_RANKS=8 bash launch/npu_1node.sh     # an A3 node with 16 NPUs
+#   NPROC_PER_NODE=16 GEN_RANKS=8 bash launch/npu_1node.sh --cluster.devices_per_node=16
+#                                     # an A3 node with 16 NPUs (the key: for the dry run)
 #   DRY_RUN=1 bash launch/npu_1node.sh                         # print the plan, start nothing
 # Variables: CONFIG (default configs/vl3b.toml), NPROC_PER_NODE (8: processes, i.e. trainers +
 # engines; an engine of tensor_parallel_size T takes T NPUs), GEN_RANKS (half of them).

@@ -378,13 +378,13 @@ def is_valid(row) -> bool:
 
 
 def is_well_typed(row) -> bool:
-    """Rows that could be kept at all (one image, alone or as a list of one): anything else must
-    be skipped."""
+    """Rows that could be kept at all (no image, one, alone or in a list, or several): anything
+    else must be skipped."""
     if not isinstance(row, dict):
         return False
-    images = row["images"] if isinstance(row["images"], list) else [row["images"]]
-    return (len(images) == 1 and isinstance(images[0], dict)
-            and isinstance(images[0].get("bytes"), bytes)
+    images = row["images"]
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    return (all(isinstance(im, dict) and isinstance(im.get("bytes"), bytes) for im in images)
             and isinstance(row["problem"], str) and isinstance(row["answer"], str))
 
 

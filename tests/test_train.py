@@ -3,6 +3,7 @@ end to end in the fast tier (every phase, parity after every sync, a configurabl
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -130,12 +131,14 @@ def test_rank_plan_draws_tensor_parallel_engines():
                                           "{dev}:4,5", "{dev}:6,7"]
 
 
-@pytest.mark.parametrize("rank,engine,want", [
-    (1, "vllm", ("set_device", 1)),          # a trainer binds its device first
-    (3, "vllm", ("narrow", [3, 4])),         # a vLLM engine rank only narrows visibility
-    (3, "hf", ("set_device", 3)),            # an HF engine computes in this process
+@pytest.mark.parametrize("rank,engine,check,want,backend", [
+    (1, "vllm", False, ("set_device", 1), "cpu:gloo,npu:hccl"),  # a trainer binds its device first
+    (3, "vllm", False, ("narrow", [3, 4]), "gloo"),  # a vLLM engine rank only narrows; no HCCL
+    (3, "hf", False, ("set_device", 3), "cpu:gloo,npu:hccl"),    # an HF engine computes here
+    (3, "vllm", True, ("set_device", 3), "cpu:gloo,npu:hccl"),   # --check-channel: its first device
 ])
-def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine, want):
+def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine, check, want,
+                                                       backend):
     from types import SimpleNamespace
     import torch.distributed as dist
 
@@ -143,6 +146,7 @@ def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine
     calls = []
     monkeypatch.setattr(D, "torch_device", lambda dev, i: calls.append(("set_device", i)))
     monkeypatch.setattr(D, "narrow_visible", lambda dev, ids: calls.append(("narrow", ids)))
+    monkeypatch.setattr(D, "device_count", lambda dev: 8)
 
     class Stop(Exception):
         pass
@@ -151,14 +155,90 @@ def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine
         calls.append(("init_process_group", kw["backend"]))
         raise Stop
     monkeypatch.setattr(dist, "init_process_group", init)
-    rc = SimpleNamespace(engine=engine, tensor_parallel_size=2)
+    rc = SimpleNamespace(engine=engine, tensor_parallel_size=2 if engine == "vllm" else 1)
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "30")
     for k, v in dict(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=4).items():
         monkeypatch.setenv(k, str(v))
     with pytest.raises(Stop):
-        W.setup(1, 60, "cpu:gloo,npu:hccl", D.TABLE["npu"], rc)
-    assert calls == [want, ("init_process_group", "cpu:gloo,npu:hccl")]
+        W.setup(1, 60, "cpu:gloo,npu:hccl", D.TABLE["npu"], rc, claim_engine_devices=check)
+    assert calls == [want, ("init_process_group", backend)]
     calls.clear()
     with pytest.raises(Stop):  # CPU: nothing to claim
         W.setup(1, 60, "gloo", D.TABLE["cpu"], rc)
     assert calls == [("init_process_group", "gloo")]
+
+
+def test_setup_refuses_more_devices_than_the_node_has(monkeypatch):
+    """8 processes, 4 engines of tensor_parallel_size 2 on an 8-device node would put rank 7 on
+    devices 10-11: every rank of that node refuses before claiming anything or starting the
+    process group, naming the keys (printed by the node's first rank)."""
+    from types import SimpleNamespace
+    import torch.distributed as dist
+
+    import config as C
+    import device as D
+    calls = []
+    monkeypatch.setattr(D, "torch_device", lambda dev, i: calls.append(("set_device", i)))
+    monkeypatch.setattr(D, "narrow_visible", lambda dev, ids: calls.append(("narrow", ids)))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(D, "device_count", lambda dev: 8)
+    rc = SimpleNamespace(engine="vllm", tensor_parallel_size=2)
+    for rank in (0, 7):  # a trainer and the engine that would overflow
+        for k, v in dict(RANK=rank, WORLD_SIZE=8, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=8,
+                         GROUP_RANK=0).items():
+            monkeypatch.setenv(k, str(v))
+        with pytest.raises(C.NodeConfigError) as e:
+            W.setup(4, 60, "cpu:gloo,cuda:nccl", D.TABLE["cuda"], rc)
+        msg = str(e.value)
+        for part in ("node 0 (ranks 0-7) needs 12 devices", "4 trainer(s) + 4 engine(s)",
+                     "rollout.tensor_parallel_size=2", "has 8 (cuda devices visible here)",
+                     "cluster.gen_ranks", "cluster.nproc_per_node"):
+            assert part in msg, msg
+    assert calls == []
+    # the engine node of two: 4 engines of 2 devices (torchrun --nproc_per_node 4 there) fit
+    for k, v in dict(RANK=11, WORLD_SIZE=12, LOCAL_RANK=3, LOCAL_WORLD_SIZE=4, GROUP_RANK=1).items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 11)
+    W.setup(4, 60, "cpu:gloo,cuda:nccl", D.TABLE["cuda"], rc)
+    assert calls == [("narrow", [6, 7]), "init"]
+
+
+def test_node_devices_needed():
+    assert W.node_devices(0, 8, 4, 2) == 12       # 4 trainers + 4 engines x 2
+    assert W.node_devices(0, 6, 4, 2) == 8
+    assert W.node_devices(8, 4, 8, 2) == 8        # the engine node of 2 x 8 with tp 2
+    assert W.node_devices(0, 8, 8, 2) == 8        # a trainer-only node
+    assert W.node_devices(0, 1, 1, 1) == 1        # a world of one
+    W.check_node_devices(0, 0, 6, 4, 2, 8, "x")
+    with pytest.raises(ValueError, match=r"node 0 \(ranks 0-7\) needs 12 devices"):
+        W.check_node_devices(0, 0, 8, 4, 2, 8, "cluster.devices_per_node")
+
+
+def test_setup_on_npu_gives_the_groups_a_timeout_torch_npu_reads_as_set(monkeypatch, capsys):
+    """cluster.timeout_s = 1800 (configs/vl3b.toml) is torch-npu's "unset" value: the groups get
+    1799 s, HCCL_EXEC_TIMEOUT 90% of that, and rank 0 says so."""
+    import datetime
+    from types import SimpleNamespace
+    import torch.distributed as dist
+
+    import device as D
+    got = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(**kw):
+        got.update(kw)
+        raise Stop
+    monkeypatch.setattr(D, "torch_device", lambda dev, i: None)
+    monkeypatch.setattr(D, "device_count", lambda dev: 8)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT", raising=False)
+    for k, v in dict(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(k, str(v))
+    with pytest.raises(Stop):
+        W.setup(1, 1800.0, "cpu:gloo,npu:hccl", D.TABLE["npu"], SimpleNamespace(engine="hf", tensor_parallel_size=1))
+    assert got["timeout"] == datetime.timedelta(seconds=1799)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "1619"
+    assert "torch-npu's 'unset' value" in capsys.readouterr().out

@@ -161,6 +161,32 @@ def test_process_hook_is_identity_and_unpickles_through_the_patch():
     assert hook.__reduce__() == (V._vllm_process_hook, ())
 
 
+def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch):
+    """vLLM 0.23 turns async scheduling on by default on GPU/NPU, while its CPU build forces it
+    off: the engine turns it off itself, so what runs here (generate, reset_prefix_cache, the
+    weight reload) is what runs on every device; the name is a field of vLLM's EngineArgs."""
+    import importlib.util
+    import sys
+
+    import config as C
+    captured: dict = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            captured.update(kw)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(V, "_image_only_processor", lambda: None)
+    monkeypatch.setattr(V, "_prepare_spawn", lambda *a: None)
+    V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm"), 1, 2, seed=0)
+    assert captured["async_scheduling"] is False
+    monkeypatch.delitem(sys.modules, "vllm")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed: the argument name is not checked")
+    args = (Path(spec.origin).parent / "engine" / "arg_utils.py").read_text()  # no vLLM import
+    assert "\n    async_scheduling: bool | None = " in args
+
+
 # --------------------------------------------------------------------------- worker extension
 class _RecordingChannel:
     """Trainer side: keeps a copy of every broadcast bucket."""
@@ -216,11 +242,21 @@ def _net(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 300))
 
 
+def _deeper_net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 7),
+                               torch.nn.LayerNorm(7), torch.nn.Linear(7, 7), torch.nn.LayerNorm(7),
+                               torch.nn.Linear(7, 300))
+
+
 def test_worker_receives_unpacks_and_loads_bitwise():
-    trainer, engine = _net(0), _net(1).to(torch.bfloat16)
+    trainer, engine = _deeper_net(0), _deeper_net(1).to(torch.bfloat16)
     out = _RecordingChannel()
-    sender = S.Sender(trainer, "bfloat16", bucket_mb=512 / 2**20, channel=out)  # 512-byte buckets
+    sender = S.Sender(trainer, "bfloat16", bucket_mb=256 / 2**20, channel=out,  # 256-byte buckets
+                      solo_mb=400 / 2**20)
     assert len(sender.plan) >= 3 and any(len(b) > 1 for b in sender.plan)
+    solo = [b for b in sender.plan if len(b) == 1]
+    assert solo and len(sender.plan) - len(solo) >= 3  # both kinds, 3+ packed buckets
     sender.send(version=7)
     # the plan crosses collective_rpc as plain data
     plain = json.loads(json.dumps(S.plan_to_plain(sender.plan)))
@@ -231,16 +267,83 @@ def test_worker_receives_unpacks_and_loads_bitwise():
     for name, p in trainer.named_parameters():
         assert got[name].shape == p.shape
         assert torch.equal(got[name], p.detach().to(torch.bfloat16)), name
-    # a fresh receive buffer per bucket; the loader got views of them (no copies), which stay
-    # valid while a buffering loader (vLLM's layerwise reload) holds them
+    # packed buckets land in two receive buffers reused for the sync, and the loader got copies
+    # (it may keep them past the buffer's next use); a one-tensor bucket is its own buffer,
+    # handed over as it is
     bufs = worker.weight_channel.buffers
     assert len(bufs) == len(sender.plan)
-    assert [b.numel() for b in bufs] == [S.bucket_size(b) for b in sender.plan]
-    assert len({b.data_ptr() for b in bufs}) == len(bufs)
-    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
-    assert all(any(lo <= t.data_ptr() < hi for lo, hi in spans)
-               for _, t in worker.model_runner.received)
+    assert len({b.untyped_storage().data_ptr() for b in bufs}) == 2 + len(solo)
+    ring = {b.untyped_storage().data_ptr() for b, bucket in zip(bufs, sender.plan) if len(bucket) > 1}
+    assert len(ring) == 2
+    owner = {t.untyped_storage().data_ptr() for _, t in worker.model_runner.received}
+    assert not owner & ring
+    assert {b.untyped_storage().data_ptr() for b, bucket in zip(bufs, sender.plan)
+            if len(bucket) == 1} <= owner
     assert [n for n, _ in worker.model_runner.received] == [s.name for b in sender.plan for s in b]
+    # the buffering loader held everything to the end; then every received byte is freed
+    worker.model_runner.received = bufs[:] = owner = ring = []
+    assert worker.weight_sync_memory()["now"] == 0
+
+
+class _LayerwiseRunner(_BufferingRunner):
+    """vLLM 0.23's layerwise reload, as far as memory goes: it keeps each layer's tensors until
+    the layer has all of them, then loads the layer and drops them; a layer that never completes
+    (`delayed`: vLLM's padded vocabulary) keeps them until the end of the sync."""
+
+    def __init__(self, model, delayed):
+        super().__init__(model)
+        self.delayed = delayed
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        params = dict(self.model.named_parameters())
+        layer_of = {n: n.rpartition(".")[0] for n in params}
+        need = {}
+        for n, layer in layer_of.items():
+            need[layer] = need.get(layer, 0) + 1
+        held: dict = {}
+        for name, t in weights_iterator:
+            layer = layer_of[name]
+            held.setdefault(layer, []).append((name, t))
+            if len(held[layer]) == need[layer] and layer not in self.delayed:
+                with torch.no_grad():
+                    for n, x in held.pop(layer):
+                        params[n].copy_(x)
+        with torch.no_grad():
+            for named in held.values():
+                for n, x in named:
+                    params[n].copy_(x)
+
+
+def test_sync_memory_is_bounded_by_the_buckets_not_the_model():
+    """What a sync holds outside vLLM's budget: two packed buckets, plus the tensors of layers
+    not yet complete at their own size. A layer that stays incomplete until the end (one per
+    bucket here) no longer keeps its whole bucket alive: with a buffer per bucket this sync held
+    the whole model at once."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)) for _ in range(8)]
+    trainer = torch.nn.Sequential(*blocks)
+    engine = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))
+                                   for _ in range(8)])
+    delayed = {f"{i}.1" for i in range(8)}  # every block's norm: held to the end
+    out = _RecordingChannel()
+    sender = S.Sender(trainer, "float32", bucket_mb=(32 * 33 * 4 + 2 * 32 * 4 + 256) / 2**20,
+                      channel=out, solo_mb=1.0)
+    assert len(sender.plan) == 8 and all(len(b) > 1 for b in sender.plan)  # a block per bucket
+    sender.send(version=1)
+    worker = _Worker(engine, _ReplayChannel(out.sent))
+    worker.model_runner = _LayerwiseRunner(engine, delayed)
+    worker.receive_weights(1, S.plan_to_plain(sender.plan))
+    for (n, p), q in zip(trainer.named_parameters(), engine.parameters()):
+        assert torch.equal(p, q), n
+    model = sum(S.bucket_size(b) for b in sender.plan)
+    bucket = max(S.bucket_size(b) for b in sender.plan)
+    held_to_end = 8 * 2 * 32 * 4                 # the norms' own bytes
+    layer = 32 * 33 * 4                          # the largest layer in progress
+    peak = worker.weight_sync_memory()["peak"]
+    print(f"peak {peak} B: model {model} B, bucket {bucket} B")
+    assert peak <= 2 * bucket + held_to_end + layer < model
+    worker.weight_channel.buffers.clear()  # the stand-in channel's own references
+    assert worker.weight_sync_memory()["now"] == 0
 
 
 def test_worker_refuses_quantized_and_nz_models(monkeypatch):
