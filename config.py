@@ -23,6 +23,7 @@ from data import DEFAULT_TEMPLATE
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
 
 
 class ConfigError(ValueError):
@@ -311,10 +312,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     need(cfg.eval.split in ("validation", "test"),
          f"eval.split must be 'validation' or 'test', got {cfg.eval.split!r}")
-    import tracking
     for i, name in enumerate(cfg.run.report_to):
-        need(name in tracking.NAMES, f"run.report_to: unknown tracker {name!r} "
-             f"(known: {', '.join(tracking.NAMES)})")
+        need(name in TRACKERS, f"run.report_to: unknown tracker {name!r} "
+             f"(known: {', '.join(TRACKERS)})")
         need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
     for key in ("problem_column", "answer_column", "images_column"):
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")

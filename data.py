@@ -20,28 +20,22 @@ import logging
 import random
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from PIL import Image
 
+# The record and the split names live in synthetic.py, the lower module (imports run one way:
+# data -> synthetic); they are data's names as much as its own.
+from synthetic import SPLITS, Problem, _pyarrow, synthetic_split
+
 log = logging.getLogger("data")
 
-SPLITS = ("train", "validation", "test")
 COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` maps a dataset's own
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
 )
-
-
-@dataclass
-class Problem:
-    index: int  # position in its split; kept when other rows are skipped
-    image: Image.Image | None  # RGB
-    problem: str  # question text without "<image>"
-    answer: str  # gold answer in Geometry3K's spelling
 
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
@@ -183,15 +177,6 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterato
         yield row
 
 
-def _pyarrow():
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise ImportError("parquet files need pyarrow: `pip install pyarrow`, or use jsonl") from None
-    return pyarrow, pyarrow.parquet
-
-
 def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -> Iterator[dict]:
     pa, pq = _pyarrow()
     cols = _mapping(columns)
@@ -226,11 +211,7 @@ def load_split(
     column names; a mapped column that is missing is a ValueError naming the file and column.
     The images column may hold one image per row or a list of exactly one."""
     if source == "synthetic":
-        if split not in SPLITS:
-            raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
-        from synthetic import make_synthetic
-        split_seed = seed * len(SPLITS) + SPLITS.index(split)
-        return make_synthetic(n_synthetic, split_seed, image_size, split=split), []
+        return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size), []
     root = Path(source).expanduser()
     if root.is_dir():
         files = _split_files(root, split)

@@ -26,7 +26,26 @@ from typing import Callable
 
 from PIL import Image, ImageDraw, ImageFont
 
-from data import SPLITS, Problem, _pyarrow, load_split
+SPLITS = ("train", "validation", "test")
+
+
+@dataclass
+class Problem:
+    """One row of any split (data.py loads every source into these; defined here, the lower
+    module, so that imports run one way: data -> synthetic)."""
+    index: int  # position in its split; kept when other rows are skipped
+    image: Image.Image | None  # RGB
+    problem: str  # question text without "<image>"
+    answer: str  # gold answer in Geometry3K's spelling
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError("parquet files need pyarrow: `pip install pyarrow`, or use jsonl") from None
+    return pyarrow, pyarrow.parquet
 
 
 # ---------------------------------------------------------------- answers, Geometry3K spelling
@@ -353,6 +372,15 @@ def make_synthetic(
             for i, s in enumerate(synthetic_specs(n, seed, split))]
 
 
+def synthetic_split(split: str, *, seed: int = 0, n: int = 256,
+                    image_size: int = 112) -> list[Problem]:
+    """The `split` of the synthetic set (`data.source = "synthetic"`): n problems drawn with a
+    seed of the split's own (seed x 3 + the split's number)."""
+    if split not in SPLITS:
+        raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
+    return make_synthetic(n, seed * len(SPLITS) + SPLITS.index(split), image_size, split=split)
+
+
 def _png(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -369,7 +397,7 @@ def write_synthetic(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for split, n in zip(SPLITS, (n_train, n_val, n_test)):
-        rows, _ = load_split("synthetic", split, seed=seed, n_synthetic=n, image_size=image_size)
+        rows = synthetic_split(split, seed=seed, n=n, image_size=image_size)
         if fmt == "jsonl":
             (out / "images" / split).mkdir(parents=True, exist_ok=True)
             lines = []

@@ -33,7 +33,6 @@ import time
 import warnings
 from pathlib import Path
 
-NAMES = ("tensorboard", "wandb", "swanlab")
 DEFAULT_PROJECT = "grpo"  # W&B / SwanLab project unless the caller or the environment names one
 
 
@@ -59,10 +58,11 @@ class Trackers:
         of sections. `start_step` > 0 marks a resumed run: TensorBoard then drops the earlier
         events at or after it. Raises TrackerError naming the first tracker that fails; the ones
         already started are closed first."""
+        from config import TRACKERS  # the names live with the config key (config.py is lower)
         for i, name in enumerate(names):
-            if name not in NAMES:
+            if name not in TRACKERS:
                 raise TrackerError(f"run.report_to: unknown tracker {name!r} "
-                                   f"(choose from {', '.join(NAMES)})")
+                                   f"(choose from {', '.join(TRACKERS)})")
             if name in names[:i]:
                 raise TrackerError(f"run.report_to: {name} is listed twice")
         out_dir, config = Path(out_dir), _plain(config)
