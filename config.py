@@ -67,14 +67,15 @@ def _describe(rule: str) -> str:
 class RunConfig:
     out_dir: str = "runs/tiny"               # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = num(0, ">= 0")               # seeds data order, sampling and the tiny model
-    steps: int = num(20, ">= 0")             # optimizer steps (= weight versions) to run
+    steps: int = num(20, ">= 0")             # rollout steps (= weight versions) to run; each makes train.mini_batches x ppo_epochs optimizer steps
     log_samples: int = num(2, ">= -1")       # decoded responses per step appended to samples.jsonl (-1: every episode)
-    save_every: int = num(0, ">= 0")         # checkpoint every N steps (0: only at the end if keep_last > 0)
+    save_every: int = num(0, ">= 0")         # checkpoint every N rollout steps (0: only at the end if keep_last > 0)
     keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
-    eval_every: int = num(0, ">= 0")         # evaluation every N steps and at the end (0: off); see [eval]
+    eval_every: int = num(0, ">= 0")         # evaluation every N rollout steps and at the end (0: off); see [eval]
     eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
     report_to: list = field(default_factory=list)  # trackers: any of "tensorboard", "wandb", "swanlab"
     allow_config_change: bool = False        # resume although keys that change what the run means differ
+    verbose: bool = False                    # also vLLM's INFO lines and the W&B end-of-run summary (off: warnings only)
 
 
 @dataclass
@@ -150,6 +151,12 @@ class TrainConfig:
     # optimizer steps against logprobs computed once before the first. 1 x 1 = one step, ratio 1.
     mini_batches: int = num(1, ">= 1")
     ppo_epochs: int = num(1, ">= 1")
+    # A reference that moves (TRL's sync_ref_model): every ref_update_every rollout steps, after
+    # the step's updates, ref <- ref_mix_alpha * policy + (1 - ref_mix_alpha) * ref, elementwise
+    # on each rank's shards (TRL counts optimizer steps; the same when mini_batches x ppo_epochs
+    # = 1). Needs loss.kl_coef > 0; the moved reference is saved in every checkpoint. 0: frozen.
+    ref_update_every: int = num(0, ">= 0")
+    ref_mix_alpha: float = num(0.6, "(0, 1]")  # TRL's ref_model_mixup_alpha (its default 0.6)
 
 
 @dataclass
@@ -163,6 +170,11 @@ class LossConfig:
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
+    kl_in_reward: bool = False               # subtract kl_coef x the response's summed KL (proximal vs reference) from its reward before the advantages, instead of a loss term (verl use_kl_in_reward; set kl_estimator = "k1" for verl's default)
+    kl_target: float = num(0.0, ">= 0")      # > 0: adaptive coefficient from kl_coef towards this KL per token (verl / OpenRLHF AdaptiveKLController); 0: fixed
+    kl_horizon: int = num(10000, ">= 1")     # the adaptive controller's horizon, in responses (verl / OpenRLHF default 10000)
+    clip_dual: float = num(0.0, ">= 0")      # objective ppo: dual-clip cap c > 1 on the loss of negative advantages (verl clip_ratio_c, EasyR1 clip_ratio_dual: 3); 0 off
+    entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= entropy_coef x the aggregated entropy (verl entropy_coeff); 0 off
     tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
@@ -184,6 +196,8 @@ class EvalConfig:
     split: str = "validation"                # validation | test
     n: int = num(1, ">= 1")                  # samples per problem: 1 = greedy (Geometry3K-style); > 1 at temperature: pass@1 and pass@n
     temperature: float = num(1.0, "> 0")     # sampling temperature when n > 1
+    max_new_tokens: int = num(0, ">= 0")     # evaluation's own generation limit (0: rollout.max_new_tokens)
+    top_p: float = num(0.0, "[0, 1]")        # evaluation's own top_p when n > 1 (0: rollout.top_p)
     before_start: bool = False               # also evaluate the initial weights before the first step
 
 
@@ -295,6 +309,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"loss.objective: unknown {lo.objective!r} (known: {', '.join(loss.OBJECTIVES)})")
     need(lo.advantage in loss.ADVANTAGES,
          f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(loss.ADVANTAGES)})")
+    need(lo.clip_dual == 0 or lo.clip_dual > 1,
+         f"loss.clip_dual must be > 1 (the dual-clip cap, verl's clip_ratio_c; 0 = off), got {lo.clip_dual}")
+    need(lo.clip_dual == 0 or lo.objective not in ("gspo", "cispo"),
+         f"loss.clip_dual: objective {lo.objective!r} has no dual clip (dual clip belongs to objective 'ppo')")
+    for key, on in (("loss.kl_in_reward", lo.kl_in_reward), ("loss.kl_target", lo.kl_target > 0),
+                    ("train.ref_update_every", cfg.train.ref_update_every > 0)):
+        need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
+             "with 0 there is no reference policy)")
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")

@@ -386,16 +386,18 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens: Tokens,
 
 
 def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer forward: logprobs and entropies of the response tokens of a :func:`collate` batch,
-    aligned with its `response_mask` (zero elsewhere).
+    aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
+    `entropy_grad` (the entropy bonus, `loss.entropy_coef > 0`: its graph keeps a vocabulary-wide
+    tensor per token alive until the backward).
 
     Only the positions that predict a response token go through the LM head (the fp32
     log-softmax over a 150k vocabulary is the largest activation of a step; prompt positions
     would only be masked out).
     """
     if "attention_mask_4d" in batch:
-        return _packed_logprobs(model, batch, tokens, temperature)
+        return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch["input_ids"]
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
@@ -410,11 +412,11 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     shifted = (rows[0], rows[1] + 1)                             # column t holds token t
-    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel.detach())
+    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel if entropy_grad else ent_sel.detach())
 
 
 def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
@@ -429,7 +431,7 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     resp = batch["response_mask"].bool()                         # [B, T], episode-major as pr
     lp = torch.zeros(resp.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(resp.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel.detach())
+    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel if entropy_grad else ent_sel.detach())
 
 
 def packed_positions(model, batch: dict[str, torch.Tensor], tokens: Tokens) -> torch.Tensor:
