@@ -139,6 +139,8 @@ class Progress:
     skipped_in_row: int = 0    # consecutive non-finite steps
     skipped_total: float = 0.0
     resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
+    optimizer_steps: int = 0   # optimizer steps taken (train/optimizer_steps)
+    kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target), None: loss.kl_coef
 
 
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
@@ -181,9 +183,8 @@ def plan_resume(cfg: C.Config, world: W.World, out_dir: Path, resume: str | None
     dist.broadcast_object_list(plan, 0, group=world.ctrl)
     if plan[0]["error"]:
         raise C.ConfigError(plan[0]["error"])
-    m = plan[0].pop("meta")
-    plan[0]["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
-                                    plan[0]["path"]) if m else Progress())
+    m = plan[0].pop("meta")  # the keys of Progress (checkpoint.resume_plan)
+    plan[0]["progress"] = Progress(**m, resumed_from=plan[0]["path"]) if m else Progress()
     if m and world.is_root and not plan[0]["finished"]:
         ckpt.abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
     return plan[0]
@@ -195,7 +196,8 @@ def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict
     tr, progress = s.trainer, plan["progress"]
     if tr is not None:
         rng = ckpt.load(Path(plan["path"]), (tr.policy, tr.opt, tr.sched), world.train_group,
-                        world.is_root, world.trainer_index)
+                        world.is_root, world.trainer_index, ref=tr.ref)
+        tr.kl_coef = progress.kl_coef
         if rng is not None:
             D.set_rng_state(dev, rng)
         T.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
@@ -233,7 +235,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     engine = (R.build_engine(ro, cfg.model, model_path, procs, dev=dev, device=device,
                              local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                             timeout_s=cfg.cluster.timeout_s) if world.is_gen else None)
+                             timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose)
+              if world.is_gen else None)
     problems, n_skipped = load_problems(cfg, "train", procs)
     channel = None
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
@@ -290,7 +293,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         dist.destroy_process_group()
         return 0
     s, progress, rec = started
-    first, pending = progress.step, None
+    first, pending, by_index = progress.step, None, {p.index: p for p in s.problems}
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -314,7 +317,8 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
                    "data/skipped": s.n_skipped, **R.episode_metrics(episodes, stats, progress.version)}
         # 3. train
         live.phase(step, "train")
-        metrics.update(train_phase(cfg, world, s, episodes, progress, step))
+        trained, advantages = train_phase(cfg, world, s, episodes, progress, step)
+        metrics.update(trained)
         # 4. weight sync: trainers -> every engine
         live.phase(step, "sync")
         metrics.update(sync_phase(cfg, world, s, progress))
@@ -327,7 +331,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
             metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
         save_checkpoint(cfg, world, s, dev, out_dir, progress)
         if rec:
-            rec.step(metrics, episodes)
+            rec.step(metrics, episodes, advantages, by_index)
         if too_many_skipped(cfg, world, progress):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
@@ -366,20 +370,23 @@ def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode],
 
 
 def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episode],
-                progress: Progress, step: int) -> dict[str, float]:
-    """One optimizer step on the trainer ranks; counts non-finite (skipped) steps."""
-    out: dict[str, float] = {}
-    t0 = time.perf_counter()
+                progress: Progress, step: int) -> tuple[dict[str, float], list[float]]:
+    """The rollout step's optimizer steps on the trainer ranks; counts non-finite (skipped) ones.
+    Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
+    out, adv, t0 = {}, [], time.perf_counter()
     if s.trainer is not None:
-        out = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
-                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
+        out, adv = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
+                                tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
+        progress.optimizer_steps += round(out["train/updates"] * (1 - out["train/skipped"]))
+        progress.kl_coef = s.trainer.kl_coef
         out["train/skipped_steps"] = progress.skipped_total
+        out["train/optimizer_steps"] = float(progress.optimizer_steps)
     out["time/train_s"] = time.perf_counter() - t0
     if "train/tokens" in out:
         out["time/train_tokens_per_s"] = out["train/tokens"] / max(1e-9, out["time/train_s"])
-    return out
+    return out, adv
 
 
 def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: Progress) -> dict[str, float]:
@@ -404,12 +411,10 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
     due = (r.save_every and done % r.save_every == 0) or done == r.steps
     if r.keep_last <= 0 or not due or tr is None:
         return
+    meta = {k: v for k, v in vars(progress).items() if k != "resumed_from"}  # step = done
     ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr.policy, opt=tr.opt,
-              sched=tr.sched, rng=D.rng_state(dev),
-              meta={"step": done, "version": progress.version,
-                    "skipped_in_row": progress.skipped_in_row,
-                    "skipped_total": progress.skipped_total,
-                    "config": C.to_dict(cfg), "world_size": world.size},
+              sched=tr.sched, rng=D.rng_state(dev), ref=tr.ref if cfg.train.ref_update_every else None,
+              meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
               tokenizer=procs.tokenizer, image_processor=procs.image_processor,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
               is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
@@ -428,11 +433,12 @@ def too_many_skipped(cfg: C.Config, world: W.World, progress: Progress) -> bool:
 # ----------------------------------------------------------------------------- evaluation
 def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder | None,
              after: int, version: int) -> dict[str, float]:
-    """Evaluate after `after` optimizer steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
+    """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
     metrics, eps = E.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
                               seed=cfg.run.seed * 7919 + after)
     if rec:
-        rec.evaluation(after, version, metrics, E.eval_rows(eps))
+        rec.evaluation(after, version, metrics, E.eval_rows(eps, s.eval_set),
+                       E.settings(cfg.eval, cfg.rollout))
     return metrics
 
 
@@ -450,7 +456,8 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     if world.is_gen:
         engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
                                 device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s)
+                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s,
+                                verbose=cfg.run.verbose)
         scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
                                       cfg.reward.max_consecutive_timeouts)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
@@ -458,7 +465,8 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
                         seed=cfg.run.seed * 7919 + max(step, 0))
     if world.is_root:
         print(json.dumps(m))
-        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps), checkpoint=checkpoint)
+        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps, eval_set),
+                                         checkpoint=checkpoint, settings=E.settings(cfg.eval, cfg.rollout))
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()
