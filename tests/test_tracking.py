@@ -176,6 +176,19 @@ def test_wandb_offline_run_has_every_metric_the_config_and_the_samples(offline):
         assert table["data"][0][:2] == [0, RESPONSE] and table["data"][0][-1] == step
 
 
+def test_wandb_end_of_run_block_only_when_verbose(offline, monkeypatch, capfd):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_SILENT")                   # what a user's shell has
+    for verbose in (False, True):
+        tr = T.Trackers.open(["wandb"], offline / str(verbose), CONFIG, run_name="test-run",
+                             verbose=verbose)
+        for step in range(3):
+            tr.log(metrics_at(step), step)
+        tr.close()
+        out = "".join(capfd.readouterr())
+        assert ("Run history:" in out and "Run summary:" in out) == verbose, out
+
+
 def test_swanlab_offline_run_has_every_metric_the_config_and_the_samples(offline):
     pytest.importorskip("swanlab")
     yaml = pytest.importorskip("yaml")
