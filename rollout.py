@@ -99,11 +99,12 @@ def engine_class(name: str) -> type:
 
 
 def build_engine(rc, mc, path: str, procs: M.Processors, *, dev: D.Device, device: torch.device,
-                 local_rank: int, seed: int, timeout_s: float) -> Engine:
-    """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc)."""
+                 local_rank: int, seed: int, timeout_s: float, verbose: bool = False) -> Engine:
+    """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc); `verbose`
+    (run.verbose): the engine's own INFO logging too."""
     return engine_class(rc.engine).from_config(rc, mc, path, procs, dev=dev, device=device,
                                                local_rank=local_rank, seed=seed,
-                                               timeout_s=timeout_s)
+                                               timeout_s=timeout_s, verbose=verbose)
 
 
 class HFEngine:
@@ -118,7 +119,7 @@ class HFEngine:
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int,
-                    timeout_s: float) -> "HFEngine":
+                    timeout_s: float, verbose: bool = False) -> "HFEngine":
         return cls(path, M.DTYPES[mc.dtype], procs.tokens, procs.image_processor, device)
 
     @torch.no_grad()

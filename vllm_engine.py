@@ -147,8 +147,12 @@ class _VLLMProcessHook:
         return (_vllm_process_hook, ())
 
 
-def _prepare_spawn() -> None:
+def _prepare_spawn(verbose: bool = False) -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them."""
+    # vLLM logs at INFO by default (75 of the 104 lines of the CPU vLLM demo): warnings only
+    # unless run.verbose. Read when vLLM is first imported, in this process and in every one it
+    # spawns (they inherit the environment); a level the user set stays.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
@@ -190,7 +194,7 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int,
-                    timeout_s: float) -> "VLLMEngine":
+                    timeout_s: float, verbose: bool = False) -> "VLLMEngine":
         # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
         # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
@@ -198,15 +202,16 @@ class VLLMEngine:
               f"{type(procs.image_processor).__name__}; every vLLM process checks it loads the same",
               flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, verbose=verbose)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
-                 llm_kwargs: dict | None = None):
-        """`llm_kwargs`: more `vllm.LLM` arguments (tests: `distributed_executor_backend`)."""
+                 llm_kwargs: dict | None = None, verbose: bool = False):
+        """`llm_kwargs`: more `vllm.LLM` arguments (tests: `distributed_executor_backend`);
+        `verbose` (run.verbose): vLLM's INFO lines too, else its warnings only."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
-        _prepare_spawn()
+        _prepare_spawn(verbose)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 
