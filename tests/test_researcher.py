@@ -245,6 +245,48 @@ def test_plot_overlays_runs_with_smoothing(tmp_path):
     assert bad.returncode == 2 and "--smooth" in bad.stderr
 
 
+def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
+    """The figure itself: the panels drawn (flat ones left out), the total reward apart from its
+    parts, timing and throughput, distinct styles per key, --keys, and steps and evaluations on
+    one axis (rollout steps done)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "launch" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    d = tmp_path / "run"
+    d.mkdir()
+    rows = [{"step": i, "reward/mean": i / 10, "reward/format": 0.1 * (i % 3),
+             "reward/target_fraction": i / 10, "reward/accuracy": 0.0, "reward/errors": 0.0,
+             "entropy": 1 - i / 20, "kl": 0.0, "train/approx_kl": 0.0, "grad_norm": 1.0 + i,
+             "train/clip_frac_low": 0.0, "train/clip_frac_high": 0.0, "train/lr": 1e-3,
+             "time/step_s": 1.0 + 0.1 * i, "time/generate_s": 0.5, "time/train_s": 0.3 + 0.01 * i,
+             "time/sync_s": 0.1, "time/gen_tokens_per_s": 100.0 + i, "time/train_tokens_per_s": 900.0,
+             **{f"reward/p{j}": j * i / 100 for j in range(8)}} for i in range(8)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "eval.jsonl").write_text(json.dumps({"after": 0, "eval/accuracy": 0.0}) + "\n"
+                                  + json.dumps({"after": 8, "eval/accuracy": 0.5}) + "\n")
+    run = plot.load_run(d)
+    fig = plot.plot([run])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    # KL, clip fractions and lr are flat (all-zero or constant): no panel for them
+    assert set(axes) == {"reward", "reward parts", "eval", "entropy", "grad norm", "time (s)", "tok/s"}
+    assert [ln.get_label() for ln in axes["reward"].lines] == ["reward/mean"]     # total apart
+    parts = {ln.get_label() for ln in axes["reward parts"].lines}
+    assert "reward/mean" not in parts and "reward/errors" not in parts and "reward/accuracy" in parts
+    styles = [(ln.get_marker(), ln.get_linestyle(), ln.get_color()) for ln in axes["reward parts"].lines]
+    assert len(set(styles)) == len(styles) == 11                       # every key its own look
+    assert {ln.get_label() for ln in axes["time (s)"].lines} == {"time/step_s", "time/generate_s",
+                                                                 "time/train_s", "time/sync_s"}
+    assert all(ax.get_xlabel() == "rollout steps done" for ax in axes.values())
+    # one x axis: step row k at k + 1, the evaluation after N rollout steps at N
+    assert list(axes["reward"].lines[0].get_xdata()) == list(range(1, 9))
+    assert list(axes["eval"].lines[0].get_xdata()) == [0, 8]
+    # --keys: exactly those panels, flat ones included when asked for
+    fig = plot.plot([run], keys=["kl", "time/"])
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["kl", "time"]
+    assert plot.main([str(d), "--keys", "nothing/here", "-o", str(tmp_path / "x.png")]) == 2
+
+
 @pytest.mark.slow
 def test_three_ranks_print_library_warnings_once(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
