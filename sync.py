@@ -1,6 +1,6 @@
 """Weight transport from the trainers to the engines, in buckets, with version numbers.
 
-Protocol, per sync (after every optimizer step):
+Protocol, per sync (after every rollout step):
 1. Every trainer rank walks the policy's parameters in one fixed order (`named_parameters`) and
    calls `full_tensor()` on each: FSDP2 shards are all-gathered on the trainer group, so all
    trainer ranks must make the same calls in the same order.

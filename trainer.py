@@ -63,8 +63,8 @@ class Trainer:
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
           channel: S.CommChannel | None = None) -> Trainer:
-    """Policy (FSDP2), optional frozen reference, AdamW, LR schedule over `total_steps` optimizer
-    steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
+    """Policy (FSDP2), optional reference, AdamW, LR schedule over `total_steps` rollout steps,
+    weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     # train(): transformers loads in eval mode, where activation checkpointing never runs
@@ -103,8 +103,9 @@ def quiet_view_warning() -> None:
 
 
 def lr_factor(step: int, tc, total_steps: int) -> float:
-    """The LR multiplier at optimizer step `step` (0-based): linear warm-up over
-    `tc.warmup_steps` ((step + 1) / warmup), then `tc.lr_schedule`: "constant" 1; "linear" from 1
+    """The LR multiplier at rollout step `step` (0-based; the schedule steps once per rollout
+    step): linear warm-up over `tc.warmup_steps` ((step + 1) / warmup), then
+    `tc.lr_schedule`: "constant" 1; "linear" from 1
     down to `min_lr_ratio`; "cosine" half a cosine from 1 to `min_lr_ratio`; the decay runs over
     the steps after the warm-up, t = (step - warmup) / (total - warmup), as transformers'
     schedules do. A pure function of (step, config): a resumed run continues it exactly."""
