@@ -242,7 +242,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
         channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
-                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s)
+                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
+                                        verbose=cfg.run.verbose)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
                   cfg.run.steps, channel) if world.is_trainer else None)
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None

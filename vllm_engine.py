@@ -149,10 +149,7 @@ class _VLLMProcessHook:
 
 def _prepare_spawn(verbose: bool = False) -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them."""
-    # vLLM logs at INFO by default (75 of the 104 lines of the CPU vLLM demo): warnings only
-    # unless run.verbose. Read when vLLM is first imported, in this process and in every one it
-    # spawns (they inherit the environment); a level the user set stays.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    sync.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a

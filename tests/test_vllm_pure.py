@@ -141,6 +141,7 @@ def test_prepare_spawn_cuts_vllm_logging_to_warnings_unless_verbose(monkeypatch)
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
 
 
+@pytest.mark.slow  # imports vLLM (seconds)
 def test_vllm_reads_the_level_before_it_logs():
     """What the setting does in a process that imports vLLM afterwards (as vLLM's spawned
     engine and worker do): INFO lines gone, warnings kept. (Needs vLLM installed.)"""
