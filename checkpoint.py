@@ -280,7 +280,8 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     n_opt = meta["step"] * cfg.train.mini_batches * cfg.train.ppo_epochs
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),
-                meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total")},
+                meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
+                                              "skipped_total")},
                       "optimizer_steps": meta.get("optimizer_steps", n_opt),
                       "kl_coef": meta.get("kl_coef")})
     if changes and not cfg.run.allow_config_change:

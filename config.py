@@ -67,7 +67,8 @@ def _describe(rule: str) -> str:
 class RunConfig:
     out_dir: str = "runs/tiny"               # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = num(0, ">= 0")               # seeds data order, sampling and the tiny model
-    steps: int = num(20, ">= 0")             # rollout steps (= weight versions) to run; each makes train.mini_batches x ppo_epochs optimizer steps
+    steps: int = num(20, ">= 0")             # rollout steps (= weight versions) to run; each makes
+                                             # train.mini_batches x ppo_epochs optimizer steps
     log_samples: int = num(2, ">= -1")       # decoded responses per step appended to samples.jsonl (-1: every episode)
     save_every: int = num(0, ">= 0")         # checkpoint every N rollout steps (0: only at the end if keep_last > 0)
     keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
@@ -75,7 +76,7 @@ class RunConfig:
     eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
     report_to: list = field(default_factory=list)  # trackers: any of "tensorboard", "wandb", "swanlab"
     allow_config_change: bool = False        # resume although keys that change what the run means differ
-    verbose: bool = False                    # also vLLM's INFO lines and the W&B end-of-run summary (off: warnings only)
+    verbose: bool = False                    # also vLLM's INFO lines and W&B's end-of-run summary
 
 
 @dataclass
@@ -170,11 +171,16 @@ class LossConfig:
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
-    kl_in_reward: bool = False               # subtract kl_coef x the response's summed KL (proximal vs reference) from its reward before the advantages, instead of a loss term (verl use_kl_in_reward; set kl_estimator = "k1" for verl's default)
-    kl_target: float = num(0.0, ">= 0")      # > 0: adaptive coefficient from kl_coef towards this KL per token (verl / OpenRLHF AdaptiveKLController); 0: fixed
-    kl_horizon: int = num(10000, ">= 1")     # the adaptive controller's horizon, in responses (verl / OpenRLHF default 10000)
-    clip_dual: float = num(0.0, ">= 0")      # objective ppo: dual-clip cap c > 1 on the loss of negative advantages (verl clip_ratio_c, EasyR1 clip_ratio_dual: 3); 0 off
-    entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= entropy_coef x the aggregated entropy (verl entropy_coeff); 0 off
+    # KL in the reward (verl's use_kl_in_reward) instead of a loss term: each response's reward
+    # becomes r - kl_coef x its summed KL (proximal vs reference, kl_estimator; verl's default is
+    # k1) before the advantages.
+    kl_in_reward: bool = False
+    # Adaptive coefficient (verl's / OpenRLHF's AdaptiveKLController), from kl_coef towards this
+    # KL per token, over a horizon counted in responses; kl_target 0: fixed coefficient.
+    kl_target: float = num(0.0, ">= 0")
+    kl_horizon: int = num(10000, ">= 1")     # verl and OpenRLHF default 10000
+    clip_dual: float = num(0.0, ">= 0")      # ppo: dual-clip cap c > 1 for A < 0 (verl clip_ratio_c: 3); 0 off
+    entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= coef x aggregated entropy (verl entropy_coeff)
     tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss

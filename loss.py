@@ -521,7 +521,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     if k.objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {k.objective!r}; expected one of {tuple(OBJECTIVES)}")
     if k.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {k.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+        raise ValueError(f"unknown kl_estimator {k.kl_estimator!r}; "
+                         f"expected one of {KL_ESTIMATORS}")
     if k.kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {k.kl_coef}")
     if k.kl_clamp < 0:
@@ -563,7 +564,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         metrics = {
             "clip_frac_low": mean(term.clip_low.to(m.dtype)),
             "clip_frac_high": mean(term.clip_high.to(m.dtype)),
-            "clip_frac_dual": mean(term.clip_dual.to(m.dtype)) if term.clip_dual is not None else 0.0,
+            "clip_frac_dual": (mean(term.clip_dual.to(m.dtype)) if term.clip_dual is not None
+                               else 0.0),
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
             "ratio_mean": mean(term.ratio),
             "tis_weight_mean": mean(weight) if weight is not None else 1.0,

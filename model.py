@@ -386,7 +386,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens: Tokens,
 
 
 def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                      temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer forward: logprobs and entropies of the response tokens of a :func:`collate` batch,
     aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
     `entropy_grad` (the entropy bonus, `loss.entropy_coef > 0`: its graph keeps a vocabulary-wide
@@ -412,11 +413,13 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     shifted = (rows[0], rows[1] + 1)                             # column t holds token t
-    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel if entropy_grad else ent_sel.detach())
+    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
+    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel)
 
 
 def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                     temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
@@ -431,7 +434,8 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     resp = batch["response_mask"].bool()                         # [B, T], episode-major as pr
     lp = torch.zeros(resp.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(resp.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel if entropy_grad else ent_sel.detach())
+    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
+    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel)
 
 
 def packed_positions(model, batch: dict[str, torch.Tensor], tokens: Tokens) -> torch.Tensor:

@@ -376,8 +376,8 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
     out, adv, t0 = {}, [], time.perf_counter()
     if s.trainer is not None:
-        out, adv = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
-                                tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
+        out, adv = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs, step=step,
+                                tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
         progress.optimizer_steps += round(out["train/updates"] * (1 - out["train/skipped"]))
@@ -414,7 +414,8 @@ def save_checkpoint(cfg: C.Config, world: W.World, s: Setup, dev: D.Device, out_
         return
     meta = {k: v for k, v in vars(progress).items() if k != "resumed_from"}  # step = done
     ckpt.save(out_dir / "checkpoints" / f"step_{done:06d}", policy=tr.policy, opt=tr.opt,
-              sched=tr.sched, rng=D.rng_state(dev), ref=tr.ref if cfg.train.ref_update_every else None,
+              sched=tr.sched, rng=D.rng_state(dev),
+              ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one: its state too
               meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
               tokenizer=procs.tokenizer, image_processor=procs.image_processor,
               dtype=M.DTYPES[cfg.model.dtype], train_group=world.train_group,
@@ -457,8 +458,8 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     if world.is_gen:
         engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev,
                                 device=rank_device(cfg, world, dev), local_rank=world.local_rank,
-                                seed=cfg.run.seed + world.gen_index, timeout_s=cfg.cluster.timeout_s,
-                                verbose=cfg.run.verbose)
+                                seed=cfg.run.seed + world.gen_index,
+                                timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose)
         scorer = rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
                                       cfg.reward.max_consecutive_timeouts)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
@@ -467,7 +468,7 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, checkpoint
     if world.is_root:
         print(json.dumps(m))
         path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps, eval_set),
-                                         checkpoint=checkpoint, settings=E.settings(cfg.eval, cfg.rollout))
+                                         checkpoint, E.settings(cfg.eval, cfg.rollout))
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()

@@ -52,13 +52,13 @@ _SUMMED = ("kl", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mea
 @dataclass
 class Trainer:
     policy: Any              # the model, sharded with FSDP2 over the trainer mesh
-    ref: Any                 # reference policy (only when loss.kl_coef > 0), else None; moves with train.ref_update_every
+    ref: Any                 # reference (only when loss.kl_coef > 0), else None; mix_reference
     opt: torch.optim.Optimizer
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
-    kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target > 0); None: loss.kl_coef
+    kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
 
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
@@ -75,7 +75,7 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     M.apply_fsdp(policy, mesh, mixed_precision=mc.mixed_precision,
                  checkpointing=mc.activation_checkpointing)
     ref = None
-    if lc.kl_coef > 0:  # reference, sharded like the policy (mix_reference relies on it); only when used
+    if lc.kl_coef > 0:  # reference, sharded like the policy (mix_reference needs it); if used
         ref = M.apply_fsdp(M.load_model(model_path, torch.float32, device).eval(), mesh,
                            mixed_precision=mc.mixed_precision)
         ref.requires_grad_(False)
@@ -219,7 +219,7 @@ def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, An
 @torch.no_grad()
 def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
                       images: Mapping[int, Any], *, procs: M.Processors, lc, tc,
-                      temperature: float) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+                      temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
     when there is one, and the response mask, one `([b, L], [b, L] | None, [b, L])` triple per
     micro-batch of `plan` (the same plan the updates use, so the tensors line up with their
@@ -261,7 +261,8 @@ def mix_reference(ref, policy, alpha: float) -> None:
     root unit holds unsharded copies, which a mix would write into and the next reshard drop."""
     reshard(ref)
     reshard(policy)
-    for (name, r), (other, p) in zip(ref.named_parameters(), policy.named_parameters(), strict=True):
+    pairs = zip(ref.named_parameters(), policy.named_parameters(), strict=True)
+    for (name, r), (other, p) in pairs:
         rl, pl = _local(r), _local(p)
         if name != other or rl.shape != pl.shape:
             raise RuntimeError(f"reference and policy are not sharded alike: {name} "
@@ -399,7 +400,8 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     # Which responses count is decided on the task reward (the generation side refilled on it).
     keep = L.keep_mask(scores, rc.group_size, truncated, drop_zero_variance=lc.drop_zero_variance,
                        exclude_truncated=lc.exclude_truncated)
-    n_dropped = int(L.zero_variance_groups(scores, rc.group_size).sum()) if lc.drop_zero_variance else 0
+    n_dropped = (int(L.zero_variance_groups(scores, rc.group_size).sum())
+                 if lc.drop_zero_variance else 0)
     # Excluded episodes stay in the micro-batches with a zero mask, so every trainer rank runs
     # the same number of forward/backward passes (FSDP collectives); they leave the loss and its
     # denominator (loss.py's convention). With rollout refill (DAPO dynamic sampling) the

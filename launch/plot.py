@@ -33,8 +33,8 @@ from pathlib import Path
 EVAL_SKIP = ("eval/n", "eval/samples", "eval/response_len")
 PANELS = [  # (short title, key filter, log scale)
     ("reward", lambda k: k == "reward/mean", False),
-    ("reward parts", lambda k: k.startswith("reward/") and k not in ("reward/mean", "reward/errors"),
-     False),
+    ("reward parts", lambda k: k.startswith("reward/")
+     and k not in ("reward/mean", "reward/errors"), False),
     ("eval", lambda k: k.startswith("eval/") and k not in EVAL_SKIP, False),
     ("length", lambda k: k in ("response_len/mean", "eval/response_len"), False),
     ("truncated", lambda k: k == "response/truncated_frac", False),
