@@ -1,12 +1,14 @@
 """Checkpoints: an HF-format export for evaluation tools, and the exact training state to resume.
 
-A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = optimizer steps done):
+A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = rollout steps done):
 - `hf/`: safetensors weights (the checkpoint layout `save_pretrained` writes: MoE experts per
   expert), config, generation config, tokenizer, chat template and (VLMs) image-processor files. `transformers`
   `from_pretrained`, vLLM and VLMEvalKit load it directly.
 - `state/`: the sharded policy and optimizer through `torch.distributed.checkpoint` (each trainer
-  rank writes its own shards), plus `meta.pt`: step, weight version, LR schedule, RNG states of
-  every trainer rank, consecutive skipped steps. The data position is the step itself (the
+  rank writes its own shards), and the reference policy's when it moves (`train.ref_update_every`;
+  a frozen one is rebuilt from the model), plus `meta.pt`: step, weight version, LR schedule,
+  RNG states of every trainer rank, consecutive skipped steps, optimizer steps taken, the
+  adaptive KL coefficient. The data position is the step itself (the
   problem stream is a pure function of seed and step).
 - `manifest.json`: every other file's size and CRC-32, written last; a resume checks them first,
   so a deleted, truncated or overwritten file is named before anything is loaded.
@@ -50,7 +52,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_state_dict)
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from failures import Fatal, StartError, causes, fault_active, one_line
 
@@ -149,6 +152,8 @@ class Progress:
     skipped_in_row: int = 0    # consecutive non-finite steps
     skipped_total: float = 0.0
     resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
+    optimizer_steps: int = 0   # optimizer steps taken (train/optimizer_steps)
+    kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target), None: loss.kl_coef
 
 
 def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
@@ -162,19 +167,19 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
     due = (r.save_every and done % r.save_every == 0) or done == r.steps
     if r.keep_last <= 0 or not due or tr is None:
         return
+    meta = {k: v for k, v in vars(progress).items() if k != "resumed_from"}  # step = done
     save(root(out_dir) / f"step_{done:06d}", policy=tr.policy, opt=tr.opt, sched=tr.sched,
-         rng=D.rng_state(dev),
-         meta={"step": done, "version": progress.version, "skipped_in_row": progress.skipped_in_row,
-               "skipped_total": progress.skipped_total, "config": C.to_dict(cfg),
-               "world_size": world.size},
+         rng=D.rng_state(dev), ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one
+         meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
          procs=procs, source=source, dtype=getattr(torch, cfg.model.dtype), train_group=world.train_group,
          is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
 def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, source: str,
          dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
-         protect: str | Path | None = None) -> None:
-    """Collective over the trainer ranks. Rank 0 writes the HF export and the manifest, and
+         protect: str | Path | None = None, ref=None) -> None:
+    """Collective over the trainer ranks; `ref`: a reference policy whose state is saved too (one
+    that moves). Rank 0 writes the HF export and the manifest, and
     renames at the end. A failure raises :class:`failures.Fatal` naming the cause (a full disk
     is named as such); the previous checkpoint stays. Rotation keeps the last `keep_last`, and
     never deletes `protect` (the checkpoint this run resumed from)."""
@@ -182,7 +187,7 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, 
     try:
         _write(tmp, policy=policy, opt=opt, sched=sched, meta=meta, rng=rng, procs=procs,
                source=source, dtype=dtype, train_group=train_group,
-               is_root=is_root)
+               is_root=is_root, ref=ref)
     except (Exception, CheckpointException) as e:
         raise Fatal(_save_failed(path_final, tmp, e, is_root)) from e
     if fault_active("checkpoint_before_rename", meta["step"]):  # tests: die mid-write
@@ -200,7 +205,7 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, 
 
 
 def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
-           train_group, is_root) -> None:
+           train_group, is_root, ref=None) -> None:
     if is_root:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
@@ -213,8 +218,10 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
     model_sd, optim_sd = get_state_dict(policy, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"),
-             process_group=train_group)
+    state = {"model": model_sd, "optim": optim_sd}
+    if ref is not None:
+        state["ref"] = get_model_state_dict(ref)
+    dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=train_group)
     if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state"))
     metas: list = [None] * dist.get_world_size(train_group)
@@ -312,11 +319,16 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
                         f"{n_trainers} of {world_size}"))
     schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
     listed = set(C.MEANING_KEYS + schedule)
+    # A checkpoint written before optimizer_steps was kept: its steps times the updates configured.
+    n_opt = meta["step"] * cfg.train.mini_batches * cfg.train.ppo_epochs
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),
                 other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys()
                                                              if k not in listed)),
-                meta={k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total")})
+                meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
+                                              "skipped_total")},
+                      "optimizer_steps": meta.get("optimizer_steps", n_opt),
+                      "kl_coef": meta.get("kl_coef")})
     if changes and not cfg.run.allow_config_change:
         plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
                          + " would change what the run means; set --run.allow_config_change=true "
@@ -336,8 +348,7 @@ def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
     if p["error"]:
         raise C.ConfigError(p["error"])
     m = p.pop("meta")
-    p["progress"] = (Progress(m["step"], m["version"], m["skipped_in_row"], m["skipped_total"],
-                              p["path"]) if m else Progress())
+    p["progress"] = Progress(**m, resumed_from=p["path"]) if m else Progress()
     if m and world.is_root and not p["finished"]:
         abandon_newer(out_dir, m["step"])  # this run owns its branch from here on
     return p
@@ -362,7 +373,8 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
             try:
                 meta = read_meta(Path(c))
                 meta = {k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total",
-                                              "config", "world_size", "rng", "sched") if k in meta}
+                                              "optimizer_steps", "kl_coef", "config", "world_size",
+                                              "rng", "sched") if k in meta}
                 for key in ("step", "version", "skipped_in_row", "skipped_total", "rng", "sched"):
                     meta[key]  # noqa: B018 - a KeyError names what is missing
                 meta["trainers"] = len(meta.pop("rng"))
@@ -384,13 +396,16 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
     return None
 
 
-def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: int) -> dict | None:
+def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: int,
+         ref=None) -> dict | None:
     """Restore (policy, optimizer, schedule) in place from the picked checkpoint on every trainer
-    rank (collective over them). Returns this rank's RNG state, or None when the checkpoint was
+    rank (collective over them), and `ref` (the reference policy) when the checkpoint holds its
+    state (it moved; else `ref` stays as built, which is what it was then). Returns this rank's
+    RNG state, or None when the checkpoint was
     written by another number of trainer ranks: weights and optimizer state are resharded by
     DCP, each rank keeps its seeded RNG (said once). A load that fails stops the run naming the
     checkpoint (:class:`StartError`)."""
-    problem, meta = _load(path, state, train_group, is_root)  # the same problem on every rank
+    problem, meta = _load(path, state, train_group, is_root, ref)  # the same problem on every rank
     if problem is not None:
         raise StartError(f"checkpoint {path} is damaged: {problem}; move it aside to resume from "
                          "an older one")
@@ -484,16 +499,22 @@ def _legacy_problem(path: Path) -> str | None:
     return None
 
 
-def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | None, dict | None]:
-    """Restore policy, optimizer, schedule in place from `path` on every trainer rank; returns
-    (the first rank's error or None, this rank's meta)."""
+def _load(path: Path, state: tuple, train_group, is_root: bool,
+          ref=None) -> tuple[str | None, dict | None]:
+    """Restore policy, optimizer, schedule (and `ref` if saved) in place from `path` on every
+    trainer rank; returns (the first rank's error or None, this rank's meta)."""
     policy, opt, sched = state
     problem, meta = None, None
     try:
         model_sd, optim_sd = get_state_dict(policy, opt)
         sd = {"model": model_sd, "optim": optim_sd}
+        saved = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+        if ref is not None and any(k.startswith("ref.") for k in saved):
+            sd["ref"] = get_model_state_dict(ref)
         dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
         set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        if "ref" in sd:
+            set_model_state_dict(ref, sd["ref"])
     except (Exception, CheckpointException) as e:
         problem = f"state/: cannot be loaded ({one_line(e)})"
     if problem is None:

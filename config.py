@@ -23,6 +23,7 @@ from data import DEFAULT_TEMPLATE
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
 
 
 class ConfigError(ValueError):
@@ -71,14 +72,16 @@ def _describe(rule: str) -> str:
 class RunConfig:
     out_dir: str = "runs/tiny"               # run folder: config.toml, metrics.jsonl, samples.jsonl, checkpoints
     seed: int = num(0, ">= 0")               # seeds data order, sampling and the tiny model
-    steps: int = num(20, ">= 0")             # optimizer steps (= weight versions) to run
+    steps: int = num(20, ">= 0")             # rollout steps (= weight versions) to run; each makes
+                                             # train.mini_batches x ppo_epochs optimizer steps
     log_samples: int = num(2, ">= -1")       # decoded responses per step appended to samples.jsonl (-1: every episode)
-    save_every: int = num(0, ">= 0")         # checkpoint every N steps (0: only at the end if keep_last > 0)
+    save_every: int = num(0, ">= 0")         # checkpoint every N rollout steps (0: only at the end if keep_last > 0)
     keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
-    eval_every: int = num(0, ">= 0")         # evaluation every N steps and at the end (0: off); see [eval]
+    eval_every: int = num(0, ">= 0")         # evaluation every N rollout steps and at the end (0: off); see [eval]
     eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
     report_to: list = field(default_factory=list)  # trackers: any of "tensorboard", "wandb", "swanlab"
     allow_config_change: bool = False        # resume although keys that change what the run means differ
+    verbose: bool = False                    # also vLLM's INFO lines and W&B's end-of-run summary
 
 
 @dataclass
@@ -168,6 +171,12 @@ class TrainConfig:
     # optimizer steps against logprobs computed once before the first. 1 x 1 = one step, ratio 1.
     mini_batches: int = num(1, ">= 1")
     ppo_epochs: int = num(1, ">= 1")
+    # A reference that moves (TRL's sync_ref_model): every ref_update_every rollout steps, after
+    # the step's updates, ref <- ref_mix_alpha * policy + (1 - ref_mix_alpha) * ref, elementwise
+    # on each rank's shards (TRL counts optimizer steps; the same when mini_batches x ppo_epochs
+    # = 1). Needs loss.kl_coef > 0; the moved reference is saved in every checkpoint. 0: frozen.
+    ref_update_every: int = num(0, ">= 0")
+    ref_mix_alpha: float = num(0.6, "(0, 1]")  # TRL's ref_model_mixup_alpha (its default 0.6)
 
 
 @dataclass
@@ -181,6 +190,16 @@ class LossConfig:
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
+    # KL in the reward (verl's use_kl_in_reward) instead of a loss term: each response's reward
+    # becomes r - kl_coef x its summed KL (proximal vs reference, kl_estimator; verl's default is
+    # k1) before the advantages.
+    kl_in_reward: bool = False
+    # Adaptive coefficient (verl's / OpenRLHF's AdaptiveKLController), from kl_coef towards this
+    # KL per token, over a horizon counted in responses; kl_target 0: fixed coefficient.
+    kl_target: float = num(0.0, ">= 0")
+    kl_horizon: int = num(10000, ">= 1")     # verl and OpenRLHF default 10000
+    clip_dual: float = num(0.0, ">= 0")      # ppo: dual-clip cap c > 1 for A < 0 (verl clip_ratio_c: 3); 0 off
+    entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= coef x aggregated entropy (verl entropy_coeff)
     tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
@@ -202,6 +221,8 @@ class EvalConfig:
     split: str = "validation"                # validation | test
     n: int = num(1, ">= 1")                  # samples per problem: 1 = greedy (Geometry3K-style); > 1 at temperature: pass@1 and pass@n
     temperature: float = num(1.0, "> 0")     # sampling temperature when n > 1
+    max_new_tokens: int = num(0, ">= 0")     # evaluation's own generation limit (0: rollout.max_new_tokens)
+    top_p: float = num(0.0, "[0, 1]")        # evaluation's own top_p when n > 1 (0: rollout.top_p)
     before_start: bool = False               # also evaluate the initial weights before the first step
 
 
@@ -296,7 +317,7 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
+def validate(cfg: Config) -> None:
     """Cross-field rules; each failure is a one-line ConfigError naming the key."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -318,6 +339,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"loss.objective: unknown {lo.objective!r} (known: {', '.join(loss.OBJECTIVES)})")
     need(lo.advantage in loss.ADVANTAGES,
          f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(loss.ADVANTAGES)})")
+    need(lo.clip_dual == 0 or lo.clip_dual > 1,
+         f"loss.clip_dual must be > 1 (the dual-clip cap, verl's clip_ratio_c; 0 = off), got {lo.clip_dual}")
+    need(lo.clip_dual == 0 or lo.objective not in ("gspo", "cispo"),
+         f"loss.clip_dual: objective {lo.objective!r} has no dual clip (dual clip belongs to objective 'ppo')")
+    for key, on in (("loss.kl_in_reward", lo.kl_in_reward), ("loss.kl_target", lo.kl_target > 0),
+                    ("train.ref_update_every", cfg.train.ref_update_every > 0)):
+        need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
+             "with 0 there is no reference policy)")
     need(not ro.max_staleness or lo.tis_cap > 0,
          "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
          "the engine's logprobs corrects the one-step-stale samples")
@@ -335,10 +364,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     need(cfg.eval.split in ("validation", "test"),
          f"eval.split must be 'validation' or 'test', got {cfg.eval.split!r}")
-    import tracking
     for i, name in enumerate(cfg.run.report_to):
-        need(name in tracking.NAMES, f"run.report_to: unknown tracker {name!r} "
-             f"(known: {', '.join(tracking.NAMES)})")
+        need(name in TRACKERS, f"run.report_to: unknown tracker {name!r} "
+             f"(known: {', '.join(TRACKERS)})")
         need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
     for key in ("problem_column", "answer_column"):
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
@@ -356,16 +384,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_model_path(cfg.model.path)
     need(not data.source_problem(cfg.data.source),
          f"data.source: {data.source_problem(cfg.data.source)}")
-    if world_size is not None:
-        validate_world(cfg, world_size)
 
 
 def check_model_path(path: str) -> None:
     """`model.path` names a family of the table: a tiny one ("tiny-<model_type>"), or a local
     folder whose config.json says its model_type (a hub id is checked once downloaded)."""
     import families as F
-    from model import tiny_type
-    kind = tiny_type(path)
+    kind = F.tiny_type(path)
     if kind is not None:
         if kind not in F.FAMILIES:
             raise ConfigError(f"model.path={path}: no tiny model of {kind!r} (known: tiny, "
@@ -377,55 +402,6 @@ def check_model_path(path: str) -> None:
     if kind and kind not in F.FAMILIES:
         raise ConfigError(f"model.path={path}: model_type {kind!r} is not a supported family "
                           f"(supported: {', '.join(F.supported())})")
-
-
-def validate_world(cfg: Config, world_size: int, device: str | None = None,
-                   dry_run: bool = False) -> None:
-    """Rules that depend on the launch: how many ranks train and generate (world.split_roles),
-    and on which device kind (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without
-    GRPO_DEVICE; None: not checked). `dry_run`: every node of the plan (cluster.nnodes x
-    cluster.nproc_per_node) must fit in cluster.devices_per_node devices; a run checks each node
-    against its own device count instead (world.setup)."""
-    from world import check_node_devices, split_roles
-    c, ro = cfg.cluster, cfg.rollout
-    try:
-        trainers, gens = split_roles(world_size, c.gen_ranks)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    n_train, n_gen = len(trainers), len(gens)
-    if ro.max_staleness and world_size == 1:
-        raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
-                          "cannot overlap generation with training)")
-    if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1:
-        raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
-                          "would share one device (NCCL/HCCL refuse that; vLLM takes "
-                          "rollout.gpu_memory_utilization of it); launch 2+ ranks or use engine 'hf'")
-    if dry_run and device not in (None, "cpu") and world_size > 1:
-        per = c.nproc_per_node
-        for node in range(world_size // per):
-            try:  # tensor_parallel_size > 1 is vLLM's alone (validate), so it is the engine's span
-                check_node_devices(node, node * per, per, n_train, ro.tensor_parallel_size,
-                                   c.devices_per_node, "cluster.devices_per_node")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-    if device == "npu":
-        import device as D
-        try:
-            D.hccl_env(c.timeout_s)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if ro.prompts_per_step % n_gen:
-        raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide evenly over "
-                          f"{n_gen} generation ranks")
-    n = ro.prompts_per_step * ro.group_size
-    if n % n_train:
-        raise ConfigError(f"rollout.prompts_per_step * rollout.group_size = {n} must divide evenly "
-                          f"over {n_train} trainer ranks")
-    mb = cfg.train.mini_batches
-    if n % (n_train * mb):
-        raise ConfigError(f"train.mini_batches={mb}: the {n} episodes of a step must split into "
-                          f"{mb} mini-batches of equal shares over {n_train} trainer ranks "
-                          f"({n} % ({n_train} x {mb}) != 0)")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -26,40 +26,23 @@ import logging
 import random
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from PIL import Image
 
+# The record and the split names live in synthetic.py, the lower module (imports run one way:
+# data -> synthetic); they are data's names as much as its own.
+from synthetic import IMAGE_MARKER, SPLITS, SYNTHETIC, Problem, _pyarrow, synthetic_split
+
 log = logging.getLogger("data")
 
-SPLITS = ("train", "validation", "test")
-SYNTHETIC = ("synthetic", "synthetic-text")  # the offline sets (synthetic.py)
 COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` maps a dataset's own
 #                                           ("images": "" = a text-only set)
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
 )
-
-
-IMAGE_MARKER = "<image>"
-
-
-@dataclass
-class Problem:
-    index: int  # position in its split; kept when other rows are skipped
-    images: list  # RGB PIL images, in prompt order (none for a text-only set)
-    problem: str  # question text without "<image>" markers (what rewards and records see)
-    answer: str  # gold answer in the dataset's spelling
-    raw: str = ""  # the question text with its "<image>" markers, where one follows some text
-    columns: dict = field(default_factory=dict)  # every other column of the row (rewards)
-
-    @property
-    def image(self) -> Image.Image | None:
-        """The first image (single-image sets; None for a text-only problem)."""
-        return self.images[0] if self.images else None
 
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
@@ -217,15 +200,6 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterato
         yield row
 
 
-def _pyarrow():
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise ImportError("parquet files need pyarrow: `pip install pyarrow`, or use jsonl") from None
-    return pyarrow, pyarrow.parquet
-
-
 def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -> Iterator[dict]:
     pa, pq = _pyarrow()
     cols = _mapping(columns)
@@ -261,13 +235,8 @@ def load_split(
     ValueError naming the file and column. The images column may hold one image per row or a
     list of them."""
     if source in SYNTHETIC:
-        if split not in SPLITS:
-            raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
-        import synthetic
-        split_seed = seed * len(SPLITS) + SPLITS.index(split)
-        if source == "synthetic-text":
-            return synthetic.make_synthetic_text(n_synthetic, split_seed, split=split), []
-        return synthetic.make_synthetic(n_synthetic, split_seed, image_size, split=split), []
+        return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
+                               text=source == "synthetic-text"), []
     root = Path(source).expanduser()
     if root.is_dir():
         files = _split_files(root, split)

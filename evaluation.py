@@ -3,7 +3,9 @@
 Greedy decoding when `eval.n = 1` (Geometry3K-style), else n samples per problem at
 `eval.temperature`: every reward part's mean over all samples (pass@1 for a 0/1 part such as the
 verifier's `accuracy`) and, with n > 1, the mean over problems of the best of its n samples
-(pass@n). Collective over the world; the generation ranks split the problems.
+(pass@n). `eval.max_new_tokens` and `eval.top_p` override the rollout's for evaluation (0: the
+rollout's; verl's `val_kwargs`, EasyR1's `val_override_config`). Collective over the world; the
+generation ranks split the problems.
 """
 from __future__ import annotations
 
@@ -22,9 +24,7 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: M.Pr
     ev, ro = cfg.eval, cfg.rollout
     local: tuple[list, dict] = ([], {})
     if world.is_gen:
-        sp = (R.Sampling(n=1, greedy=True, max_new_tokens=ro.max_new_tokens) if ev.n == 1 else
-              R.Sampling(n=ev.n, temperature=ev.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                         max_new_tokens=ro.max_new_tokens))
+        sp = sampling(ev, ro)
         local = R.rollout(engine, problems[world.gen_index::len(world.gens)], procs, sp,
                           cfg.data.template, scorer, version, group_offset=0,
                           seed=seed + world.gen_index)
@@ -46,13 +46,35 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: M.Pr
     return out, eps
 
 
-def eval_rows(eps: list[R.Episode]) -> list[dict]:
-    """An evaluation's generations, one row per sample (eval/step_N.jsonl)."""
+def sampling(ev, ro) -> R.Sampling:
+    """Evaluation's decoding from `[eval]` (ev) over `[rollout]` (ro): greedy when eval.n = 1,
+    else eval.n samples at eval.temperature; eval.max_new_tokens / eval.top_p when set (> 0),
+    else the rollout's; top_k is the rollout's."""
+    limit = ev.max_new_tokens or ro.max_new_tokens
+    if ev.n == 1:
+        return R.Sampling(n=1, greedy=True, max_new_tokens=limit)
+    return R.Sampling(n=ev.n, temperature=ev.temperature, top_p=ev.top_p or ro.top_p,
+                      top_k=ro.top_k, max_new_tokens=limit)
+
+
+def settings(ev, ro) -> dict:
+    """What an eval.jsonl row records about how it was made: the split, samples per problem and
+    the decoding used (greedy is written as temperature 0.0, top_p 1.0)."""
+    sp = sampling(ev, ro)
+    return {"split": ev.split, "n": ev.n, "temperature": 0.0 if sp.greedy else sp.temperature,
+            "top_p": 1.0 if sp.greedy else sp.top_p, "max_new_tokens": sp.max_new_tokens}
+
+
+def eval_rows(eps: list[R.Episode], problems: list) -> list[dict]:
+    """An evaluation's generations, one row per sample (eval/step_N.jsonl), each with its
+    problem text and gold answer (`problems`: the evaluation set, looked up by index)."""
+    by_index = {p.index: p for p in problems}
     seen: dict[int, int] = {}
     rows = []
     for e in eps:
         j = seen[e.index] = seen.get(e.index, -1) + 1
-        rows.append({"index": e.index, "sample": j, "reward": e.reward, "parts": e.parts,
-                     "length": len(e.response_ids), "truncated": e.truncated, "version": e.version,
-                     "response": e.text})
+        p = by_index[e.index]
+        rows.append({"index": e.index, "sample": j, "problem": p.problem, "gold": p.answer,
+                     "reward": e.reward, "parts": e.parts, "length": len(e.response_ids),
+                     "truncated": e.truncated, "version": e.version, "response": e.text})
     return rows

@@ -172,6 +172,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
 ]}
 
 DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
+TINY = "tiny"  # `model.path = "tiny"`: the default family's tiny model; "tiny-<model_type>" any
+
+
+def tiny_type(path: str) -> str | None:
+    """The family `model.path` asks to build ("tiny" -> the default one), or None for a real
+    path (the name may be outside the table: the caller refuses it)."""
+    if path == TINY:
+        return DEFAULT_TINY
+    if path.startswith(TINY + "-"):
+        return path[len(TINY) + 1:]
+    return None
 
 
 def supported() -> list[str]:

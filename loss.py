@@ -27,18 +27,30 @@ masked responses in its sequence counts; here a dropped response never dilutes t
 The convention holds for every objective: GSPO's sequence ratio of an excluded response is
 never formed from its tokens (its mask is zero), and it adds nothing to any denominator.
 
-A new objective is one new function with the signature of :func:`ppo_term` (per-token loss,
-the ratio it clips, which tokens its clip bounds), registered in :data:`OBJECTIVES`;
-:func:`policy_loss` composes it with TIS, :func:`kl_penalty` and :func:`aggregate`.
+A new objective is one function registered with ``@objective("name")`` (as reward functions
+are with ``rewards.register``): ``fn(logprobs, old_logprobs, advantages, mask, lc) -> Term``, where
+``lc`` is the ``[loss]`` section (``config.LossConfig``, or a subclass carrying the objective's own
+keys), read as the function likes. :func:`policy_loss` passes the section through unchanged and
+composes the term with TIS, :func:`kl_penalty`, the entropy bonus and :func:`aggregate`, so a new
+objective with a new key is one function plus one config field, with no edit to
+:func:`policy_loss` or to the trainer's call.
 
-Left out on purpose: dual-clip PPO (EasyR1's ``clip_ratio_dual = 3``), value functions, entropy
-bonus, and the ``[-20, 20]`` log-ratio clamps verl and EasyR1 put on the policy ratio for
-stability (the formulas here are exactly those in the docstrings, so an independent
-implementation matches to rounding). The KL clamp is opt-in (``kl_clamp``, :func:`kl_penalty`).
+Built in on top of the clipped surrogate: dual-clip PPO (``clip_dual``, verl's ``clip_ratio_c``,
+EasyR1's ``clip_ratio_dual``; off by default here, where verl and EasyR1 default to 3) and an
+entropy bonus (``entropy_coef``, verl's ``entropy_coeff``). For the KL, besides the penalty in the
+loss: the penalty subtracted from the reward before the advantages (:func:`sequence_kl`, verl's
+``use_kl_in_reward``) and the adaptive coefficient (:func:`adaptive_kl_coef`, the controller of
+verl and OpenRLHF).
+
+Left out on purpose: value functions and the ``[-20, 20]`` log-ratio clamps verl and EasyR1 put
+on the policy ratio for stability (the formulas here are exactly those in the docstrings, so an
+independent implementation matches to rounding). The KL clamp is opt-in (``kl_clamp``,
+:func:`kl_penalty`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -122,18 +134,28 @@ def keep_mask(rewards: Tensor, group_size: int, truncated: Tensor | None = None,
 
 # --------------------------------------------------------------------------- per-token terms
 def clipped_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
-               clip_low: float = 0.2, clip_high: float = 0.28) -> tuple[Tensor, Tensor]:
+               clip_low: float = 0.2, clip_high: float = 0.28,
+               clip_dual: float = 0.0) -> tuple[Tensor, Tensor]:
     """PPO/GRPO clipped surrogate per token, and the ratio.
 
     ``rho = exp(logprobs - old_logprobs)``;
     ``loss = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)``.
     Decoupled bounds are DAPO's clip-higher (0.2 / 0.28); 0.2 / 0.2 is the original PPO/GRPO.
+
+    Dual clip (Ye et al. 2020, arXiv 1912.09729; ``clip_dual = c > 1``, 0 = off): where ``A < 0``
+    the loss is further capped, ``loss = min(loss, -A * c)``, so a token whose ratio grew far
+    beyond the trust region under a negative advantage stops pushing (its gradient is 0 there).
+    As verl's ``compute_policy_loss_vanilla`` (``clip_ratio_c``) computes it:
+    ``where(A < 0, min(-A * c, max(-A rho, -A clip(rho))), max(-A rho, -A clip(rho)))``.
     Returns ``(loss [B, T], rho [B, T])``.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     a = advantages.unsqueeze(-1)                          # [B, 1]
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return -torch.minimum(ratio * a, clipped * a), ratio
+    loss = -torch.minimum(ratio * a, clipped * a)
+    if clip_dual:
+        loss = torch.where(a < 0, torch.minimum(loss, -a * clip_dual), loss)
+    return loss, ratio
 
 
 def tis_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
@@ -147,31 +169,75 @@ def tis_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> 
 
 
 # --------------------------------------------------------------------------- objectives
-# Each objective: (logprobs, old_logprobs, advantages, mask, clip_low, clip_high) ->
-# (per-token loss [B, T], the ratio it clips [B, T], low clip active [B, T], high clip active
-# [B, T]). The flags feed train/clip_frac_low / _high: the share of response tokens where that
-# bound changes the gradient.
+class Term(NamedTuple):
+    """What an objective returns. The flags feed ``train/clip_frac_low`` / ``_high`` /
+    ``_dual``: the share of (kept) response tokens where that bound changes the gradient."""
+    loss: Tensor                     # [B, T] per-token loss, before TIS, KL and entropy terms
+    ratio: Tensor                    # [B, T] the ratio it clips (train/ratio_mean)
+    clip_low: Tensor                 # bool [B, T]: the lower bound is active
+    clip_high: Tensor                # bool [B, T]: the upper bound is active
+    clip_dual: Tensor | None = None  # bool [B, T]: dual-clip's cap is active (None: no such bound)
+
+
+Objective = Callable[[Tensor, Tensor, Tensor, Tensor, Any], Term]
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def objective(name: str) -> Callable[[Objective], Objective]:
+    """Register ``fn(logprobs, old_logprobs, advantages, mask, lc) -> Term`` as ``loss.objective
+    = name``. ``lc`` is the ``[loss]`` section as :func:`policy_loss` received it (with any
+    keyword overrides); the function reads its own keys from it. A fork adds an objective with a
+    key of its own by this function plus the key's field in ``config.LossConfig`` (or a
+    subclass of it); nothing else changes."""
+    def register(fn: Objective) -> Objective:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} registered twice")
+        OBJECTIVES[name] = fn
+        return fn
+    return register
+
+
+def _clip_bounds(lc) -> tuple[float, float]:
+    if lc.clip_low < 0 or lc.clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {lc.clip_low}, {lc.clip_high}")
+    return lc.clip_low, lc.clip_high
+
+
 def _signed_clips(ratio: Tensor, advantages: Tensor, clip_low: float,
                   clip_high: float) -> tuple[Tensor, Tensor]:
     a = advantages.unsqueeze(-1)
     return (a < 0) & (ratio < 1.0 - clip_low), (a > 0) & (ratio > 1.0 + clip_high)
 
 
+@objective("ppo")
 def ppo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-             clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Objective "ppo": :func:`clipped_pg`, the token-level clipped surrogate (PPO, GRPO, DAPO).
+             lc) -> Term:
+    """Objective "ppo": :func:`clipped_pg`, the token-level clipped surrogate (PPO, GRPO, DAPO),
+    with dual clip when ``lc.clip_dual > 1``. Keys: ``clip_low``, ``clip_high``, ``clip_dual``.
 
     Clip flags: low where ``A < 0`` and ``rho < 1 - clip_low``, high where ``A > 0`` and
-    ``rho > 1 + clip_high``: exactly where the min picks the clipped, gradient-free branch.
-    ``mask`` is unused (the term is per token).
+    ``rho > 1 + clip_high``: exactly where the min picks the clipped, gradient-free branch; dual
+    where ``A < 0`` and the cap ``-A * c`` is below the clipped loss (verl's
+    ``pg_clipfrac_lower``). ``mask`` is unused (the term is per token).
     """
-    loss, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high)
-    return (loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
+    clip_low, clip_high = _clip_bounds(lc)
+    c = lc.clip_dual
+    if c < 0 or 0 < c <= 1:
+        raise ValueError(f"clip_dual must be > 1 (verl's clip_ratio_c; 0 = off), got {c}")
+    loss, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high, c)
+    dual = None
+    if c:
+        a = advantages.unsqueeze(-1)
+        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        dual = (a < 0) & (-torch.minimum(ratio * a, clipped * a) > -a * c)
+    return Term(loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high), dual)
 
 
+@objective("gspo")
 def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-              clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Objective "gspo" (Zheng et al. 2025, Group Sequence Policy Optimization).
+              lc) -> Term:
+    """Objective "gspo" (Zheng et al. 2025, Group Sequence Policy Optimization). Keys:
+    ``clip_low``, ``clip_high``.
 
     Sequence-level ratio, with gradient: ``S_i = exp(sum_t m_it (logp_it - old_it) / sum_t m_it)``
     (the geometric mean of the token ratios of response i); every token t of response i gets
@@ -191,6 +257,7 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     response, so ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence
     (verl counts per token like this; TRL counts sequences).
     """
+    clip_low, clip_high = _clip_bounds(lc)
     m = mask.to(logprobs.dtype)
     diff = torch.where(m > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
     seq_ratio = torch.exp(diff.sum(-1) / m.sum(-1).clamp(min=1.0))        # [B]
@@ -198,12 +265,14 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     per_seq = -torch.minimum(seq_ratio * advantages, clipped * advantages)  # [B]
     ratio = seq_ratio.unsqueeze(-1).expand_as(logprobs)                   # [B, T]
     loss = per_seq.unsqueeze(-1).expand_as(logprobs)
-    return (loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
+    return Term(loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
 
 
+@objective("cispo")
 def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-               clip_low: float, clip_high: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Objective "cispo" (MiniMax-M1, Clipped IS-weight Policy Optimization).
+               lc) -> Term:
+    """Objective "cispo" (MiniMax-M1, Clipped IS-weight Policy Optimization). Keys:
+    ``clip_low``, ``clip_high``.
 
     ``l_it = -sg(clip(rho_it, 1 - clip_low, 1 + clip_high)) * A_i * logp_it``: REINFORCE on every
     token, weighted by the clipped and detached importance ratio, so a clipped token still gets a
@@ -219,13 +288,11 @@ def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
     gradient of both signs): low ``rho < 1 - clip_low``, high ``rho > 1 + clip_high``. (TRL
     counts only ``A > 0`` above its cap; verl counts both bounds together.)
     """
+    clip_low, clip_high = _clip_bounds(lc)
     ratio = torch.exp(logprobs - old_logprobs)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
     loss = -weight * advantages.unsqueeze(-1) * logprobs
-    return loss, ratio, ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
-
-
-OBJECTIVES = {"ppo": ppo_term, "gspo": gspo_term, "cispo": cispo_term}
+    return Term(loss, ratio, ratio < 1.0 - clip_low, ratio > 1.0 + clip_high)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
@@ -265,6 +332,39 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
     else:
         raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
     return kl.clamp(-clamp, clamp) if clamp > 0 else kl
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k1",
+                clamp: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Per response: ``(sum_t m_t kl_t, sum_t m_t)`` with ``kl = kl_penalty(logprobs,
+    ref_logprobs, estimator, clamp)``, no gradient. ``[B]`` each.
+
+    The KL in the reward (``loss.kl_in_reward``, verl's ``apply_kl_penalty``): verl subtracts
+    ``beta * kl_t`` from every token-level reward, with ``logprobs`` the proximal ("old")
+    policy's and its default estimator "kl" (k1 here); GRPO's and RLOO's outcome advantages
+    then sum the token-level rewards of a response (``compute_grpo_outcome_advantage``:
+    ``scores = token_level_rewards.sum(-1)``), so response i is ranked by
+    ``r_i - beta * sum_t kl_it``: the first return value times the coefficient. The controller's
+    measurement (:func:`adaptive_kl_coef`) is verl's ``current_kl``: the mean over responses
+    of ``sum / count`` (0 for an empty response).
+    """
+    with torch.no_grad():
+        m = mask.to(logprobs.dtype)
+        kl = kl_penalty(logprobs, ref_logprobs, estimator, clamp)
+        return (kl * m).sum(-1), m.sum(-1)
+
+
+def adaptive_kl_coef(value: float, current_kl: float, target: float, horizon: int,
+                     n_steps: int) -> float:
+    """The adaptive KL controller (Ziegler et al. 2019, arXiv 1909.08593) as verl's and
+    OpenRLHF's ``AdaptiveKLController.update``: ``e = clip(current_kl / target - 1, -0.2, 0.2)``,
+    ``value * (1 + e * n_steps / horizon)``. Both peers pass ``n_steps`` = the responses of the
+    rollout batch (verl ``batch_size``, OpenRLHF ``rollout_batch_size * n_samples_per_prompt``)
+    and call it once per rollout step, after the coefficient was used."""
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target}, {horizon}")
+    error = min(0.2, max(-0.2, current_kl / target - 1.0))
+    return value * (1.0 + error * n_steps / horizon)
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -341,26 +441,62 @@ def _check_aggregation(aggregation: str, max_response_len: int | None) -> None:
 
 
 # --------------------------------------------------------------------------- the loss
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                clip_low: float = 0.2, clip_high: float = 0.28, aggregation: str = "token-mean",
-                kl_coef: float = 0.0, ref_logprobs: Tensor | None = None, kl_estimator: str = "k3",
-                max_response_len: int | None = None, tis_cap: float | None = None,
-                behaviour_logprobs: Tensor | None = None,
-                loss_denominator: float | None = None, objective: str = "ppo",
-                kl_clamp: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+# The [loss] keys policy_loss and the built-in objectives read, with config.LossConfig's
+# defaults (a test keeps the two equal): used when no section is passed (tests, scripts).
+DEFAULTS = {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": 0.0, "aggregation": "token-mean",
+            "objective": "ppo", "kl_coef": 0.0, "kl_estimator": "k3", "kl_clamp": 0.0,
+            "tis_cap": 0.0, "entropy_coef": 0.0}
+
+
+class _Overridden:
+    """A section with some keys replaced (policy_loss's keyword knobs), read like the section."""
+
+    def __init__(self, base: Any, over: dict[str, Any]):
+        self._base, self._over = base, over
+
+    def __getattr__(self, key: str) -> Any:
+        over = self.__dict__["_over"]
+        return over[key] if key in over else getattr(self.__dict__["_base"], key)
+
+
+def section(lc: Any = None, **knobs: Any) -> Any:
+    """The ``[loss]`` section ``lc`` (None: :data:`DEFAULTS`) with ``knobs`` replacing its keys.
+    A knob that is not a key of the section is a TypeError naming it (a misspelt key never
+    passes silently)."""
+    base = SimpleNamespace(**DEFAULTS) if lc is None else lc
+    unknown = sorted(k for k in knobs if not hasattr(base, k))
+    if unknown:
+        raise TypeError(f"unknown [loss] key(s) {unknown}: not keys of {type(base).__name__}")
+    return _Overridden(base, knobs) if knobs else base
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                lc: Any = None, *, ref_logprobs: Tensor | None = None,
+                behaviour_logprobs: Tensor | None = None, entropy: Tensor | None = None,
+                loss_denominator: float | None = None, max_response_len: int | None = None,
+                **knobs: Any) -> tuple[Tensor, dict[str, float]]:
     """GRPO / Dr. GRPO / DAPO / GSPO / CISPO policy loss and its metrics.
 
-    Per token: ``l = term(...) * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
-    kl_clamp)``, where ``term`` is the objective's (:data:`OBJECTIVES`: "ppo" :func:`ppo_term`,
-    "gspo" :func:`gspo_term`, "cispo" :func:`cispo_term`) and
-    ``w = tis_weight(old_logprobs, behaviour_logprobs, tis_cap)`` if ``tis_cap`` is set, else 1.
-    TIS multiplies only the policy-gradient term (as TRL and verl do): it corrects which
-    distribution the samples came from for the advantage-weighted term; the KL term is a
-    regulariser. Then ``loss = aggregate(l, mask, aggregation, loss_denominator, max_response_len)``.
+    Knobs: ``lc`` is the ``[loss]`` section (``config.LossConfig`` or a subclass; None: the
+    defaults, :data:`DEFAULTS`); keyword ``knobs`` replace its keys for this call (the trainer
+    passes the step's KL coefficient as ``kl_coef``; tests write ``clip_low=0.1``). The objective
+    ``objective`` (:data:`OBJECTIVES`) receives the section with the replacements and reads its
+    own keys from it.
 
-    ``loss_denominator`` (None: this call's own) replaces the denominator with the whole update's
-    (:func:`loss_denominator` over the update's episodes on every rank): the kept tokens
-    ("token-mean"), the kept responses ("seq-mean-token-mean"), or kept responses x
+    Per token: ``l = term.loss * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
+    kl_clamp) - entropy_coef * entropy``, where ``term`` is the objective's (:func:`ppo_term`,
+    :func:`gspo_term`, :func:`cispo_term`, or a registered one) and ``w = tis_weight(old_logprobs,
+    behaviour_logprobs, tis_cap)`` if ``tis_cap > 0``, else 1. TIS multiplies only the
+    policy-gradient term (as TRL and verl do): it corrects which distribution the samples came
+    from for the advantage-weighted term; the KL and entropy terms are regularisers. Then
+    ``loss = aggregate(l, mask, aggregation, loss_denominator, max_response_len)``: as verl's
+    ``pg_loss - entropy_coeff * agg_loss(entropy) + kl_loss_coef * agg_loss(kl)`` with one
+    aggregation and denominator for all three terms (aggregate is linear).
+
+    ``entropy`` (``[B, T]``, each token's entropy WITH its gradient) is required when
+    ``entropy_coef > 0``. ``loss_denominator`` (None: this call's own) replaces the denominator
+    with the whole update's (:func:`loss_denominator` over the update's episodes on every rank):
+    the kept tokens ("token-mean"), the kept responses ("seq-mean-token-mean"), or kept responses x
     ``max_response_len`` ("seq-mean-token-sum-norm"); :func:`local_denominator` gives each
     micro-batch's share. With it, summing the losses of the micro-batches (and ranks) reproduces
     the full-batch loss and gradient exactly, for every objective (GSPO's sequence ratio lives
@@ -369,47 +505,54 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL
     is only measured. ``behaviour_logprobs`` without ``tis_cap`` is ignored.
 
-    Metrics (floats, over this call's masked tokens, no grad): ``clip_frac_low`` and
-    ``clip_frac_high`` (share of tokens where the objective's low / high clip is active; see each
-    term: for "ppo" A < 0 and rho < 1 - clip_low, A > 0 and rho > 1 + clip_high), ``approx_kl``
-    (KL(pi_old || pi) by k3 on tokens sampled from pi_old: ``rho - 1 - log rho``, per token
-    for every objective), ``ratio_mean`` (the ratio the objective clips: per token, or GSPO's
-    ``S_i`` on each of its tokens), ``tis_weight_mean`` (1.0 when TIS is off), ``kl`` (mean
-    ``kl_penalty`` to the reference as in the loss, clamp included; 0.0 without one),
-    ``tokens`` (mask sum).
+    Metrics (floats, over this call's masked tokens, no grad): ``clip_frac_low``,
+    ``clip_frac_high`` and ``clip_frac_dual`` (share of tokens where the objective's low / high
+    clip, or dual-clip's cap, is active; see each term: for "ppo" A < 0 and rho < 1 - clip_low,
+    A > 0 and rho > 1 + clip_high), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from
+    pi_old: ``rho - 1 - log rho``, per token for every objective), ``ratio_mean`` (the ratio the
+    objective clips: per token, or GSPO's ``S_i`` on each of its tokens), ``tis_weight_mean``
+    (1.0 when TIS is off), ``kl`` (mean ``kl_penalty`` to the reference as in the loss, clamp
+    included; 0.0 without one), ``tokens`` (mask sum).
     """
-    _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs, behaviour_logprobs)
-    _check_aggregation(aggregation, max_response_len)
-    if objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {objective!r}; expected one of {tuple(OBJECTIVES)}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {KL_ESTIMATORS}")
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if kl_clamp < 0:
-        raise ValueError(f"kl_clamp must be >= 0 (0 = off), got {kl_clamp}")
-    if kl_coef > 0 and ref_logprobs is None:
+    k = section(lc, **knobs)
+    _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs, behaviour_logprobs,
+                  entropy)
+    _check_aggregation(k.aggregation, max_response_len)
+    if k.objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {k.objective!r}; expected one of {tuple(OBJECTIVES)}")
+    if k.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {k.kl_estimator!r}; "
+                         f"expected one of {KL_ESTIMATORS}")
+    if k.kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {k.kl_coef}")
+    if k.kl_clamp < 0:
+        raise ValueError(f"kl_clamp must be >= 0 (0 = off), got {k.kl_clamp}")
+    if k.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
-    if tis_cap is not None:
-        if behaviour_logprobs is None:
-            raise ValueError("tis_cap needs behaviour_logprobs (the engine's logprobs)")
-        if tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if k.entropy_coef < 0:
+        raise ValueError(f"entropy_coef must be >= 0, got {k.entropy_coef}")
+    if k.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy (each token's entropy, with its gradient)")
+    tis_cap = k.tis_cap or 0.0
+    if tis_cap < 0:
+        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
+    if tis_cap and behaviour_logprobs is None:
+        raise ValueError("tis_cap needs behaviour_logprobs (the engine's logprobs)")
 
-    per_token, ratio, low, high = OBJECTIVES[objective](logprobs, old_logprobs, advantages, mask,
-                                                        clip_low, clip_high)
+    term = Term(*OBJECTIVES[k.objective](logprobs, old_logprobs, advantages, mask, k))
+    per_token = term.loss
     weight = None
-    if tis_cap is not None:
+    if tis_cap:
         weight = tis_weight(old_logprobs, behaviour_logprobs, tis_cap)
         per_token = per_token * weight
     kl = None
     if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator, kl_clamp)
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, mask, aggregation, loss_denominator, max_response_len)
+        kl = kl_penalty(logprobs, ref_logprobs, k.kl_estimator, k.kl_clamp)
+        if k.kl_coef > 0:
+            per_token = per_token + k.kl_coef * kl
+    if k.entropy_coef > 0:
+        per_token = per_token - k.entropy_coef * entropy
+    loss = aggregate(per_token, mask, k.aggregation, loss_denominator, max_response_len)
 
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
@@ -419,10 +562,12 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             return float((x * m).sum() / n) if n > 0 else 0.0
 
         metrics = {
-            "clip_frac_low": mean(low.to(m.dtype)),
-            "clip_frac_high": mean(high.to(m.dtype)),
+            "clip_frac_low": mean(term.clip_low.to(m.dtype)),
+            "clip_frac_high": mean(term.clip_high.to(m.dtype)),
+            "clip_frac_dual": (mean(term.clip_dual.to(m.dtype)) if term.clip_dual is not None
+                               else 0.0),
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
-            "ratio_mean": mean(ratio),
+            "ratio_mean": mean(term.ratio),
             "tis_weight_mean": mean(weight) if weight is not None else 1.0,
             "kl": mean(kl) if kl is not None else 0.0,
             "tokens": float(n),
@@ -431,12 +576,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
 
 
 def _check_shapes(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                  ref_logprobs: Tensor | None, behaviour_logprobs: Tensor | None) -> None:
+                  ref_logprobs: Tensor | None, behaviour_logprobs: Tensor | None,
+                  entropy: Tensor | None = None) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape
     named = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs,
-             "behaviour_logprobs": behaviour_logprobs}
+             "behaviour_logprobs": behaviour_logprobs, "entropy": entropy}
     for name, x in named.items():
         if x is not None and x.shape != shape:
             raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(x.shape)}")

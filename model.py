@@ -42,29 +42,22 @@ from typing import Any
 import torch
 
 import families as F
+from config import ConfigError
 
 IMAGE_MARKER = "<image>"  # in a problem or template: where an image goes (else images come first)
-TINY = "tiny"  # `[model] path = "tiny"` builds the random tiny Qwen2.5-VL in the run folder;
-#                "tiny-<model_type>" a tiny model of that family
+TINY = F.TINY  # `[model] path = "tiny"` builds the random tiny Qwen2.5-VL in the run folder;
+#               "tiny-<model_type>" a tiny model of that family
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-class ModelError(ValueError):
-    """A model folder that cannot be used as configured; one line naming `model.path`."""
+class ModelError(ConfigError):
+    """A model folder that cannot be used as configured; one line naming `model.path` (a config
+    error: printed once, exit 2 on every rank, when every rank finds it alike)."""
 
 
 # ----------------------------------------------------------------------------- tiny models
-def tiny_type(path: str) -> str | None:
-    """The family `path` asks to build ("tiny" -> the default one), or None for a real path."""
-    if path == TINY:
-        return F.DEFAULT_TINY
-    if path.startswith(TINY + "-"):
-        return path[len(TINY) + 1:]
-    return None
-
-
 def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
                model_type: str = F.DEFAULT_TINY) -> Path:
     """Write a random tiny model of `model_type`, its tokenizer, chat template and (VLMs) image
@@ -174,7 +167,7 @@ def _ties(config) -> bool:
 def resolve_path(path: str, run_dir: Path, seed: int) -> str:
     """`"tiny"` / `"tiny-<model_type>"` -> build (once) that tiny random model under the run
     folder ("tiny-model" / "tiny-<model_type>"); else `path`."""
-    kind = tiny_type(path)
+    kind = F.tiny_type(path)
     if kind is None:
         return path
     folder = run_dir / ("tiny-model" if path == TINY else path)
@@ -608,16 +601,19 @@ def _model_inputs(batch: dict[str, torch.Tensor], tokens: Tokens) -> dict:
 
 
 def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer forward: logprobs and entropies of the response tokens of a :func:`collate` batch,
-    aligned with its `response_mask` (zero elsewhere).
+    aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
+    `entropy_grad` (the entropy bonus, `loss.entropy_coef > 0`: its graph keeps a vocabulary-wide
+    tensor per token alive until the backward).
 
     Only the positions that predict a response token go through the LM head (the fp32
     log-softmax over a 150k vocabulary is the largest activation of a step; prompt positions
     would only be masked out).
     """
     if "attention_mask_4d" in batch:
-        return _packed_logprobs(model, batch, tokens, temperature)
+        return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch["input_ids"]
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
@@ -629,11 +625,13 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     shifted = (rows[0], rows[1] + 1)                             # column t holds token t
-    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel.detach())
+    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
+    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel)
 
 
 def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     temperature: float,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
@@ -647,7 +645,8 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens: Tokens,
     resp = batch["response_mask"].bool()                         # [B, T], episode-major as pr
     lp = torch.zeros(resp.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(resp.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel.detach())
+    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
+    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel)
 
 
 def rope_index_fn(model):

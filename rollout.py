@@ -100,12 +100,15 @@ def engine_class(name: str) -> type:
 
 
 def build_engine(rc, mc, path: str, procs: M.Processors, *, dev: D.Device, device: torch.device,
-                 local_rank: int, seed: int, timeout_s: float, max_images: int = 1) -> Engine:
+                 local_rank: int, seed: int, timeout_s: float, max_images: int = 1,
+                 verbose: bool = False) -> Engine:
     """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc); `max_images`:
-    the most images one prompt of the run holds."""
+    the most images one prompt of the run holds; `verbose` (run.verbose): the engine's own INFO
+    logging too."""
     return engine_class(rc.engine).from_config(rc, mc, path, procs, dev=dev, device=device,
                                                local_rank=local_rank, seed=seed,
-                                               timeout_s=timeout_s, max_images=max_images)
+                                               timeout_s=timeout_s, max_images=max_images,
+                                               verbose=verbose)
 
 
 class HFEngine:
@@ -119,7 +122,7 @@ class HFEngine:
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int, timeout_s: float,
-                    max_images: int = 1) -> "HFEngine":
+                    max_images: int = 1, verbose: bool = False) -> "HFEngine":
         return cls(path, M.DTYPES[mc.dtype], procs, device)
 
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """Weight transport from the trainers to the engines, in buckets, with version numbers.
 
-Protocol, per sync (after every optimizer step):
+Protocol, per sync (after every rollout step):
 1. Every trainer rank walks the policy's parameters in one fixed order (`named_parameters`) and
    calls `full_tensor()` on each: FSDP2 shards are all-gathered on the trainer group, so all
    trainer ranks must make the same calls in the same order.
@@ -535,15 +535,24 @@ def listen(port: int) -> socket.socket:
     return sock
 
 
+def vllm_log_level(verbose: bool) -> None:
+    """vLLM's log level for this process and the ones it starts, read when vLLM is first
+    imported: warnings only unless `verbose` (run.verbose; INFO is 75 of the 104 lines of the CPU
+    vLLM demo). A level the user set (VLLM_LOGGING_LEVEL) stays."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+
+
 def open_engine_channel(world, comm: str, engine, members_per_engine: int,
-                        device: torch.device, *, port: int = 0,
-                        timeout_s: float | None = None) -> CommChannel | None:
+                        device: torch.device, *, port: int = 0, timeout_s: float | None = None,
+                        verbose: bool = False) -> CommChannel | None:
     """Trainer rank 0 and the workers of every engine whose `OWN_CHANNEL` is set join one
     communicator (`comm`: gloo / pynccl / pyhccl, by device), once, at start-up. Collective over
     the world. Trainer rank 0 listens on `port` (0: any free one) and announces MASTER_ADDR and
     the port to the others over the world's gloo group: every generation node must reach
     MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns trainer
-    rank 0's end (None elsewhere); engines keep theirs."""
+    rank 0's end (None elsewhere); engines keep theirs. `verbose`: vLLM's INFO lines on trainer
+    rank 0 too (its end of the channel imports vLLM)."""
+    vllm_log_level(verbose)
     size = 1 + len(world.gens) * members_per_engine
     sock = listen(port) if world.is_root else None
     addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]] if world.is_root

@@ -26,7 +26,37 @@ from typing import Callable
 
 from PIL import Image, ImageDraw, ImageFont
 
-from data import SPLITS, Problem, _pyarrow, load_split
+SPLITS = ("train", "validation", "test")
+
+
+IMAGE_MARKER = "<image>"  # in a problem or template: where an image goes (else images come first)
+SYNTHETIC = ("synthetic", "synthetic-text")  # the offline sets of this module
+
+
+@dataclass
+class Problem:
+    """One row of any split (data.py loads every source into these; defined here, the lower
+    module, so that imports run one way: data -> synthetic)."""
+    index: int  # position in its split; kept when other rows are skipped
+    images: list  # RGB PIL images, in prompt order (none for a text-only set)
+    problem: str  # question text without "<image>" markers (what rewards and records see)
+    answer: str  # gold answer in the dataset's spelling
+    raw: str = ""  # the question text with its "<image>" markers, where one follows some text
+    columns: dict = field(default_factory=dict)  # every other column of the row (rewards)
+
+    @property
+    def image(self) -> Image.Image | None:
+        """The first image (single-image sets; None for a text-only problem)."""
+        return self.images[0] if self.images else None
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError("parquet files need pyarrow: `pip install pyarrow`, or use jsonl") from None
+    return pyarrow, pyarrow.parquet
 
 
 # ---------------------------------------------------------------- answers, Geometry3K spelling
@@ -381,6 +411,18 @@ def make_synthetic_text(n: int, seed: int, *, split: str | None = None) -> list[
     return out
 
 
+def synthetic_split(split: str, *, seed: int = 0, n: int = 256, image_size: int = 112,
+                    text: bool = False) -> list[Problem]:
+    """The `split` of a synthetic set (`data.source = "synthetic"`, or `"synthetic-text"` with
+    `text`): n problems drawn with a seed of the split's own (seed x 3 + the split's number)."""
+    if split not in SPLITS:
+        raise ValueError(f"synthetic split must be one of {SPLITS}, got {split!r}")
+    split_seed = seed * len(SPLITS) + SPLITS.index(split)
+    if text:
+        return make_synthetic_text(n, split_seed, split=split)
+    return make_synthetic(n, split_seed, image_size, split=split)
+
+
 def _png(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -397,7 +439,7 @@ def write_synthetic(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for split, n in zip(SPLITS, (n_train, n_val, n_test)):
-        rows, _ = load_split("synthetic", split, seed=seed, n_synthetic=n, image_size=image_size)
+        rows = synthetic_split(split, seed=seed, n=n, image_size=image_size)
         if fmt == "jsonl":
             (out / "images" / split).mkdir(parents=True, exist_ok=True)
             lines = []

@@ -36,7 +36,6 @@ import time
 import warnings
 from pathlib import Path
 
-NAMES = ("tensorboard", "wandb", "swanlab")
 DEFAULT_PROJECT = "grpo"  # W&B / SwanLab project unless the caller or the environment names one
 
 
@@ -57,22 +56,25 @@ class Trackers:
 
     @classmethod
     def open(cls, names: list[str], out_dir: Path | str, config: dict, run_name: str | None = None,
-             project: str | None = None, start_step: int = 0) -> "Trackers":
+             project: str | None = None, start_step: int = 0, verbose: bool = False) -> "Trackers":
         """Start each named tracker (rank 0 only). `config` is the resolved config as a nested dict
         of sections. `start_step` > 0 marks a resumed run: TensorBoard then drops the earlier
-        events at or after it. Raises TrackerError naming the first tracker that fails; the ones
-        already started are closed first."""
+        events at or after it. `verbose` (run.verbose): W&B prints its end-of-run history and
+        summary block (off: only the run's link). Raises TrackerError naming the first tracker
+        that fails; the ones already started are closed first."""
+        from config import TRACKERS  # the names live with the config key (config.py is lower)
         for i, name in enumerate(names):
-            if name not in NAMES:
+            if name not in TRACKERS:
                 raise TrackerError(f"run.report_to: unknown tracker {name!r} "
-                                   f"(choose from {', '.join(NAMES)})")
+                                   f"(choose from {', '.join(TRACKERS)})")
             if name in names[:i]:
                 raise TrackerError(f"run.report_to: {name} is listed twice")
         out_dir, config = Path(out_dir), _plain(config)
         opened: list = []
         for name in names:
             try:
-                opened.append(_BACKENDS[name](out_dir, config, run_name, project, start_step))
+                opened.append(_BACKENDS[name](out_dir, config, run_name, project, start_step,
+                                              verbose))
             except Exception as e:  # noqa: BLE001 - any start failure: one line naming the tracker
                 for b in opened:
                     try:
@@ -136,22 +138,27 @@ class Recorder:
         with _writing(out_dir / "config.toml"):
             (out_dir / "config.toml").write_text(C.dump_toml(cfg))
         trackers = Trackers.open(cfg.run.report_to, out_dir, C.to_dict(cfg),
-                                 run_name=out_dir.resolve().name, start_step=start)
+                                 run_name=out_dir.resolve().name, start_step=start,
+                                 verbose=cfg.run.verbose)
         return cls(out_dir, cfg.run.log_samples, start, cfg.run.steps, trackers)
 
     def begin(self) -> None:
         """The loop starts now (the ETA measures steps, not start-up)."""
         self.t_last = time.perf_counter()
 
-    def step(self, m: dict, episodes: list) -> None:
-        """One step: its metrics and samples to the files and trackers, one console line."""
+    def step(self, m: dict, episodes: list, advantages: list[float], problems: dict) -> None:
+        """One step: its metrics and samples to the files and trackers, one console line.
+        `advantages[i]` is episode i's; `problems` maps a dataset index to its Problem (the
+        sample rows carry its text and gold answer)."""
         with _writing(self.out_dir / "metrics.jsonl"):
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
-        chosen = episodes if self.n_samples < 0 else episodes[:self.n_samples]
-        rows = [{"index": e.index, "group": e.group, "version": e.version, "reward": e.reward,
-                 "parts": e.parts, "length": len(e.response_ids), "truncated": e.truncated,
-                 "response": e.text} for e in chosen]
+        n = len(episodes) if self.n_samples < 0 else self.n_samples
+        rows = [{"index": e.index, "group": e.group, "version": e.version,
+                 "problem": problems[e.index].problem, "gold": problems[e.index].answer,
+                 "reward": e.reward, "advantage": a, "parts": e.parts,
+                 "length": len(e.response_ids), "truncated": e.truncated, "response": e.text}
+                for e, a in list(zip(episodes, advantages))[:n]]
         with _writing(self.out_dir / "samples.jsonl"):
             for r in rows:
                 self.samples.write(json.dumps({"step": m["step"], **r}) + "\n")
@@ -182,9 +189,10 @@ class Recorder:
                 f"tok/s | sync {m['time/sync_s']:.2f}s | step {m['time/step_s']:.2f}s "
                 f"ETA {_duration(eta)}" + (f" | eval {evals}" if evals else ""))
 
-    def evaluation(self, after: int, version: int, metrics: dict, rows: list[dict]) -> None:
-        """One evaluation (after `after` optimizer steps), see :func:`write_evaluation`."""
-        write_evaluation(self.out_dir, after, version, metrics, rows)
+    def evaluation(self, after: int, version: int, metrics: dict, rows: list[dict],
+                   settings: dict) -> None:
+        """One evaluation (after `after` rollout steps), see :func:`write_evaluation`."""
+        write_evaluation(self.out_dir, after, version, metrics, rows, settings=settings)
         self.evals.append((after, metrics))
         if after == 0:  # before the first step: no step row carries it, so the trackers get it here
             self.trackers.log(metrics, 0)
@@ -254,17 +262,20 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
 
 
 def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, rows: list[dict],
-                     checkpoint: str | None = None) -> Path:
-    """An evaluation's metrics as one line of `eval.jsonl` and its generations (one row per
-    sample: problem index, sample, response, reward parts, length) as
-    `eval/step_<after>.jsonl`, or `eval/<checkpoint folder>.eval-only.jsonl` for `--eval-only`."""
+                     checkpoint: str | None = None, settings: dict | None = None) -> Path:
+    """An evaluation's metrics as one line of `eval.jsonl`, with the `settings` it was made with
+    (split, n, temperature, top_p, max_new_tokens: evaluation.settings) and the `checkpoint` an
+    `--eval-only` named; its generations (one row per sample: problem index and text, gold
+    answer, sample, response, reward parts, length) as `eval/step_<after>.jsonl` (`after` rollout
+    steps), or `eval/<checkpoint folder>.eval-only.jsonl` for `--eval-only`."""
     folder = Path(out_dir) / "eval"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (f"{Path(checkpoint).name}.eval-only.jsonl" if checkpoint else f"step_{after:06d}.jsonl")
     with _writing(path):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with _writing(Path(out_dir) / "eval.jsonl"), open(Path(out_dir) / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"after": after, "weight_version": version, **metrics,
+        f.write(json.dumps({"after": after, "weight_version": version, **(settings or {}),
+                            **metrics,
                             **({"checkpoint": str(checkpoint)} if checkpoint else {})}) + "\n")
     return path
 
@@ -375,7 +386,8 @@ def quiet_other_ranks(rank: int) -> None:
 class _TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int):
+    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int,
+                 verbose: bool = False):
         try:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
@@ -405,7 +417,8 @@ class _TensorBoard:
 class _WandB:
     name = "wandb"
 
-    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int):
+    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int,
+                 verbose: bool = False):
         try:
             import wandb
         except ImportError as e:
@@ -419,7 +432,10 @@ class _WandB:
                                    "`wandb login`, or set WANDB_MODE=offline")
             out_dir.mkdir(parents=True, exist_ok=True)  # wandb makes <dir>/wandb/ but not <dir>
             project = project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
-            self.run = wandb.init(dir=str(out_dir), name=run_name, config=config, project=project)
+            # quiet: no history / summary block at exit (the run's link still prints online)
+            settings = None if verbose else wandb.Settings(quiet=True)
+            self.run = wandb.init(dir=str(out_dir), name=run_name, config=config, project=project,
+                                  settings=settings)
         except BaseException:
             # login()/init() set up a process-wide W&B state from the environment of the moment;
             # drop it so that a later start reads the environment afresh.
@@ -444,7 +460,8 @@ class _WandB:
 class _SwanLab:
     name = "swanlab"
 
-    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int):
+    def __init__(self, out_dir: Path, config: dict, run_name, project, start_step: int,
+                 verbose: bool = False):
         with warnings.catch_warnings():  # swanlab 0.6 imports the deprecated pynvml shim
             warnings.simplefilter("ignore", FutureWarning)
             try:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(a)
         cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
-            return dry_run(cfg)
+            return W.dry_run(cfg)
         if flags.get("--eval-only") and not flags.get("--checkpoint"):
             raise C.ConfigError("--eval-only needs --checkpoint DIR")
         sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")
@@ -116,23 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return failures.exit_bad_input(e)
 
 
-def dry_run(cfg: C.Config) -> int:
-    """The resolved config, one JSON line per rank, and one with every group's members."""
-    print(C.dump_toml(cfg))
-    c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
-    C.validate_world(cfg, n, D.planned_kind(), dry_run=True)
-    for row in W.plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
-                           cfg.rollout.tensor_parallel_size,
-                           R.engine_class(cfg.rollout.engine).OWN_CHANNEL):
-        print(json.dumps(row))
-    return 0
-
-
 def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None,
         sources: str = "", check: bool = False) -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
     dev = D.detect()
-    C.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
+    W.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
     try:
         world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout,
                         claim_engine_devices=check)
@@ -169,14 +157,6 @@ def prepare_run_dir(cfg: C.Config, world: W.World, out_dir: Path) -> str:
     return M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
-def processors(cfg: C.Config, model_path: str) -> M.Processors:
-    """model.processors, a model setting that cannot work being a config error (every rank)."""
-    try:
-        return M.processors(model_path, cfg.model, cfg.data)
-    except M.ModelError as e:
-        raise C.ConfigError(str(e)) from None
-
-
 def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list, int]:
     """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
     d = cfg.data
@@ -196,7 +176,8 @@ def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict
     tr, progress = s.trainer, plan["progress"]
     if tr is not None:
         rng = ckpt.load(Path(plan["path"]), (tr.policy, tr.opt, tr.sched), world.train_group,
-                        world.is_root, world.trainer_index)
+                        world.is_root, world.trainer_index, ref=tr.ref)
+        tr.kl_coef = progress.kl_coef
         if rng is not None:
             D.set_rng_state(dev, rng)
         T.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
@@ -230,7 +211,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     device, ro = rank_device(cfg, world, dev), cfg.rollout
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
     D.manual_seed_all(cfg.run.seed)
-    procs = processors(cfg, model_path)
+    procs = M.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
@@ -244,7 +225,8 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
         channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
-                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s)
+                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
+                                        verbose=cfg.run.verbose)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
                   cfg.run.steps, channel, full) if world.is_trainer else None)
     del full  # the trainers hold their shards now
@@ -270,7 +252,7 @@ def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.dev
         failures.inject_start(cfg.cluster.timeout_s)
         engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
                                 local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                                timeout_s=cfg.cluster.timeout_s,
+                                timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose,
                                 max_images=max((len(p.images) for p in problems), default=0))
     live.phase(None, "start: waiting for every engine to start")
     failures.start_barrier(world.ctrl, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
@@ -316,7 +298,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         dist.destroy_process_group()
         return 0
     s, progress, rec = started
-    first, pending = progress.step, None
+    first, pending, by_index = progress.step, None, {p.index: p for p in s.problems}
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -340,7 +322,8 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
                    "data/skipped": s.n_skipped, **R.episode_metrics(episodes, stats, progress.version)}
         # 3. train
         live.phase(step, "train")
-        metrics.update(train_phase(cfg, world, s, episodes, progress, step))
+        trained, advantages = train_phase(cfg, world, s, episodes, progress, step)
+        metrics.update(trained)
         # 4. weight sync: trainers -> every engine
         live.phase(step, "sync")
         metrics.update(sync_phase(cfg, world, s, progress))
@@ -352,9 +335,9 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
                                    or progress.step == cfg.run.steps):
             metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
         if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
-            rec.step(metrics, episodes)
+            rec.step(metrics, episodes, advantages, by_index)
         ckpt.save_progress(cfg, world, s.trainer, s.procs, s.model_path, dev, out_dir, progress)
-        if too_many_skipped(cfg, world, progress):
+        if T.too_many_skipped(cfg.train, world, progress.skipped_in_row):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
             return 3
@@ -392,20 +375,23 @@ def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode],
 
 
 def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episode],
-                progress: ckpt.Progress, step: int) -> dict[str, float]:
-    """One optimizer step on the trainer ranks; counts non-finite (skipped) steps."""
-    out: dict[str, float] = {}
-    t0 = time.perf_counter()
+                progress: ckpt.Progress, step: int) -> tuple[dict[str, float], list[float]]:
+    """The rollout step's optimizer steps on the trainer ranks; counts non-finite (skipped) ones.
+    Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
+    out, adv, t0 = {}, [], time.perf_counter()
     if s.trainer is not None:
-        out = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs,
-                           tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=step, seed=cfg.run.seed)
+        out, adv = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs, step=step,
+                                tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
+        progress.optimizer_steps += round(out["train/updates"] * (1 - out["train/skipped"]))
+        progress.kl_coef = s.trainer.kl_coef
         out["train/skipped_steps"] = progress.skipped_total
+        out["train/optimizer_steps"] = float(progress.optimizer_steps)
     out["time/train_s"] = time.perf_counter() - t0
     if "train/tokens" in out:
         out["time/train_tokens_per_s"] = out["train/tokens"] / max(1e-9, out["time/train_s"])
-    return out
+    return out, adv
 
 
 def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
@@ -423,24 +409,15 @@ def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: ckpt.Progress)
     return out
 
 
-def too_many_skipped(cfg: C.Config, world: W.World, progress: ckpt.Progress) -> bool:
-    """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row."""
-    stop = torch.tensor([progress.skipped_in_row >= cfg.train.max_skipped_steps], dtype=torch.int64)
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world.ctrl)
-    if stop.item() and world.is_root:
-        print(f"error: {cfg.train.max_skipped_steps} consecutive steps had a non-finite loss or "
-              f"gradient norm (train.max_skipped_steps); stopping", file=sys.stderr)
-    return bool(stop.item())
-
-
 # ----------------------------------------------------------------------------- evaluation
 def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder | None,
              after: int, version: int) -> dict[str, float]:
-    """Evaluate after `after` optimizer steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
+    """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
     metrics, eps = E.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
                               seed=cfg.run.seed * 7919 + after)
     if rec:
-        rec.evaluation(after, version, metrics, E.eval_rows(eps))
+        rec.evaluation(after, version, metrics, E.eval_rows(eps, s.eval_set),
+                       E.settings(cfg.eval, cfg.rollout))
     return metrics
 
 
@@ -453,7 +430,7 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: fail
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     D.manual_seed_all(cfg.run.seed)
-    procs = processors(cfg, model_path)
+    procs = M.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
@@ -464,7 +441,8 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: fail
                         seed=cfg.run.seed * 7919 + max(step, 0))
     if world.is_root:
         print(json.dumps(m))
-        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps), checkpoint=checkpoint)
+        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps, eval_set),
+                                         checkpoint, E.settings(cfg.eval, cfg.rollout))
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()

@@ -7,25 +7,32 @@
   denominator (:func:`loss.loss_denominator`) -> for each of `ppo_epochs` epochs, the
   mini-batches in a seeded shuffled order, each one optimizer step (micro-batched
   forward/backward with gradient accumulation -> clip -> step), and the step's training metrics.
-- :func:`proximal_logprobs`: with more than one update, the "old" logprobs (and the reference's)
-  computed once, without gradient, before the first update; every update's ratio is taken
-  against them, so from the second update on the clip binds.
+- :func:`proximal_logprobs`: with more than one update, the KL in the reward, or the adaptive
+  KL coefficient, the "old" logprobs (and the reference's) computed once, without gradient,
+  before the advantages and the first update; every update's ratio is taken against them, so
+  from the second update on the clip binds, and the KL to the reference enters the reward
+  (`loss.kl_in_reward`) or the controller (`loss.kl_target`) before anything is trained.
+- :func:`mix_reference`: a reference that moves (`train.ref_update_every`, TRL's sync_ref_model).
 - :func:`plan_micro_batches`: fixed-size or token-budget micro-batches, the same count on every
   trainer rank.
 
 Every micro-batch loss is divided by its update's GLOBAL denominator, so the accumulated gradient
 equals the full-mini-batch gradient whatever the micro-batching or the number of ranks (tested).
-With one mini-batch and one epoch (the default) this is exactly the single update of before: no
-separate proximal pass, old = the current logprobs detached (ratio 1 in value).
+With one mini-batch and one epoch (the default, and no KL in the reward nor adaptive
+coefficient) this is exactly the single update of before: no separate proximal pass, old = the
+current logprobs detached (ratio 1 in value).
 
 The LR schedule steps once per ROLLOUT step (after its updates), as in verl and EasyR1, so
 `warmup_steps` counts the same steps as `run.steps` whatever mini_batches x ppo_epochs is (TRL
-steps per optimizer step). `weight_version` still advances by one per rollout step.
+steps per optimizer step); `train/lr` is the rate the step's updates used (logged before the
+schedule steps, as verl, EasyR1 and TRL log it). `weight_version` still advances by one per
+rollout step.
 """
 from __future__ import annotations
 
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -37,24 +44,28 @@ import model as M
 import sync as S
 from failures import fault_active
 
-_SUMMED = ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl")
+# Means over the KEPT response tokens (policy_loss's own means, weighted by its "tokens"): an
+# excluded response or micro-batch adds nothing to them.
+_SUMMED = ("kl", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean",
+           "tis_weight_mean", "approx_kl")
 
 
 @dataclass
 class Trainer:
     policy: Any              # the model, sharded with FSDP2 over the trainer mesh
-    ref: Any                 # frozen reference policy (only when loss.kl_coef > 0), else None
+    ref: Any                 # reference (only when loss.kl_coef > 0), else None; mix_reference
     opt: torch.optim.Optimizer
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
+    kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
 
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
           channel: S.CommChannel | None = None, full=None) -> Trainer:
-    """Policy (FSDP2), optional frozen reference, AdamW, LR schedule over `total_steps` optimizer
-    steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
+    """Policy (FSDP2), optional reference, AdamW, LR schedule over `total_steps` rollout steps,
+    weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
     `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
     whose weights are scattered to every trainer's shards (model.shard_from_rank0)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -63,12 +74,13 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
         full = M.load_model(model_path, dtype=torch.float32)
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
+    quiet_view_warning()
     # train(): transformers builds in eval mode, where activation checkpointing never runs
     policy = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision,
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
-    if lc.kl_coef > 0:  # frozen reference, sharded like the policy; only when used
+    if lc.kl_coef > 0:  # reference, sharded like the policy (mix_reference needs it); if used
         ref = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
@@ -87,7 +99,6 @@ def load_checked(world, model_path: str):
     keeps it for the trainers' shards (:func:`build`); every rank learns the verdict, so a folder
     that does not hold the model's weights stops the run with one line (ConfigError) before
     anything is built. Collective over `world.ctrl`."""
-    import config as C
     full, problem = None, None
     if world.is_root:
         try:
@@ -97,13 +108,38 @@ def load_checked(world, model_path: str):
     box = [problem]
     dist.broadcast_object_list(box, 0, group=world.ctrl)
     if box[0]:
-        raise C.ConfigError(box[0])
+        raise M.ModelError(box[0])
     return full
 
 
+def quiet_view_warning() -> None:
+    """Silence FSDP2's "returned a view tensor" UserWarning for this process.
+
+    Why harmless here: the view tensors it finds are the image encoder's per-image features
+    (`image_outputs`, split from one tensor) that transformers 5 returns beside the logits; this
+    project reads only `.logits` (not a view: the LM head's output) and never writes to an
+    output in place, which is the only way such a view loses FSDP's pre-backward hook. The fix
+    at the cause (not returning the features) is transformers' output class, not ours."""
+    import warnings
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                            category=UserWarning)
+
+
+def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
+    """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row
+    (`[train]` tc; collective over the world)."""
+    stop = torch.tensor([skipped_in_row >= tc.max_skipped_steps], dtype=torch.int64)
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=world.ctrl)
+    if stop.item() and world.is_root:
+        print(f"error: {tc.max_skipped_steps} consecutive steps had a non-finite loss or "
+              f"gradient norm (train.max_skipped_steps); stopping", file=sys.stderr)
+    return bool(stop.item())
+
+
 def lr_factor(step: int, tc, total_steps: int) -> float:
-    """The LR multiplier at optimizer step `step` (0-based): linear warm-up over
-    `tc.warmup_steps` ((step + 1) / warmup), then `tc.lr_schedule`: "constant" 1; "linear" from 1
+    """The LR multiplier at rollout step `step` (0-based; the schedule steps once per rollout
+    step): linear warm-up over `tc.warmup_steps` ((step + 1) / warmup), then
+    `tc.lr_schedule`: "constant" 1; "linear" from 1
     down to `min_lr_ratio`; "cosine" half a cosine from 1 to `min_lr_ratio`; the decay runs over
     the steps after the warm-up, t = (step - warmup) / (total - warmup), as transformers'
     schedules do. A pure function of (step, config): a resumed run continues it exactly."""
@@ -223,10 +259,11 @@ def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, An
 @torch.no_grad()
 def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
                       images: Mapping[int, Any], *, procs: M.Processors, lc, tc,
-                      temperature: float) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The proximal ("old") policy's logprobs of this rank's episodes `idx`, and the reference's
-    when `loss.kl_coef > 0`, one `([b, L], [b, L] | None)` pair per micro-batch of `plan` (the
-    same plan the updates use, so the tensors line up with their batches). No gradient."""
+                      temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+    """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
+    when there is one, and the response mask, one `([b, L], [b, L] | None, [b, L])` triple per
+    micro-batch of `plan` (the same plan the updates use, so the tensors line up with their
+    batches; row r is episode `idx[mb[r]]`). No gradient."""
     tk = procs.tokens
     out = []
     for mb in plan:
@@ -234,30 +271,79 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
         batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
-        ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if lc.kl_coef > 0 else None
-        out.append((lp, ref))
+        ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if tr.ref is not None else None
+        out.append((lp, ref, batch["response_mask"]))
     return out
+
+
+def reference_kl(proximal: list, shares: list[list[int]], plans: list, n: int, lc,
+                 train_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every episode's summed KL of the proximal policy to the reference and its response token
+    count (:func:`loss.sequence_kl`, `[loss] kl_estimator` / `kl_clamp`), `[n]` each, the same
+    on every trainer rank (each rank computes its share, one all-reduce)."""
+    sums = torch.zeros(2, n, dtype=torch.float64)
+    for passes, share, plan in zip(proximal, shares, plans):
+        for (old, ref, mask), mb in zip(passes, plan):
+            kl, count = L.sequence_kl(old, ref, mask, lc.kl_estimator, lc.kl_clamp)
+            rows = torch.tensor([share[j] for j in mb])
+            sums[0, rows] = kl.double().cpu()
+            sums[1, rows] = count.double().cpu()
+    dist.all_reduce(sums, group=train_group)
+    return sums[0], sums[1]
+
+
+@torch.no_grad()
+def mix_reference(ref, policy, alpha: float) -> None:
+    """TRL's sync_ref_model: `ref <- alpha * policy + (1 - alpha) * ref`, parameter by parameter
+    (TRL: `target.mul_(1 - alpha).add_(copy, alpha=alpha)`). Both are sharded by the same
+    `apply_fsdp` over the same mesh, so each rank mixes its own local shards elementwise, with
+    no communication. Every FSDP unit is resharded first: after a forward without backward the
+    root unit holds unsharded copies, which a mix would write into and the next reshard drop."""
+    reshard(ref)
+    reshard(policy)
+    pairs = zip(ref.named_parameters(), policy.named_parameters(), strict=True)
+    for (name, r), (other, p) in pairs:
+        rl, pl = _local(r), _local(p)
+        if name != other or rl.shape != pl.shape:
+            raise RuntimeError(f"reference and policy are not sharded alike: {name} "
+                               f"{tuple(rl.shape)} vs {other} {tuple(pl.shape)}")
+        rl.mul_(1.0 - alpha).add_(pl, alpha=alpha)
+
+
+def reshard(module) -> None:
+    """Every FSDP2 unit of `module` back to its sharded parameters (a no-op for plain modules)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch.Tensor,
                          keep: torch.Tensor, denom: float, images: Mapping[int, Any], *,
                          procs: M.Processors, train_group, n_trainers: int, lc, tc,
                          temperature: float, max_new_tokens: int, step: int | None = None,
-                         plan: list[list[int]] | None = None,
-                         proximal: list | None = None) -> dict[str, float]:
+                         plan: list[list[int]] | None = None, proximal: list | None = None,
+                         kl_coef: float | None = None) -> dict[str, float]:
     """Forward/backward over this rank's episodes `idx` in micro-batches; gradients accumulate.
 
     `images[e.index]` are episode e's images; `denom` the update's global loss denominator; `plan`
     the agreed micro-batches (None: plan here); `proximal` the old (and reference) logprobs per
     micro-batch from :func:`proximal_logprobs`, or None for the single-update path (old = the
-    current logprobs detached, reference computed here). Returns this rank's sums for the
-    step's metrics.
+    current logprobs detached, reference computed here); `kl_coef` the coefficient of the KL
+    term in the loss this step (None: `loss.kl_coef`; 0 with the KL in the reward). Returns this
+    rank's sums for the step's metrics.
     """
     tk = procs.tokens
     if plan is None:
         plan = agree_plans([idx], episodes, images, procs, tc, train_group)[0]
+    kl_coef = lc.kl_coef if kl_coef is None else kl_coef
+    entropy_grad = lc.entropy_coef > 0  # the entropy keeps its graph only for the bonus
     sums = dict.fromkeys(("loss", "entropy", "tokens", "episode_tokens", "slots", "resp_tokens",
-                          *_SUMMED), 0.0)
+                          "kept_tokens", *_SUMMED), 0.0)
     lp_diff = 0.0
     for k, mb in enumerate(plan):
         chunk = [idx[j] for j in mb]
@@ -265,24 +351,25 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
         batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(tr.device)
-        lp, ent = M.sequence_logprobs(tr.policy, batch, tk, temperature)
+        lp, ent = M.sequence_logprobs(tr.policy, batch, tk, temperature, entropy_grad=entropy_grad)
         if proximal is None:
             # One update per batch: the proximal ("old") policy is the current one, so the ratio
             # is 1 in value with the gradient of the policy gradient; the engine's logprobs enter
             # only through truncated importance sampling (engine/trainer mismatch, staleness).
             old, ref_lp = lp.detach(), None
-            if lc.kl_coef > 0:
+            if tr.ref is not None:
                 with torch.no_grad():
                     ref_lp, _ = M.sequence_logprobs(tr.ref, batch, tk, temperature)
         else:
-            old, ref_lp = proximal[k]
+            old, ref_lp, _ = proximal[k]
         behaviour = batch["engine_logprobs"]
+        # The whole [loss] section goes to the loss (and its objective, which reads its own
+        # keys); only the step's KL coefficient is this step's own.
         loss, m = L.policy_loss(
-            lp, old, adv[chunk].to(lp.device), mask, clip_low=lc.clip_low,
-            clip_high=lc.clip_high, aggregation=lc.aggregation, kl_coef=lc.kl_coef,
-            ref_logprobs=ref_lp, kl_estimator=lc.kl_estimator, max_response_len=max_new_tokens,
-            tis_cap=lc.tis_cap or None, behaviour_logprobs=behaviour if lc.tis_cap else None,
-            loss_denominator=float(denom), objective=lc.objective, kl_clamp=lc.kl_clamp)
+            lp, old, adv[chunk].to(lp.device), mask, lc, ref_logprobs=ref_lp,
+            behaviour_logprobs=behaviour if lc.tis_cap else None,
+            entropy=ent if entropy_grad else None, loss_denominator=float(denom),
+            max_response_len=max_new_tokens, kl_coef=kl_coef)
         if fault_active("nan_loss", step):  # tests: a non-finite loss
             loss = loss * float("nan")
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
@@ -291,8 +378,9 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
         rmask = batch["response_mask"].bool()
         ntok = float(rmask.sum())
         sums["loss"] += float(loss.detach())
-        for key in _SUMMED:
-            sums[key] += float(m[key]) * ntok
+        for key in _SUMMED:  # policy_loss's means are over the kept tokens: weight by them
+            sums[key] += float(m[key]) * m["tokens"]
+        sums["kept_tokens"] += m["tokens"]
         sums["entropy"] += float(ent.detach()[rmask].sum())
         sums["tokens"] += float(batch["attention_mask"].sum())
         sums["episode_tokens"] += float(batch["episode_tokens"])
@@ -326,20 +414,34 @@ def optimizer_step(tr: Trainer, tc) -> tuple[float, bool]:
     return grad_norm, skipped
 
 
+def needs_proximal(tc, lc) -> bool:
+    """A separate no-grad pass before the updates: several updates per rollout batch (their
+    ratios need fixed "old" logprobs), or the reference's KL wanted before the advantages (KL in
+    the reward) or before the coefficient's update (adaptive coefficient)."""
+    return tc.mini_batches * tc.ppo_epochs > 1 or lc.kl_in_reward or lc.kl_target > 0
+
+
 def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
-               procs: M.Processors, tc, lc, rc, step: int, seed: int = 0) -> dict[str, float]:
+               procs: M.Processors, tc, lc, rc, step: int,
+               seed: int = 0) -> tuple[dict[str, float], list[float]]:
     """`[train] mini_batches x ppo_epochs` optimizer steps on this trainer's share of the step's
     episodes (every trainer rank calls it with the same `episodes`, sorted by group). `[train]`
     tc, `[loss]` lc, `[rollout]` rc; `seed` the run seed (mini-batch order). Returns the step's
-    training metrics (the same on every trainer rank), averaged over the updates."""
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    adv = L.group_advantages(rewards, rc.group_size,
-                             scale_by_std=lc.scale_by_std if lc.advantage == "grpo" else None,
-                             estimator=lc.advantage).float()                    # [N]
+    training metrics (the same on every trainer rank), averaged over the updates, and every
+    episode's advantage.
+
+    KL options (loss.py, :func:`loss.sequence_kl`): with `loss.kl_in_reward` each response's
+    reward becomes `r - kl_coef * sum_t kl_t` (proximal vs reference) before the advantages, and
+    the loss has no KL term; with `loss.kl_target > 0` the coefficient then moves by
+    :func:`loss.adaptive_kl_coef` (`tr.kl_coef`, saved in checkpoints); with
+    `train.ref_update_every` the reference mixes towards the policy after the updates."""
+    scores = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
     truncated = torch.tensor([e.truncated for e in episodes])
-    keep = L.keep_mask(rewards, rc.group_size, truncated, drop_zero_variance=lc.drop_zero_variance,
+    # Which responses count is decided on the task reward (the generation side refilled on it).
+    keep = L.keep_mask(scores, rc.group_size, truncated, drop_zero_variance=lc.drop_zero_variance,
                        exclude_truncated=lc.exclude_truncated)
-    n_dropped = int(L.zero_variance_groups(rewards, rc.group_size).sum()) if lc.drop_zero_variance else 0
+    n_dropped = (int(L.zero_variance_groups(scores, rc.group_size).sum())
+                 if lc.drop_zero_variance else 0)
     # Excluded episodes stay in the micro-batches with a zero mask, so every trainer rank runs
     # the same number of forward/backward passes (FSDP collectives); they leave the loss and its
     # denominator (loss.py's convention). With rollout refill (DAPO dynamic sampling) the
@@ -356,19 +458,39 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         denoms.append(max(1.0, L.loss_denominator(lengths[whole], keep[whole].tolist(),
                                                   lc.aggregation, rc.max_new_tokens)))
     plans = agree_plans(shares, episodes, images, procs, tc, world.train_group)
-    several = n_mb * tc.ppo_epochs > 1
-    proximal = [proximal_logprobs(tr, episodes, sh, plan, images, procs=procs, lc=lc, tc=tc,
-                                  temperature=rc.temperature) if several else None
-                for sh, plan in zip(shares, plans)]
+    coef = tr.kl_coef if lc.kl_target > 0 and tr.kl_coef is not None else lc.kl_coef
+    proximal = [None] * n_mb
+    extra: dict[str, float] = {}
+    rewards = scores
+    if needs_proximal(tc, lc):
+        proximal = [proximal_logprobs(tr, episodes, sh, plan, images, procs=procs, lc=lc, tc=tc,
+                                      temperature=rc.temperature)
+                    for sh, plan in zip(shares, plans)]
+        if tr.ref is not None and (lc.kl_in_reward or lc.kl_target > 0):
+            kl_sum, kl_count = reference_kl(proximal, shares, plans, len(episodes), lc,
+                                            world.train_group)
+            current_kl = float((kl_sum / kl_count.clamp(min=1.0)).mean())  # verl's current_kl
+            extra["train/kl_seq_mean"] = current_kl
+            if lc.kl_in_reward:
+                rewards = scores - coef * kl_sum
+                extra["train/reward_kl"] = float((coef * kl_sum).mean())
+            if lc.kl_target > 0:  # after this step's use, as verl and OpenRLHF update it
+                tr.kl_coef = L.adaptive_kl_coef(coef, current_kl, lc.kl_target, lc.kl_horizon,
+                                                len(episodes))
+    adv = L.group_advantages(rewards, rc.group_size,
+                             scale_by_std=lc.scale_by_std if lc.advantage == "grpo" else None,
+                             estimator=lc.advantage).float()                    # [N]
     sums: dict[str, float] = {}
     lp_diff, norms, n_skipped = 0.0, [], 0
+    lr = tr.opt.param_groups[0]["lr"]  # the rate these updates use (the schedule steps after)
     for epoch in range(tc.ppo_epochs):
         for j in update_order(n_mb, seed, step, epoch):
             got = accumulate_gradients(tr, episodes, shares[j], adv, keep, denoms[j], images,
                                        procs=procs, train_group=world.train_group,
                                        n_trainers=n_tr, lc=lc, tc=tc, temperature=rc.temperature,
                                        max_new_tokens=rc.max_new_tokens, step=step,
-                                       plan=plans[j], proximal=proximal[j])
+                                       plan=plans[j], proximal=proximal[j],
+                                       kl_coef=0.0 if lc.kl_in_reward else coef)
             lp_diff = max(lp_diff, got.pop("lp_diff"))
             for key, v in got.items():
                 sums[key] = sums.get(key, 0.0) + v
@@ -378,6 +500,10 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     n_updates = len(norms)
     if n_skipped < n_updates:  # once per rollout step (module docstring)
         tr.sched.step()
+    if tr.ref is not None:
+        if tc.ref_update_every and (step + 1) % tc.ref_update_every == 0:
+            mix_reference(tr.ref, tr.policy, tc.ref_mix_alpha)
+        reshard(tr.ref)  # its root unit stays unsharded after a no-grad forward otherwise
     # One reduction for all sums, one for the max.
     keys = list(sums)
     vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
@@ -385,18 +511,23 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     tot = dict(zip(keys, vec.tolist()))
     mx = torch.tensor([lp_diff], dtype=torch.float64)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=world.train_group)
-    ntok = max(1.0, tot["resp_tokens"])
+    ntok, kept = max(1.0, tot["resp_tokens"]), max(1.0, tot["kept_tokens"])
     out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
-           "kl": tot["kl"] / ntok, "entropy": tot["entropy"] / ntok,
+           "kl": tot["kl"] / kept, "entropy": tot["entropy"] / ntok,
            "logprob_diff/max": float(mx[0]),
            "train/skipped": n_skipped / n_updates, "train/dropped_groups": float(n_dropped),
-           "train/lr": tr.sched.get_last_lr()[0],
+           "train/lr": lr,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
            "train/tokens": tot["episode_tokens"],
            "train/micro_batches": tot["micro_batches"] / n_tr,
            "train/updates": float(n_updates)}
     for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_mean", "approx_kl"):
-        out[f"train/{k}"] = tot[k] / ntok
+        out[f"train/{k}"] = tot[k] / kept
+    if lc.clip_dual:
+        out["train/clip_frac_dual"] = tot["clip_frac_dual"] / kept
+    if tr.ref is not None:
+        out["train/kl_coef"] = coef
+    out.update(extra)
     out["advantage/mean"] = float(adv.mean())
     out["advantage/abs_mean"] = float(adv.abs().mean())
-    return out
+    return out, adv.tolist()

@@ -184,11 +184,12 @@ class _VLLMProcessHook:
         return (_vllm_process_hook, ())
 
 
-def _prepare_spawn(start_timeout_s: float | None = None) -> None:
+def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False) -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
     before this process imports vLLM's engine client, which reads its start-up deadline once)."""
     if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
+    sync.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
@@ -230,7 +231,7 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int, timeout_s: float,
-                    max_images: int = 1) -> "VLLMEngine":
+                    max_images: int = 1, verbose: bool = False) -> "VLLMEngine":
         # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
         # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
@@ -239,17 +240,20 @@ class VLLMEngine:
                   f"{type(procs.image_processor).__name__}; every vLLM process checks it loads "
                   "the same", flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
-                   timeout_s=timeout_s, max_images=max_images if procs.vision else None)
+                   timeout_s=timeout_s, max_images=max_images if procs.vision else None,
+                   verbose=verbose)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
-                 llm_kwargs: dict | None = None, max_images: int | None = 1):
+                 llm_kwargs: dict | None = None, max_images: int | None = 1,
+                 verbose: bool = False):
         """`max_images`: the most images a prompt holds (None: a text-only model, no
         multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests:
-        `distributed_executor_backend`)."""
+        `distributed_executor_backend`); `verbose` (run.verbose): vLLM's INFO lines too, else its
+        warnings only."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
-        _prepare_spawn(rollout_cfg.start_timeout_s)
+        _prepare_spawn(rollout_cfg.start_timeout_s, verbose)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 

@@ -223,3 +223,69 @@ def free_port() -> int:
 def launched_size() -> int:
     """The world size torchrun launched (1 for a plain `python train.py`)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_world(cfg, world_size: int, device: str | None = None,
+                   dry_run: bool = False) -> None:
+    """Rules that depend on the launch: how many ranks train and generate (world.split_roles),
+    and on which device kind (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without
+    GRPO_DEVICE; None: not checked). `dry_run`: every node of the plan (cluster.nnodes x
+    cluster.nproc_per_node) must fit in cluster.devices_per_node devices; a run checks each node
+    against its own device count instead (world.setup)."""
+    from config import ConfigError
+    c, ro = cfg.cluster, cfg.rollout
+    try:
+        trainers, gens = split_roles(world_size, c.gen_ranks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    n_train, n_gen = len(trainers), len(gens)
+    if ro.max_staleness and world_size == 1:
+        raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
+                          "cannot overlap generation with training)")
+    if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1:
+        raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
+                          "would share one device (NCCL/HCCL refuse that; vLLM takes "
+                          "rollout.gpu_memory_utilization of it); launch 2+ ranks or use engine 'hf'")
+    if dry_run and device not in (None, "cpu") and world_size > 1:
+        per = c.nproc_per_node
+        for node in range(world_size // per):
+            try:  # tensor_parallel_size > 1 is vLLM's alone (validate), so it is the engine's span
+                check_node_devices(node, node * per, per, n_train, ro.tensor_parallel_size,
+                                   c.devices_per_node, "cluster.devices_per_node")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    if device == "npu":
+        import device as D
+        try:
+            D.hccl_env(c.timeout_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if ro.prompts_per_step % n_gen:
+        raise ConfigError(f"rollout.prompts_per_step={ro.prompts_per_step} must divide evenly over "
+                          f"{n_gen} generation ranks")
+    n = ro.prompts_per_step * ro.group_size
+    if n % n_train:
+        raise ConfigError(f"rollout.prompts_per_step * rollout.group_size = {n} must divide evenly "
+                          f"over {n_train} trainer ranks")
+    mb = cfg.train.mini_batches
+    if n % (n_train * mb):
+        raise ConfigError(f"train.mini_batches={mb}: the {n} episodes of a step must split into "
+                          f"{mb} mini-batches of equal shares over {n_train} trainer ranks "
+                          f"({n} % ({n_train} x {mb}) != 0)")
+
+
+def dry_run(cfg) -> int:
+    """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
+    group's members; nothing is initialised."""
+    import json
+
+    import config as C
+    import device as D
+    from rollout import engine_class
+    print(C.dump_toml(cfg))
+    c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
+    validate_world(cfg, n, D.planned_kind(), dry_run=True)
+    for row in plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
+                         cfg.rollout.tensor_parallel_size, engine_class(cfg.rollout.engine).OWN_CHANNEL):
+        print(json.dumps(row))
+    return 0

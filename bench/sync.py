@@ -91,8 +91,8 @@ def worker(args) -> None:
         if rank == 0:
             sender.send(version)
         else:
-            got, buckets = receiver.receive()
-            for named in buckets:  # adopt the receive buffers as the weights, as HFEngine does
+            receiver.control()  # (version, plan): the plan travels once, on the first sync
+            for named in receiver.buckets():  # adopt the receive buffers as the weights, as HFEngine does
                 for name, t in named:
                     if params[name].data_ptr() != t.data_ptr():
                         params[name].data = t

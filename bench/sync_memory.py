@@ -61,7 +61,7 @@ def main() -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_3B))
-    specs = S.param_specs(model, "bfloat16")
+    specs = [(n, shape, "bfloat16") for n, shape, _, _ in S.wire_pieces(model)]  # as Sender
     plan = S.plan_buckets(specs, int(args.bucket_mb * 2**20), int(args.solo_mb * 2**20))
     worker = V.VLLMWorkerExtension.__new__(V.VLLMWorkerExtension)
     worker.device = torch.device("meta")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import config as C
+import world as W
 import rollout as R
 import trainer as T
 from loss import (OBJECTIVES, group_advantages, kl_penalty, local_denominator, policy_loss,
@@ -380,10 +382,10 @@ def test_objectives_registry_and_config_rules():
             C.load(TINY[1], [over])
     # tiny: 4 prompts x 4 samples = 16 episodes over 2 trainers: 8 mini-batches of 1 per rank
     # work, 3 do not (16 % 6), 16 do not (16 % 32)
-    C.validate_world(C.load(TINY[1], ["--train.mini_batches=8"]), 3)
+    W.validate_world(C.load(TINY[1], ["--train.mini_batches=8"]), 3)
     for m in (3, 16):
         with pytest.raises(C.ConfigError, match=f"train.mini_batches={m}"):
-            C.validate_world(C.load(TINY[1], [f"--train.mini_batches={m}"]), 3)
+            W.validate_world(C.load(TINY[1], [f"--train.mini_batches={m}"]), 3)
 
 
 # --------------------------------------------------------------------------- mini-batch order
@@ -537,14 +539,25 @@ def test_refill_in_a_run_draws_more_and_stops_at_its_bound(tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_with_mini_batches_epochs_and_refill(tmp_path):
+    """Also with the KL options of issue 23 on two FSDP2-sharded trainers: the KL in the reward,
+    the adaptive coefficient (its state in the checkpoint's meta) and a reference that moves every
+    step (its shards in the checkpoint): a resume that restarted either from its initial value
+    would measure another KL at step 2 and the rows would differ."""
     args = [*TINY, *TOY, "--run.save_every=2", "--train.mini_batches=2", "--train.ppo_epochs=2",
-            "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2", "--loss.objective=cispo"]
+            "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2", "--loss.objective=cispo",
+            "--loss.kl_coef=0.05", "--loss.kl_in_reward=true", "--loss.kl_estimator=k1",
+            "--loss.kl_target=0.001", "--loss.kl_horizon=100", "--train.ref_update_every=1",
+            "--train.ref_mix_alpha=0.5"]
     a, b = tmp_path / "a", tmp_path / "b"
     torchrun(3, [*args, f"--run.out_dir={a}", "--run.steps=4"])
     torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=2"])
     torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=4"])
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert strip(metrics(a)) == strip(metrics(b))
+    rows = metrics(a)
+    assert len({r["train/kl_coef"] for r in rows}) == 4                  # the coefficient moves
+    assert abs(rows[0]["train/kl_seq_mean"]) < 1e-6 < rows[2]["train/kl_seq_mean"]  # ref = policy at 0
+    assert [r["train/optimizer_steps"] for r in rows] == [4, 8, 12, 16]
 
 
 # --------------------------------------------------------------------------- the trainer, one process
@@ -581,7 +594,7 @@ def test_train_step_several_updates_in_one_process(tmp_path):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
             tr = T.Trainer(policy, None, opt, sched, None, torch.device("cpu"))
             return tr, cfg, T.train_step(tr, eps, images, world=world, procs=procs, tc=cfg.train,
-                                         lc=cfg.loss, rc=cfg.rollout, step=0)
+                                         lc=cfg.loss, rc=cfg.rollout, step=0)[0]
 
         tr, cfg, one = run([])
         assert one["train/updates"] == 1 and one["train/ratio_mean"] == 1.0
@@ -592,7 +605,7 @@ def test_train_step_several_updates_in_one_process(tmp_path):
         plan = T.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
         prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
                                    temperature=1.0)
-        for (old, _), mb in zip(prox, plan):
+        for (old, _, _), mb in zip(prox, plan):
             batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
                               procs, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
             lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
@@ -616,7 +629,7 @@ def test_easyr1_recipe_dry_run():
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     cfg = C.load(str(ROOT / "configs" / "vl3b_easyr1.toml"))
-    C.validate_world(cfg, 16)
+    W.validate_world(cfg, 16)
     # 4 updates per rollout batch of 512 prompts x 5 samples, KL 1e-2 low_var_kl, lr 1e-6
     assert (cfg.train.mini_batches, cfg.train.ppo_epochs) == (4, 1)
     assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (512, 5)
@@ -625,3 +638,217 @@ def test_easyr1_recipe_dry_run():
     assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_len) == (2048, 2048)
     assert (cfg.model.min_pixels, cfg.model.max_pixels) == (262144, 4194304)
     assert "mini_batches = 4" in p.stdout
+
+
+# --------------------------------------------------------------------------- issue 23: [loss] knobs
+# verl's formulas, transcribed from verl/trainer/ppo/core_algos.py (verl-project/verl at commit
+# 1dda039b9c63, read for this test): compute_policy_loss_vanilla (its tensor part, with the
+# dual clip `clip_ratio_c`), agg_loss, AdaptiveKLController.update, and
+# verl/trainer/ppo/ray_trainer.py apply_kl_penalty + compute_grpo_outcome_advantage.
+def _verl_vanilla(old_log_prob, log_prob, advantages, clip_low, clip_high, clip_ratio_c):
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    advantages = advantages.unsqueeze(-1)           # verl's advantages are [B, T] already
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    lower = torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float()
+    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), lower
+
+
+def _verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
+    def masked_sum(x, m):
+        return (x * m).sum()
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, loss_mask) / loss_mask.sum()
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+        return masked_sum(seq_losses, seq_mask) / seq_mask.sum() / loss_scale_factor
+    seq_mask = torch.sum(loss_mask, dim=-1)
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+    seq_mask = (seq_mask > 0).float()
+    return masked_sum(seq_losses, seq_mask) / seq_mask.sum()
+
+
+def _ratios(rho, a):
+    old = torch.tensor([[-1.0, -2.0, -0.5]] * len(rho), dtype=F64)
+    logp = (old + torch.tensor(rho, dtype=F64).log()).requires_grad_(True)
+    return logp, old, torch.tensor(a, dtype=F64), torch.ones(len(rho), 3, dtype=F64)
+
+
+def test_dual_clip_hand_values_gradient_and_fraction():
+    # A = -2: the loss 2 * max(rho, clip(rho)) is capped at 2 * c = 6 (rho 5 -> 10 -> 6, no
+    # gradient); rho 2 -> 4 (gradient 2 rho = 4); rho 0.5 -> 2 * 0.8 = 1.6 (clipped, none).
+    # A = +1: untouched by the dual clip: -1.28 (clipped), -1 and -0.9 (gradients -1, -0.9).
+    logp, old, adv, mask = _ratios([[5.0, 2.0, 0.5], [5.0, 1.0, 0.9]], [-2.0, 1.0])
+    loss, met = policy_loss(logp, old, adv, mask, clip_dual=3.0)
+    assert loss.item() == pytest.approx((6 + 4 + 1.6 - 1.28 - 1 - 0.9) / 6, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0, 4, 0], [0, -1, -0.9]], dtype=F64) / 6)
+    assert met["clip_frac_dual"] == pytest.approx(1 / 6)            # the rho = 5, A < 0 token
+    # rho 0.5 under A < 0 is clipped low, rho 5 under A > 0 high: the dual cap is its own flag
+    assert met["clip_frac_low"] == pytest.approx(1 / 6) and met["clip_frac_high"] == pytest.approx(1 / 6)
+    # off (0): the plain clipped surrogate, 10 instead of 6
+    off, met0 = policy_loss(logp.detach(), old, adv, mask)
+    assert off.item() == pytest.approx((10 + 4 + 1.6 - 1.28 - 1 - 0.9) / 6, abs=1e-12)
+    assert met0["clip_frac_dual"] == 0.0
+    for bad in (1.0, 0.5, -3.0):
+        with pytest.raises(ValueError, match="clip_dual must be > 1"):
+            policy_loss(logp, old, adv, mask, clip_dual=bad)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_dual_clip_and_entropy_bonus_match_verl(aggregation):
+    """verl: policy_loss = agg(where(A < 0, min(-A c, max(-A r, -A clip r)), ...)) - entropy_coeff
+    * agg(entropy) + kl_loss_coef * agg(kl), one aggregation for the three; gradients too."""
+    logp, old, adv, mask, ref, _ = _random(b=6, t=5, seed=7, spread=1.2)
+    adv = adv * 3
+    ent = (torch.rand(6, 5, generator=torch.Generator().manual_seed(8), dtype=F64) * 2)
+    a, e1 = logp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
+    loss, met = policy_loss(a, old, adv, mask, clip_dual=2.5, entropy_coef=0.03, entropy=e1,
+                            kl_coef=0.1, ref_logprobs=ref, kl_estimator="k3", kl_clamp=10.0,
+                            aggregation=aggregation, max_response_len=5)
+    loss.backward()
+    b, e2 = logp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
+    pg, lower = _verl_vanilla(old, b, adv, 0.2, 0.28, 2.5)
+    kl = torch.clamp(torch.exp(torch.clamp(ref - b, -20, 20)) - torch.clamp(ref - b, -20, 20) - 1,
+                     -10, 10)                                         # verl's low_var_kl
+    expect = (_verl_agg_loss(pg, mask, aggregation, 5) - 0.03 * _verl_agg_loss(e2, mask, aggregation, 5)
+              + 0.1 * _verl_agg_loss(kl, mask, aggregation, 5))
+    expect.backward()
+    assert loss.item() == pytest.approx(expect.item(), rel=1e-7)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(e1.grad, e2.grad, rtol=1e-6, atol=1e-9)
+    assert met["clip_frac_dual"] == pytest.approx(float((lower * mask).sum() / mask.sum()))
+    assert met["clip_frac_dual"] > 0                                 # the cap really binds
+
+
+def test_entropy_bonus_hand_value_and_gradient():
+    logp, old, adv, mask = _inputs()                   # 5 kept tokens, token-mean
+    ent = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 9.0]], dtype=F64, requires_grad=True)
+    base, _ = policy_loss(logp, old, adv, mask)
+    loss, _ = policy_loss(logp, old, adv, mask, entropy_coef=0.1, entropy=ent)
+    assert loss.item() == pytest.approx(base.item() - 0.1 * 7.0 / 5, abs=1e-14)   # 9.0 is masked
+    loss.backward()
+    torch.testing.assert_close(ent.grad, -0.1 / 5 * mask)
+    with pytest.raises(ValueError, match="needs entropy"):
+        policy_loss(logp, old, adv, mask, entropy_coef=0.1)
+    with pytest.raises(TypeError, match="entropy_cof"):                # a misspelt knob
+        policy_loss(logp, old, adv, mask, entropy_cof=0.1)
+
+
+def test_a_new_objective_is_one_function_and_one_config_field(monkeypatch):
+    """The fork's whole change: the field (here a LossConfig subclass stands for the edited
+    LossConfig) and the registered function. Config loading, validation and policy_loss then
+    take it as it is; tests/test_trainer_options.py runs it through trainer.train_step."""
+    import dataclasses
+
+    import loss as L
+    monkeypatch.setattr(L, "OBJECTIVES", dict(L.OBJECTIVES))         # undone after the test
+
+    @dataclasses.dataclass
+    class MyLoss(C.LossConfig):
+        pg_scale: float = C.num(1.0, "> 0")                           # the new key
+
+    @L.objective("scaled_reinforce")
+    def scaled_reinforce(logprobs, old_logprobs, advantages, mask, lc):
+        ratio = torch.exp(logprobs - old_logprobs)
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return L.Term(-lc.pg_scale * ratio * advantages.unsqueeze(-1), ratio, none, none)
+
+    cfg = C.Config(loss=MyLoss())
+    C._apply(cfg, "loss", "objective", "scaled_reinforce")            # as --loss.objective=...
+    C._apply(cfg, "loss", "pg_scale", 3)                              # as --loss.pg_scale=3
+    C.validate(cfg)
+    assert "pg_scale = 3.0" in C.dump_toml(cfg)
+    C._apply(cfg, "loss", "pg_scale", -1.0)
+    with pytest.raises(C.ConfigError, match="loss.pg_scale must be > 0"):
+        C.validate(cfg)
+    cfg.loss.pg_scale = 3.0
+    logp, old, adv, mask = _inputs()
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, cfg.loss)
+    assert loss.item() == pytest.approx(3 * -(3 * 2.0 - 2 * 1.0) / 5, abs=1e-14)
+    assert policy_loss(logp, logp.detach(), adv, mask, cfg.loss, pg_scale=1.0)[0].item() == \
+        pytest.approx(-(3 * 2.0 - 2 * 1.0) / 5)
+    with pytest.raises(ValueError, match="registered twice"):
+        L.objective("ppo")(scaled_reinforce)
+
+
+def test_loss_defaults_are_the_config_defaults():
+    import loss as L
+    lc = C.LossConfig()
+    assert {k: getattr(lc, k) for k in L.DEFAULTS} == L.DEFAULTS
+
+
+def test_adaptive_kl_coefficient_against_verl_and_by_hand():
+    import numpy as np
+
+    import loss as L
+
+    class AdaptiveKLController:                        # verl's, verbatim (OpenRLHF's is the same)
+        def __init__(self, init_kl_coef, target_kl, horizon):
+            self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
+
+        def update(self, current_kl, n_steps):
+            proportional_error = np.clip(current_kl / self.target - 1, -0.2, 0.2)
+            mult = 1 + proportional_error * n_steps / self.horizon
+            self.value *= mult
+
+    # by hand: KL twice the target -> error clipped to 0.2 -> x (1 + 0.2 * 16 / 100)
+    assert L.adaptive_kl_coef(0.1, 0.1, 0.05, 100, 16) == pytest.approx(0.1 * 1.032, rel=1e-15)
+    assert L.adaptive_kl_coef(0.1, 0.04, 0.05, 100, 16) == pytest.approx(0.1 * (1 - 0.2 * 0.16))
+    verl, ours = AdaptiveKLController(0.05, 0.02, 1000), 0.05
+    for kl in (0.0, 0.01, 0.02, 0.5, 0.021, 0.019, 3.0):
+        verl.update(kl, 64)
+        ours = L.adaptive_kl_coef(ours, kl, 0.02, 1000, 64)
+        assert ours == pytest.approx(float(verl.value), rel=1e-14)
+    with pytest.raises(ValueError, match="target > 0"):
+        L.adaptive_kl_coef(0.1, 0.1, 0.0, 100, 16)
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_kl_in_reward_matches_verl_apply_kl_penalty_then_grpo(scale_by_std):
+    """verl: token_level_rewards = token_level_scores - beta * kld * mask (score on the last
+    token), GRPO scores = token_level_rewards.sum(-1), grouped; current_kl = mean over responses
+    of the masked token mean. Here: r - beta * sequence_kl(...)[0], then group_advantages."""
+    import loss as L
+    g = torch.Generator().manual_seed(3)
+    n, t, beta = 8, 6, 0.07
+    old = -torch.rand(n, t, generator=g, dtype=F64) * 2
+    ref = old + 0.5 * torch.randn(n, t, generator=g, dtype=F64)
+    lengths = [6, 3, 5, 1, 6, 2, 4, 6]
+    mask = torch.tensor([[1.0] * k + [0.0] * (t - k) for k in lengths], dtype=F64)
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.5], dtype=F64)
+    # verl
+    token_scores = torch.zeros(n, t, dtype=F64)
+    token_scores[torch.arange(n), torch.tensor(lengths) - 1] = scores
+    kld = (old - ref) * mask                                           # kl_penalty "kl" (k1)
+    token_rewards = token_scores - beta * kld
+    seq = token_rewards.sum(-1).view(-1, 4)
+    verl_adv = seq - seq.mean(-1, keepdim=True)
+    if scale_by_std:
+        verl_adv = verl_adv / (seq.std(-1, keepdim=True) + 1e-6)
+    current_kl = ((kld * mask).sum(-1) / (mask.sum(-1) + 1e-8)).mean()
+    # here
+    kl_sum, count = L.sequence_kl(old, ref, mask, "k1")
+    adv = group_advantages(scores - beta * kl_sum, 4, scale_by_std=scale_by_std)
+    torch.testing.assert_close(adv, verl_adv.reshape(-1), rtol=1e-12, atol=1e-12)
+    assert float((kl_sum / count.clamp(min=1)).mean()) == pytest.approx(float(current_kl), rel=1e-7)
+
+
+def test_kl_and_dual_clip_config_rules():
+    for over, msg in [("--loss.clip_dual=1.0", "loss.clip_dual must be > 1"),
+                      ("--loss.objective=gspo --loss.clip_dual=3", "no dual clip"),
+                      ("--loss.kl_in_reward=true", "loss.kl_in_reward needs loss.kl_coef > 0"),
+                      ("--loss.kl_target=0.1", "loss.kl_target needs loss.kl_coef > 0"),
+                      ("--train.ref_update_every=4", "train.ref_update_every needs loss.kl_coef"),
+                      ("--train.ref_mix_alpha=0", "train.ref_mix_alpha must be in (0, 1]"),
+                      ("--loss.entropy_coef=-1", "loss.entropy_coef must be >= 0")]:
+        with pytest.raises(C.ConfigError, match=re.escape(msg)):
+            C.load(TINY[1], over.split())
+    cfg = C.load(TINY[1], ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_target=0.1",
+                           "--train.ref_update_every=8", "--loss.clip_dual=3", "--loss.entropy_coef=0.001"])
+    assert (cfg.loss.kl_horizon, cfg.train.ref_mix_alpha) == (10000, 0.6)

@@ -6,6 +6,7 @@ import tomllib
 import pytest
 
 import config as C
+import world as W
 from tests.util import ROOT
 
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -70,11 +71,11 @@ def test_unknown_key_in_toml(tmp_path):
 def test_world_rules(world, over, key):
     cfg = C.load(TINY, over)
     with pytest.raises(C.ConfigError, match=key.replace("*", r"\*")):
-        C.validate_world(cfg, world)
+        W.validate_world(cfg, world)
 
 
 def test_world_of_one_is_valid_whatever_gen_ranks():
-    C.validate_world(C.load(TINY, ["--cluster.gen_ranks=5"]), 1)
+    W.validate_world(C.load(TINY, ["--cluster.gen_ranks=5"]), 1)
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
@@ -122,16 +123,16 @@ def test_device_aware_world_rules(monkeypatch):
     vllm = C.load(TINY, ["--rollout.engine=vllm"])
     for kind in ("cuda", "npu", "cuda|npu"):
         with pytest.raises(C.ConfigError, match=f"rollout.engine='vllm' in a world of 1 on {kind}"):
-            C.validate_world(vllm, 1, kind)
-    C.validate_world(vllm, 1, "cpu")   # CPU keeps it (tests, the demo)
-    C.validate_world(vllm, 3, "cuda")
-    C.validate_world(C.load(TINY), 1, "cuda")  # the hf engine shares the device in-process
+            W.validate_world(vllm, 1, kind)
+    W.validate_world(vllm, 1, "cpu")   # CPU keeps it (tests, the demo)
+    W.validate_world(vllm, 3, "cuda")
+    W.validate_world(C.load(TINY), 1, "cuda")  # the hf engine shares the device in-process
     with pytest.raises(C.ConfigError, match="rollout.tensor_parallel_size > 1 needs"):
         C.load(TINY, ["--rollout.tensor_parallel_size=2"])
     C.load(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=vllm"])
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")  # NPU: checked against cluster.timeout_s
     with pytest.raises(C.ConfigError, match="HCCL_EXEC_TIMEOUT=3600 must be in"):
-        C.validate_world(vllm, 3, "npu")
-    C.validate_world(vllm, 3, "cuda")
+        W.validate_world(vllm, 3, "npu")
+    W.validate_world(vllm, 3, "cuda")
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "100")  # tiny.toml: cluster.timeout_s = 120
-    C.validate_world(vllm, 3, "npu")
+    W.validate_world(vllm, 3, "npu")

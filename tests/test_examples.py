@@ -178,3 +178,33 @@ def test_multinode_node_1_says_what_it_waits_for_and_gives_up_at_the_timeout(tmp
                                         f"127.0.0.1:{port} (node 0); waiting up to 3 s "
                                         "(RDZV_TIMEOUT) for it to answer"), p.stderr[:2000]
     assert f"timed out after 3000ms while trying to connect to (127.0.0.1, {port})" in p.stderr
+
+
+def test_installer_says_each_stage_and_its_time(tmp_path):
+    """launch/install_cpu.sh with a stand-in interpreter (pip does nothing; nothing is installed):
+    one line as each stage starts, one with its time as it ends, in order; the vLLM stages run
+    against a stand-in build folder."""
+    vllm = tmp_path / "vllm-cpu"
+    (vllm / "shim").mkdir(parents=True)
+    (vllm / "requirements.txt").write_text("")
+    (vllm / "vllm-0.23.0+cpu-x.whl").write_text("")
+    site = tmp_path / "site"
+    site.mkdir()
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f'echo "$*" >> {tmp_path / "calls"}\n'
+                    f'case "$*" in *sysconfig*) echo {site};; *"import vllm"*) '
+                    'echo "install: vllm 0.23.0";; esac\n')
+    fake.chmod(0o755)
+    p = subprocess.run(["bash", str(ROOT / "launch" / "install_cpu.sh")], env=dict(
+        os.environ, PYTHON=str(fake), VLLM_CPU_DIR=str(vllm)), capture_output=True, text=True,
+        timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    starts = [ln for ln in lines if ln.endswith(" ...")]
+    ends = [ln for ln in lines if re.search(r" done \(\d+ s\)$", ln)]
+    assert len(starts) == 6 and len(ends) == 6 + 1                 # six stages, and "all done"
+    assert all(e.startswith(s[:-4]) for s, e in zip(starts, ends))
+    assert lines[-1].startswith("install: all done (")
+    assert (site / "grpo_vllm_cpu_shim.pth").read_text().strip() == str(vllm / "shim")
+    assert "-m pip install -q torch==2.13.0" in (tmp_path / "calls").read_text()

@@ -429,4 +429,4 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logp, old, adv, mask, kl_coef=0.1, ref_logprobs=old[:1])
     with pytest.raises(ValueError, match="tis_cap must be"):
-        policy_loss(logp, old, adv, mask, tis_cap=0.0, behaviour_logprobs=old)
+        policy_loss(logp, old, adv, mask, tis_cap=-1.0, behaviour_logprobs=old)  # 0 = off

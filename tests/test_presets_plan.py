@@ -54,7 +54,7 @@ def test_vl3b_dry_run_prints_config_and_rank_plan():
 def test_rank_plan_rejects_impossible_layouts():
     cfg = C.load(str(ROOT / "configs" / "vl3b.toml"))
     with pytest.raises(C.ConfigError, match="cluster.gen_ranks"):
-        C.validate_world(cfg, 8)                  # 8 engines, no trainer left
+        W.validate_world(cfg, 8)                  # 8 engines, no trainer left
     with pytest.raises(ValueError, match="cluster.gen_ranks"):
         W.rank_plan(8, 8, 8)
 

@@ -70,16 +70,22 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path):
 def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
     out = tmp_path / "run"
     p = ok(train(out, "--run.steps=2", "--run.eval_every=2", "--run.eval_size=3", "--eval.n=4",
-                 "--eval.split=test", "--eval.before_start=true", *TOY,
+                 "--eval.split=test", "--eval.before_start=true", "--eval.max_new_tokens=6",
+                 "--eval.top_p=0.9", *TOY,
                  '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]'))
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["after"] for e in evals] == [0, 2]
     for e in evals:
         assert e["eval/n"] == 3 and e["eval/samples"] == 12
+        assert (e["split"], e["n"], e["temperature"], e["top_p"], e["max_new_tokens"]) == \
+            ("test", 4, 1.0, 0.9, 6)                            # the settings it was made with
         assert 0 <= e["eval/target_fraction"] <= e["eval/target_fraction/pass@4"] <= 1
     dump = [json.loads(x) for x in (out / "eval" / "step_000000.jsonl").read_text().splitlines()]
     assert len(dump) == 12 and sorted({d["sample"] for d in dump}) == [0, 1, 2, 3]
-    assert {"index", "response", "reward", "parts", "length"} <= set(dump[0])
+    assert {"index", "response", "reward", "parts", "length", "problem", "gold"} <= set(dump[0])
+    assert max(d["length"] for d in dump) <= 6                   # eval.max_new_tokens, not 16
+    test_set = {p.index: p for p in synthetic.synthetic_split("test", n=256)}
+    assert all(d["gold"] == test_set[d["index"]].answer for d in dump)
     mean = sum(d["parts"]["target_fraction"] for d in dump) / 12
     assert math.isclose(mean, evals[0]["eval/target_fraction"], rel_tol=1e-9)
     best = {}
@@ -97,6 +103,7 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
+    assert (last["split"], last["n"], last["max_new_tokens"]) == ("test", 2, 16)
     assert len((out / "eval" / "step_000002.eval-only.jsonl").read_text().splitlines()) == 6
     assert "generations:" in q.stdout
 
@@ -203,8 +210,17 @@ def test_console_line_summaries_and_full_rollout_dump(tmp_path):
     assert len(done) == 1 and "eval/accuracy best" in done[0] and "step_000003" in done[0]
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 16                                # every episode of every step
-    assert {"step", "index", "group", "version", "reward", "parts", "length", "response"} <= set(samples[0])
-    assert all(r["time/gen_tokens_per_s"] > 0 for r in metrics(out))
+    assert {"step", "index", "group", "version", "reward", "parts", "length", "response",
+            "problem", "gold", "advantage"} <= set(samples[0])
+    problems = {p.index: p for p in synthetic.synthetic_split("train", n=256)}  # tiny.toml's set
+    assert all((r["problem"], r["gold"]) == (problems[r["index"]].problem, problems[r["index"]].answer)
+               for r in samples)
+    for k in range(0, len(samples), 4):                          # GRPO: a group's advantages sum to 0
+        group = samples[k:k + 4]
+        assert len({r["group"] for r in group}) == 1 and abs(sum(r["advantage"] for r in group)) < 1e-5
+    rows = metrics(out)
+    assert all(r["time/gen_tokens_per_s"] > 0 for r in rows)
+    assert [r["train/optimizer_steps"] for r in rows] == [1, 2, 3]
 
 
 def test_plot_overlays_runs_with_smoothing(tmp_path):
@@ -229,6 +245,48 @@ def test_plot_overlays_runs_with_smoothing(tmp_path):
     assert bad.returncode == 2 and "--smooth" in bad.stderr
 
 
+def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
+    """The figure itself: the panels drawn (flat ones left out), the total reward apart from its
+    parts, timing and throughput, distinct styles per key, --keys, and steps and evaluations on
+    one axis (rollout steps done)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "launch" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    d = tmp_path / "run"
+    d.mkdir()
+    rows = [{"step": i, "reward/mean": i / 10, "reward/format": 0.1 * (i % 3),
+             "reward/target_fraction": i / 10, "reward/accuracy": 0.0, "reward/errors": 0.0,
+             "entropy": 1 - i / 20, "kl": 0.0, "train/approx_kl": 0.0, "grad_norm": 1.0 + i,
+             "train/clip_frac_low": 0.0, "train/clip_frac_high": 0.0, "train/lr": 1e-3,
+             "time/step_s": 1.0 + 0.1 * i, "time/generate_s": 0.5, "time/train_s": 0.3 + 0.01 * i,
+             "time/sync_s": 0.1, "time/gen_tokens_per_s": 100.0 + i, "time/train_tokens_per_s": 900.0,
+             **{f"reward/p{j}": j * i / 100 for j in range(8)}} for i in range(8)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "eval.jsonl").write_text(json.dumps({"after": 0, "eval/accuracy": 0.0}) + "\n"
+                                  + json.dumps({"after": 8, "eval/accuracy": 0.5}) + "\n")
+    run = plot.load_run(d)
+    fig = plot.plot([run])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    # KL, clip fractions and lr are flat (all-zero or constant): no panel for them
+    assert set(axes) == {"reward", "reward parts", "eval", "entropy", "grad norm", "time (s)", "tok/s"}
+    assert [ln.get_label() for ln in axes["reward"].lines] == ["reward/mean"]     # total apart
+    parts = {ln.get_label() for ln in axes["reward parts"].lines}
+    assert "reward/mean" not in parts and "reward/errors" not in parts and "reward/accuracy" in parts
+    styles = [(ln.get_marker(), ln.get_linestyle(), ln.get_color()) for ln in axes["reward parts"].lines]
+    assert len(set(styles)) == len(styles) == 11                       # every key its own look
+    assert {ln.get_label() for ln in axes["time (s)"].lines} == {"time/step_s", "time/generate_s",
+                                                                 "time/train_s", "time/sync_s"}
+    assert all(ax.get_xlabel() == "rollout steps done" for ax in axes.values())
+    # one x axis: step row k at k + 1, the evaluation after N rollout steps at N
+    assert list(axes["reward"].lines[0].get_xdata()) == list(range(1, 9))
+    assert list(axes["eval"].lines[0].get_xdata()) == [0, 8]
+    # --keys: exactly those panels, flat ones included when asked for
+    fig = plot.plot([run], keys=["kl", "time/"])
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["kl", "time"]
+    assert plot.main([str(d), "--keys", "nothing/here", "-o", str(tmp_path / "x.png")]) == 2
+
+
 @pytest.mark.slow
 def test_three_ranks_print_library_warnings_once(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -237,6 +295,6 @@ def test_three_ranks_print_library_warnings_once(tmp_path):
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     both = p.stdout + p.stderr
-    assert both.count("returned a view tensor") <= 1               # was once per trainer rank
+    assert both.count("returned a view tensor") == 0               # silenced (trainer.quiet_view_warning)
     assert "Loading weights" not in both                           # no per-rank progress bars
     assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1

@@ -177,6 +177,19 @@ def test_wandb_offline_run_has_every_metric_the_config_and_the_samples(offline):
         assert table["data"][0][:2] == [0, RESPONSE] and table["data"][0][-1] == step
 
 
+def test_wandb_end_of_run_block_only_when_verbose(offline, monkeypatch, capfd):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_SILENT")                   # what a user's shell has
+    for verbose in (False, True):
+        tr = T.Trackers.open(["wandb"], offline / str(verbose), CONFIG, run_name="test-run",
+                             verbose=verbose)
+        for step in range(3):
+            tr.log(metrics_at(step), step)
+        tr.close()
+        out = "".join(capfd.readouterr())
+        assert ("Run history:" in out and "Run summary:" in out) == verbose, out
+
+
 def test_swanlab_offline_run_has_every_metric_the_config_and_the_samples(offline):
     pytest.importorskip("swanlab")
     yaml = pytest.importorskip("yaml")
@@ -365,8 +378,9 @@ def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_pat
          "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
     ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={}, response_ids=[1],
                                truncated=False, text="x" * 10_000)   # more than the buffer holds
+    problems = {0: types.SimpleNamespace(problem="Find x.", answer="1")}
     with pytest.raises(failures.Fatal) as e:
-        rec.step(m, [ep])
+        rec.step(m, [ep], [0.5], problems)
     assert str(e.value).startswith(f"cannot write {tmp_path / 'samples.jsonl'}: No space left on "
                                    f"device ({tmp_path}: ")
     assert "\n" not in str(e.value) and "then restart" in str(e.value)
@@ -381,7 +395,8 @@ def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, c
             "rollout/refill_rounds": 4, "rollout/prompts_drawn": 20}
     eps = [types.SimpleNamespace(group=g) for g in range(4) for _ in range(4)]
     for step, dropped in enumerate([4, 1, 0]):
-        rec.step({"step": step, **base, "train/dropped_groups": float(dropped)}, eps)
+        rec.step({"step": step, **base, "train/dropped_groups": float(dropped)}, eps,
+                 [0.0] * len(eps), {})
     rec.close()
     assert capsys.readouterr().err.splitlines() == [
         "warning: step 1: 4 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "

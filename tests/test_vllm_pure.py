@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -131,6 +133,31 @@ def test_prepare_spawn_environment(monkeypatch):
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "42")
     V._prepare_spawn(900.0)
     assert os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] == "42"
+
+
+def test_prepare_spawn_cuts_vllm_logging_to_warnings_unless_verbose(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    V._prepare_spawn()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    V._prepare_spawn(verbose=True)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")       # the user's own level stays
+    V._prepare_spawn()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+@pytest.mark.slow  # imports vLLM (seconds)
+def test_vllm_reads_the_level_before_it_logs():
+    """What the setting does in a process that imports vLLM afterwards (as vLLM's spawned
+    engine and worker do): INFO lines gone, warnings kept. (Needs vLLM installed.)"""
+    pytest.importorskip("vllm")
+    code = ("import os; os.environ['VLLM_LOGGING_LEVEL'] = 'WARNING'\n"
+            "from vllm.logger import init_logger\n"
+            "log = init_logger('vllm.grpo_test'); log.info('INFO-LINE'); log.warning('WARN-LINE')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "WARN-LINE" in p.stdout + p.stderr and "INFO-LINE" not in p.stdout + p.stderr
 
 
 def test_environ_restored_undoes_edits(monkeypatch):

@@ -1,0 +1,74 @@
+"""Every script under bench/ runs, in a tiny mode, and prints its one JSON object: a benchmark
+nothing runs rots (bench/sync.py called a Receiver method that no longer existed).
+
+Tiny modes are the scripts' own arguments turned down, not special code paths. bench/vs_trl.py
+needs a TRL environment for its TRL side; here it runs only its own side (`--sides
+ours_world1`), and tests/test_bench_vs_trl.py checks its pure parts. bench/device_check.sh runs
+in its CPU mode in tests/test_device_check.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.util import ROOT, env
+
+BENCH = ROOT / "bench"
+# script -> where its smoke test is
+SMOKED = {"sync.py": "here", "step.py": "here", "e2e.py": "here", "verifier.py": "here",
+          "sync_memory.py": "here",
+          "vs_trl.py": "here + tests/test_bench_vs_trl.py",
+          "device_check.sh": "tests/test_device_check.py"}
+
+
+def run(*args: str, timeout: float = 300) -> dict:
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_every_bench_script_has_a_smoke_test():
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts == sorted(SMOKED), scripts
+
+
+def test_verifier(tmp_path):
+    cases = tmp_path / "cases.jsonl"
+    lines = (ROOT / "tests" / "data" / "verifier_cases.jsonl").read_text().splitlines()[:3]
+    cases.write_text("\n".join(lines) + "\n")
+    r = run(BENCH / "verifier.py", "--cases", cases, "--only", "project")
+    assert r["verifier"] == "project" and r["cases"] == 3 and r["killed"] == 0
+
+
+def test_sync_memory():  # the meta device: shapes only (about 4 s)
+    r = run(BENCH / "sync_memory.py", "--bucket-mb", "64")
+    assert r["buckets"] > 0 and 0 < r["peak_received_mib"] < r["model_mib"], r
+
+
+@pytest.mark.slow
+def test_step():
+    r = run(BENCH / "step.py", "--steps", "1", "--warmup", "0", "--seq-len", "64", "--image-px", "56")
+    assert r["model"] == "tiny" and r["seq_len"] == 64 and r["step_s"] > 0
+
+
+@pytest.mark.slow
+def test_sync():  # launches itself under torchrun: 1 trainer + 1 engine
+    r = run(BENCH / "sync.py", "--mb", "1", "--tensors", "2", "--repeat", "1", "--no-tiny")
+    assert r["bytes"] == 2**20 and r["tensors"] == 2 and r["engines"] == 1 and r["sync_s"] > 0
+
+
+@pytest.mark.slow
+def test_e2e():  # one synchronous and one overlapped torchrun run of 3 steps
+    r = run(BENCH / "e2e.py", "--steps", "3", "--warmup", "1", "--nproc", "2", "--rounds", "1",
+            timeout=600)
+    assert r["sync_step_s"] > 0 and r["overlap_step_s"] > 0
+
+
+@pytest.mark.slow
+def test_vs_trl_our_side():
+    r = run(BENCH / "vs_trl.py", "--sides", "ours_world1", "--rounds", "1", "--steps", "2",
+            "--warmup", "1")
+    assert r["setup"]["steps"] == 2 and r["ours_world1"]["steps_pooled"] == 1
