@@ -3,8 +3,9 @@
 A reward function is plain Python, no torch: ``fn(response: str, sample: dict, **params) ->
 dict[str, float]``. ``sample`` carries the gold answer (``"answer"``), the problem text
 (``"problem"``), the dataset index (``"index"``) and the response length in tokens
-(``"response_len"``), ``"truncated"`` and ``"max_new_tokens"``; each call gets its own shallow
-copy. The returned dict MUST contain
+(``"response_len"``), ``"truncated"``, ``"max_new_tokens"`` and every other column of the
+dataset's row (``"columns"``: name -> value; the synthetic sets have none); each call gets its own
+shallow copy. The returned dict MUST contain
 ``"reward"`` (this function's total); every other key is a part that is logged as
 ``reward/<part>``. All values must be finite numbers. A function is called from worker threads,
 several calls at once (:class:`RewardRunner`), so it must be thread-safe.

@@ -198,3 +198,38 @@ def test_a_text_model_refuses_a_dataset_with_images(tiny_dir):
         M.processors(tiny_dir("qwen3"), cfg.model, cfg.data)
     cfg = C.load(None, ["--model.path=tiny-qwen3", "--data.source=synthetic-text"])
     assert not M.processors(tiny_dir("qwen3"), cfg.model, cfg.data).vision
+
+
+def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
+    """Every column of a row besides the mapped ones reaches rewards as sample["columns"]."""
+    import json as _json
+
+    import rewards
+    folder = tmp_path / "set"
+    folder.mkdir()
+    rows = [{"question": f"What is {i} + {i}?", "solution": str(2 * i), "difficulty": i,
+             "tags": ["easy"]} for i in range(1, 4)]
+    (folder / "train.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    problems, skipped = data.load_split(str(folder), "train", columns={
+        "problem": "question", "answer": "solution", "images": ""})
+    assert not skipped and [p.columns for p in problems] == [{"difficulty": i, "tags": ["easy"]}
+                                                             for i in range(1, 4)]
+    seen = []
+
+    @rewards.register("test_columns_seen")
+    def _seen(response, sample):
+        seen.append(sample["columns"])
+        return {"reward": float(sample["columns"]["difficulty"])}
+    try:
+        path, procs = _procs(tiny_dir, "qwen3")
+
+        class Stub:  # an engine that answers every prompt with one fixed token
+            def generate(self, prompts, sp, seed):
+                return [[R.Completion([procs.tokens.eos], [0.0], False)] * sp.n for _ in prompts]
+        scorer = rewards.RewardRunner([{"name": "test_columns_seen"}], timeout_s=5)
+        eps, _ = R.rollout(Stub(), problems, procs, R.Sampling(n=2), data.DEFAULT_TEMPLATE,
+                           scorer, version=0, group_offset=0, seed=0)
+        assert [e.reward for e in eps] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+        assert seen[0] == {"difficulty": 1, "tags": ["easy"]}
+    finally:
+        rewards.REGISTRY.pop("test_columns_seen")

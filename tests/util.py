@@ -42,3 +42,32 @@ def metrics(out_dir: Path) -> list[dict]:
 
 
 TINY = ["--config", str(ROOT / "configs" / "tiny.toml")]
+TINY_TEXT = ["--config", str(ROOT / "configs" / "tiny_text.toml")]
+
+# Several `python train.py ARGS` runs in a world of one, one after another in ONE interpreter: the
+# imports (torch, transformers; several seconds) are paid once. Each run gets its own store port;
+# a failing run exits the interpreter with its code (train.main's or the failure guard's).
+_INLINE = """
+import json, os, socket, sys
+sys.path.insert(0, sys.argv[1])
+import train
+for argv in json.loads(sys.argv[2]):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print("== run:", " ".join(argv), flush=True)
+    code = train.main(argv)
+    if code:
+        sys.exit(code)
+"""
+
+
+def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.CompletedProcess:
+    """Each of `runs` (train.py arguments) as a world of one, in order, in one process."""
+    p = subprocess.run([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(runs)], cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
