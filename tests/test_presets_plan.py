@@ -1,4 +1,4 @@
-"""Loss presets run in the demo; the reference config's dry run prints the rank plan."""
+"""Loss presets run in the demo; the reference configs' dry runs print the rank plan."""
 from __future__ import annotations
 
 import json
@@ -49,6 +49,44 @@ def test_vl3b_dry_run_prints_config_and_rank_plan():
     assert {r["node"] for r in plan[:8]} == {0} and {r["node"] for r in plan[8:]} == {1}
     assert [r["device"] for r in plan[8:]] == [f"cuda:{i}" for i in range(8)]
     assert 'engine = "vllm"' in p.stdout and 'path = "Qwen/Qwen2.5-VL-3B-Instruct"' in p.stdout
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+@pytest.mark.parametrize("name, expect", [
+    ("qwen3vl_4b", {"model": {"path": "Qwen/Qwen3-VL-4B-Instruct", "min_pixels": 512 * 512},
+                    "data": {"source": "hiyouga/geometry3k", "problem_column": "problem",
+                             "answer_column": "answer", "images_column": "images",
+                             "system_prompt": ""},
+                    "rollout": {"engine": "vllm", "prompts_per_step": 32, "group_size": 4}}),
+    ("qwen3_4b_math", {"model": {"path": "Qwen/Qwen3-4B"},
+                       "data": {"source": "hiyouga/math12k", "problem_column": "problem",
+                                "answer_column": "answer", "images_column": "",
+                                "enable_thinking": True, "system_prompt": ""},
+                       "rollout": {"engine": "vllm", "prompts_per_step": 512, "group_size": 5},
+                       "train": {"mini_batches": 4},
+                       "eval": {"split": "test", "before_start": True}}),
+])
+def test_qwen3_reference_configs_dry_run(name, expect, device, monkeypatch, capsys):
+    """configs/qwen3vl_4b.toml and configs/qwen3_4b_math.toml resolve and plan 8 trainers on node
+    0 + 8 engines on node 1, on either accelerator; the resolved config (the TOML the dry run
+    prints) holds the model, the column mapping and the prompt settings each file documents."""
+    import tomllib
+
+    import train
+    monkeypatch.setenv("GRPO_DEVICE", device)
+    assert train.main(["--config", str(ROOT / "configs" / f"{name}.toml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    toml_text = out[:out.index('\n{"rank"')]
+    resolved = tomllib.loads(toml_text)
+    for section, values in expect.items():
+        for key, value in values.items():
+            assert resolved[section][key] == value, (name, section, key, resolved[section][key])
+    if name == "qwen3vl_4b":
+        assert "enable_thinking" not in resolved["data"]   # unset: the template's own default
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    plan = rows[:-1]
+    assert [(r["role"], r["node"]) for r in plan] == [("trainer", 0)] * 8 + [("generation", 1)] * 8
+    assert [r["device"] for r in plan[8:]] == [f"{device}:{i}" for i in range(8)]
 
 
 def test_rank_plan_rejects_impossible_layouts():
