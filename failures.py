@@ -212,7 +212,8 @@ class Liveness:
         name = lambda r: f"rank {r} ({self.roles[r]})"  # noqa: E731
         who = [f"{name(r)} failed (see its own line)" for r in failed]
         who += [f"{name(r)} died (no heartbeat)" for r in dead]
-        who += [f"{name(r)} was stopped by {s}" for r, s in signalled.items()]
+        if not who:  # else a signal is the launcher stopping the survivors of that failure
+            who = [f"{name(r)} was stopped by {s}" for r, s in signalled.items()]
         if not who:
             who = ["no rank died; " + (", ".join(f"{name(r)} is stuck in '{phases[r]}'" for r in stuck)
                                        or "none is in another phase")]

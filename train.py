@@ -303,9 +303,9 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
         t_step = time.perf_counter()
-        failures.inject(step, live)
         # 1. rollout on the generation ranks (with overlap: produced during the last step)
         live.phase(step, "rollout")
+        failures.inject(step, live)  # tests: a rank that dies, hangs or raises here
         local: tuple[list, dict] = ([], {})
         if world.is_gen:
             local, pending = pending or generate(s, cfg, world, step, progress.version), None

@@ -159,18 +159,26 @@ def test_second_job_on_the_run_folder_stops_naming_the_holder(tmp_path):
 
 @pytest.mark.slow
 def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_path):
-    bad = tmp_path / "model"
-    bad.mkdir()
-    (bad / "config.json").write_text("{")           # a model folder that cannot be read
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--model.path={bad}",
+    e = env()
+    e["GRPO_FAULT"] = "raise@1"   # this rank's own error, in the loop
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY,
                         f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 4, p.stderr[-3000:]
     assert "Traceback (most recent call last)" in p.stderr
-    assert _ours(p.stderr) == [f"error: rank 0 (trainer+generation) failed during start-up: OSError: "
-                               f"It looks like the config file at '{bad}/config.json' is not a valid "
-                               "JSON file."]
+    assert _ours(p.stderr) == ["error: rank 0 (trainer+generation) failed at step 1 (rollout): "
+                               "ValueError: injected fault at step 1"]
     assert p.stderr.rstrip().splitlines()[-1] == _ours(p.stderr)[0]   # the culprit line is last
+    # a model folder that cannot be read is bad input instead: one line, exit 2, no traceback
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{")
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--model.path={bad}",
+                        f"--run.out_dir={tmp_path / 'run2'}"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        f"config error: model.path={bad}: cannot read its config (")
     assert "stuck" not in p.stderr and "died" not in p.stderr
 
 
@@ -179,11 +187,11 @@ def test_own_error_on_one_rank_blames_no_other_rank(tmp_path):
     p, _ = launch(tmp_path, "raise@1:1", "--run.steps=4")
     assert p.returncode != 0
     ours = _ours(p.stderr)
-    assert ours[0] == ("error: rank 1 (trainer) failed at step 0 (eval/checkpoint): ValueError: "
+    assert ours[0] == ("error: rank 1 (trainer) failed at step 1 (rollout): ValueError: "
                        "injected fault at step 1"), ours
     assert "Traceback (most recent call last)" in p.stderr and "injected fault" in p.stderr
     assert all(re.fullmatch(r"error: rank [02] \((trainer|generation)\) (stopping|stopped by the launcher "
-                            r"after): rank 1 \(trainer\) failed at step 0 .*\(ValueError\)", ln)
+                            r"after): rank 1 \(trainer\) failed at step 1 .*\(ValueError\)", ln)
                for ln in ours[1:]), ours
     assert len(ours) == 3 and "stuck" not in p.stderr and "died" not in p.stderr
 
@@ -286,3 +294,24 @@ def test_failing_reward_functions_score_zero_and_are_counted():
     assert time.monotonic() - t0 < 1.5
     assert out["errors"] == 3.0
     assert out["reward"] == pytest.approx(2 / 3)   # only the working function counts
+
+
+def test_a_signal_after_a_death_is_the_launcher_not_a_cause():
+    """torchrun stops the survivors of a dead rank with SIGTERM; a rank that sees both in its
+    diagnosis names the death only (a user's stop is named when nobody died)."""
+    import torch.distributed as dist
+    import failures
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        live = failures.Liveness(0, ["trainer", "trainer", "generation"])
+        live.INTERVAL = 0.05
+        live.store.set(f"{live.ns}/signal/2", "SIGTERM")           # rank 2: the launcher's SIGTERM
+        d = live.diagnose()                                         # rank 1: no heartbeat at all
+        assert d.dead == [1] and d.line.startswith("rank 1 (trainer) died (no heartbeat); last"), d.line
+        live.store.set(f"{live.ns}/signal/1", "SIGINT")             # now both got signals: a user
+        d = live.diagnose()
+        assert d.line.startswith("rank 1 (trainer) was stopped by SIGINT; rank 2 (generation) was "
+                                 "stopped by SIGTERM"), d.line
+        live.close()
+    finally:
+        dist.destroy_process_group()
