@@ -233,3 +233,25 @@ def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
         assert seen[0] == {"difficulty": 1, "tags": ["easy"]}
     finally:
         rewards.REGISTRY.pop("test_columns_seen")
+
+
+@pytest.mark.parametrize("t", VLMS)
+def test_the_one_vllm_hook_reaches_every_familys_processor(tiny_dir, t):
+    """vLLM's processing info of each VLM family (its own `...ProcessingInfo.get_hf_processor`)
+    goes through the one image-only hook: the table's processor class without its video
+    processor, with the trainer's (PIL) image processor and the folder's patch size. No engine
+    starts (vLLM's ModelConfig and processing info only)."""
+    pytest.importorskip("vllm")
+    import vllm_engine as V
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    V._image_only_processor()
+    path = tiny_dir(t)
+    mc = ModelConfig(model=path, dtype="float32", limit_mm_per_prompt={"image": 1, "video": 0},
+                     mm_processor_kwargs={"min_pixels": 56 * 56, "max_pixels": 112 * 112},
+                     mm_processor_cache_gb=0)
+    proc = MULTIMODAL_REGISTRY.get_processing_info(mc).get_hf_processor()
+    assert type(proc).__name__ == "ImageOnly" + F.get(t).processor
+    assert type(proc.image_processor) is M.image_processor_cls()
+    assert proc.image_processor.patch_size == json.loads(open(f"{path}/config.json").read())[
+        "vision_config"]["patch_size"]
