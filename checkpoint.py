@@ -3,9 +3,12 @@
 A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = optimizer steps done):
 - `hf/`: safetensors weights (the checkpoint layout `save_pretrained` writes: MoE experts per
   expert), config, generation config, tokenizer, chat template and (VLMs) image-processor files. `transformers`
-  `from_pretrained`, vLLM and VLMEvalKit load it directly.
+  `from_pretrained`, vLLM and VLMEvalKit load it directly. With LoRA: the merged model (each
+  adapted weight W + (B A) * alpha / r, what the engines serve).
+- `adapter/` (LoRA only): the adapters in PEFT's format (`PeftModel.from_pretrained(base, it)`).
 - `state/`: the sharded policy and optimizer through `torch.distributed.checkpoint` (each trainer
-  rank writes its own shards), plus `meta.pt`: step, weight version, LR schedule, RNG states of
+  rank writes its own shards; with LoRA the adapters and their optimizer state only: the frozen
+  base is `model.path`'s), plus `meta.pt`: step, weight version, LR schedule, RNG states of
   every trainer rank, consecutive skipped steps. The data position is the step itself (the
   problem stream is a pure function of seed and step).
 - `manifest.json`: every other file's size and CRC-32, written last; a resume checks them first,
@@ -212,7 +215,7 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
         export_hf(tmp / "hf", full, policy, procs, source, dtype)
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    model_sd, optim_sd = get_state_dict(policy, opt, options=_trained_only(policy))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"),
              process_group=train_group)
     if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
@@ -257,14 +260,24 @@ def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str
             (f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint"))
 
 
+def _trained_only(policy) -> StateDictOptions:
+    """The training state holds what trains: with LoRA the adapters (the frozen base is read from
+    `model.path` again at resume); without, every parameter (none is frozen)."""
+    return StateDictOptions(ignore_frozen_params=True)
+
+
 def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
-    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names)
-    written in the checkpoint layout (model.write_weights), the config, the source folder's
-    generation config (its stop ids), the tokenizer, the chat template the run used, the image
-    processor with the run's pixel bounds."""
+    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names;
+    with LoRA merged, lora.merged_state_dict, and the adapters written to `adapter/` beside
+    `out` in PEFT's format) written in the checkpoint layout (model.write_weights), the config,
+    the source folder's generation config (its stop ids), the tokenizer, the chat template the
+    run used, the image processor with the run's pixel bounds."""
+    import lora
     import model as M
     out.mkdir(parents=True, exist_ok=True)
-    M.write_weights(out, model, full, dtype)
+    M.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
+    if lora.has_lora(model):
+        lora.write_adapter(out.parent / "adapter", model, full, source)
     model.config.save_pretrained(out)
     gen = Path(source) / "generation_config.json"
     if gen.is_file():
@@ -490,10 +503,14 @@ def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | N
     policy, opt, sched = state
     problem, meta = None, None
     try:
-        model_sd, optim_sd = get_state_dict(policy, opt)
+        options = _trained_only(policy)
+        model_sd, optim_sd = get_state_dict(policy, opt, options=options)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
-        set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        # dcp.load found every trained parameter requested; the frozen ones (LoRA's base) are
+        # left out on purpose, hence strict=False
+        set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(strict=False))
     except (Exception, CheckpointException) as e:
         problem = f"state/: cannot be loaded ({one_line(e)})"
     if problem is None:

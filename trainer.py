@@ -1,7 +1,9 @@
 """The trainer ranks' side of a step: the policy and its optimizer, and the updates on episodes.
 
 - :class:`Trainer`: the record a trainer rank holds (policy sharded with FSDP2, optional frozen
-  reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks.
+  reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks. With LoRA
+  (`model.lora_rank > 0`) the policy is the frozen base plus adapters (lora.py), AdamW holds
+  the adapters only, and the reference is the policy with its adapters disabled.
 - :func:`train_step`: advantages -> which responses count (:func:`loss.keep_mask`) -> the
   step's episodes split into `[train] mini_batches` mini-batches, each with its global loss
   denominator (:func:`loss.loss_denominator`) -> for each of `ppo_epochs` epochs, the
@@ -42,8 +44,8 @@ _SUMMED = ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "tis_weight_me
 
 @dataclass
 class Trainer:
-    policy: Any              # the model, sharded with FSDP2 over the trainer mesh
-    ref: Any                 # frozen reference policy (only when loss.kl_coef > 0), else None
+    policy: Any              # the model (with LoRA: a peft model), sharded with FSDP2 over the trainer mesh
+    ref: Any                 # frozen reference policy (only when loss.kl_coef > 0 without LoRA), else None
     opt: torch.optim.Optimizer
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
@@ -52,11 +54,12 @@ class Trainer:
 
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
-          channel: S.CommChannel | None = None, full=None) -> Trainer:
+          channel: S.CommChannel | None = None, full=None, seed: int = 0) -> Trainer:
     """Policy (FSDP2), optional frozen reference, AdamW, LR schedule over `total_steps` optimizer
     steps, weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
     `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
-    whose weights are scattered to every trainer's shards (model.shard_from_rank0)."""
+    whose weights are scattered to every trainer's shards (model.shard_from_rank0). With
+    `mc.lora_rank > 0`: adapters initialised from `seed`, no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if full is None and world.trainer_index == 0:  # scripts and tests: load it here
@@ -64,34 +67,41 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     # train(): transformers builds in eval mode, where activation checkpointing never runs
+    lora = mc if mc.lora_rank else None
     policy = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision,
-                                checkpointing=mc.activation_checkpointing).train()
+                                checkpointing=mc.activation_checkpointing,
+                                lora_mc=lora, seed=seed).train()
     ref = None
-    if lc.kl_coef > 0:  # frozen reference, sharded like the policy; only when used
+    if lc.kl_coef > 0 and lora is None:  # frozen reference, sharded like the policy; only when used
         ref = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
+    # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
     # foreach: one kernel per group of tensors instead of one per tensor (torch's default on
     # CUDA; on CPU bitwise the same result as the per-tensor loop, and ~15% faster)
-    opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                            weight_decay=tc.weight_decay, foreach=True)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=tc.lr,
+                            betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, sc.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device)
 
 
-def load_checked(world, model_path: str):
+def load_checked(world, model_path: str, mc=None):
     """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
     keeps it for the trainers' shards (:func:`build`); every rank learns the verdict, so a folder
-    that does not hold the model's weights stops the run with one line (ConfigError) before
+    that does not hold the model's weights, or `[model]` (mc) LoRA targets that match none of
+    its linear layers (lora.lora_targets), stop the run with one line (ConfigError) before
     anything is built. Collective over `world.ctrl`."""
     import config as C
     full, problem = None, None
     if world.is_root:
         try:
             full = M.load_model(model_path, dtype=torch.float32)
+            if mc is not None and mc.lora_rank:
+                import lora
+                lora.lora_targets(full, mc)
         except M.ModelError as e:
             problem = str(e)
     box = [problem]
@@ -99,6 +109,28 @@ def load_checked(world, model_path: str):
     if box[0]:
         raise C.ConfigError(box[0])
     return full
+
+
+def reference_logprobs(tr: Trainer, batch: dict, tokens: M.Tokens, temperature: float) -> torch.Tensor:
+    """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
+    policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
+    with torch.no_grad():
+        if tr.ref is not None:
+            return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
+        with tr.policy.disable_adapter():
+            return M.sequence_logprobs(tr.policy, batch, tokens, temperature)[0]
+
+
+def parameter_counts(tr: Trainer) -> dict[str, int]:
+    """What the trainers hold, whole-model numbers (FSDP2 shards them over the trainer ranks):
+    `total` policy parameters, `trainable` ones, `held` parameters of every model built (policy
+    + reference copy), and `optimizer_bytes`: AdamW's two moments per trainable parameter."""
+    params = list(tr.policy.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    ref = sum(p.numel() for p in tr.ref.parameters()) if tr.ref is not None else 0
+    total = sum(p.numel() for p in params)
+    return {"total": total, "trainable": sum(p.numel() for p in trainable), "held": total + ref,
+            "optimizer_bytes": sum(2 * p.numel() * p.element_size() for p in trainable)}
 
 
 def lr_factor(step: int, tc, total_steps: int) -> float:
@@ -234,7 +266,7 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
         batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
-        ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if lc.kl_coef > 0 else None
+        ref = reference_logprobs(tr, batch, tk, temperature) if lc.kl_coef > 0 else None
         out.append((lp, ref))
     return out
 
@@ -272,8 +304,7 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
             # only through truncated importance sampling (engine/trainer mismatch, staleness).
             old, ref_lp = lp.detach(), None
             if lc.kl_coef > 0:
-                with torch.no_grad():
-                    ref_lp, _ = M.sequence_logprobs(tr.ref, batch, tk, temperature)
+                ref_lp = reference_logprobs(tr, batch, tk, temperature)
         else:
             old, ref_lp = proximal[k]
         behaviour = batch["engine_logprobs"]
