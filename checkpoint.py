@@ -215,7 +215,7 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
         export_hf(tmp / "hf", full, policy, procs, source, dtype)
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
-    model_sd, optim_sd = get_state_dict(policy, opt, options=_trained_only(policy))
+    model_sd, optim_sd = _trained_state(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"),
              process_group=train_group)
     if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
@@ -260,10 +260,14 @@ def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str
             (f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint"))
 
 
-def _trained_only(policy) -> StateDictOptions:
-    """The training state holds what trains: with LoRA the adapters (the frozen base is read from
-    `model.path` again at resume); without, every parameter (none is frozen)."""
-    return StateDictOptions(ignore_frozen_params=True)
+def _trained_state(policy, opt) -> tuple[dict, dict]:
+    """The (model, optimizer) state dicts of what trains: with LoRA the adapters and their
+    optimizer state (the frozen base is read from `model.path` again at resume; a tied alias of
+    a frozen weight, e.g. a tied lm_head, is left out too); without LoRA every parameter (none
+    is frozen: the state dicts as they are)."""
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    frozen = {n for n, p in policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
@@ -503,14 +507,14 @@ def _load(path: Path, state: tuple, train_group, is_root: bool) -> tuple[str | N
     policy, opt, sched = state
     problem, meta = None, None
     try:
-        options = _trained_only(policy)
-        model_sd, optim_sd = get_state_dict(policy, opt, options=options)
+        model_sd, optim_sd = _trained_state(policy, opt)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
         # dcp.load found every trained parameter requested; the frozen ones (LoRA's base) are
-        # left out on purpose, hence strict=False
+        # left out on purpose: not strict then
+        frozen = any(not p.requires_grad for p in policy.parameters())
         set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=StateDictOptions(strict=False))
+                       options=StateDictOptions(strict=not frozen))
     except (Exception, CheckpointException) as e:
         problem = f"state/: cannot be loaded ({one_line(e)})"
     if problem is None:

@@ -171,6 +171,40 @@ def test_without_lora_the_kl_reference_is_a_second_copy(world, tiny_dir):
     assert counts["trainable"] == counts["total"] and len(tr.sender.plans) == 1
 
 
+def test_mixed_precision_and_checkpointing_over_the_frozen_base(world, tiny_dir):
+    """FSDP2 with bf16 compute and activation checkpointing, as without LoRA: every decoder layer
+    and vision block recomputed in backward, gradients on the adapters only, fp32 masters."""
+    path = tiny_dir("qwen2_5_vl")
+    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    tr = T.build(path, world, CPU, _mc(mixed_precision=True, activation_checkpointing=True),
+                 C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    count = M.CheckpointCounter(tr.policy)
+    eps, images = _episodes(path, procs)
+    batch = M.collate(eps, images, procs, CPU)
+    lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
+    (lp * batch["response_mask"]).sum().backward()
+    assert (count.calls, count.recomputes) == (4, 4)
+    for n, p in tr.policy.named_parameters():
+        assert p.dtype == torch.float32 and (p.grad is not None) == (".lora_" in n), n
+
+
+def test_startup_summary_says_trainable_total_and_optimizer_state(world, tiny_dir):
+    import tracking
+    path = tiny_dir("qwen3")
+    cfg = C.load(None, ["--model.lora_rank=8", "--model.lora_alpha=32"])
+    tr = T.build(path, world, CPU, cfg.model, C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    counts = T.parameter_counts(tr)
+    plan = {"progress": SimpleNamespace(step=0, version=0), "path": None}
+    text = tracking.startup_summary(cfg, ["trainer"], "cpu", counts, 8, 0, 0, plan, "defaults")
+    want = (f"({counts['total'] / 1e6:.2f}M parameters, {counts['trainable'] / 1e6:.3g}M trainable "
+            f"(LoRA rank 8, alpha 32), AdamW state {counts['optimizer_bytes'] / 2**20:.3g} MiB;")
+    assert want in text and counts["optimizer_bytes"] == 8 * counts["trainable"]
+    full = T.build(path, world, CPU, C.ModelConfig(), C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    text = tracking.startup_summary(C.load(None), ["trainer"], "cpu", T.parameter_counts(full),
+                                    8, 0, 0, plan, "defaults")
+    assert "M parameters, all trainable, AdamW state" in text
+
+
 def test_engine_tensors_send_every_sibling_vllm_fuses_with_an_adapted_layer(tiny_dir):
     """q_proj alone adapted: q/k/v (one qkv_proj layer in vLLM) change together, with their
     biases; o_proj and the MLP do not."""
@@ -194,8 +228,10 @@ def _save(tr, procs, path: Path, out: Path) -> Path:
     return folder
 
 
-def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_peft(world, tiny_dir, tmp_path):
-    path = tiny_dir("qwen2_5_vl")
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3", "qwen3_moe"])  # VLM; tied head; MoE layout
+def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_peft(world, tiny_dir,
+                                                                                   tmp_path, kind):
+    path = tiny_dir(kind)
     procs = M.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
     tr = T.build(path, world, CPU, mc, C.TrainConfig(lr=1e-2), C.LossConfig(), C.SyncConfig(), 10)
@@ -211,7 +247,8 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
     assert config["r"] == 8 and config["lora_alpha"] == 32 and config["base_model_name_or_path"] == path
 
     from peft import PeftModel
-    from transformers import AutoModelForImageTextToText as Auto
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    Auto = AutoModelForImageTextToText if procs.vision else AutoModelForCausalLM
     merged = Auto.from_pretrained(str(folder / "hf")).state_dict()   # loads as a model
     base = Auto.from_pretrained(path).state_dict()
     assert merged.keys() == base.keys()
@@ -225,7 +262,7 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
         want = base[k] + (32.0 / 8) * (b.double() @ a.double()).float()
         assert (merged[k] - want).abs().max() <= 1e-6 and not torch.equal(merged[k], base[k]), k
         adapted += 1
-    assert adapted == 14                                              # 7 per decoder layer
+    assert adapted == len(lora.lora_targets(M.load_model(path), mc))  # MoE: attention only
     peft = PeftModel.from_pretrained(Auto.from_pretrained(path), str(folder / "adapter"))
     theirs = peft.merge_and_unload().state_dict()                     # peft's own merge
     assert theirs.keys() == merged.keys()
