@@ -218,6 +218,28 @@ def test_engine_tensors_send_every_sibling_vllm_fuses_with_an_adapted_layer(tiny
     assert merged == [f"model.language_model.layers.{i}.self_attn.q_proj.weight" for i in range(2)]
 
 
+def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_part_layer(caplog):
+    """vllm_engine.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
+    partial reload are held back; a layer loaded in part (vLLM's "Delayed processing") stops it."""
+    import logging
+
+    import vllm_engine as V
+    layerwise, runner = (logging.getLogger(n) for n in V.PartialReload.LOGGERS)
+    caplog.set_level(logging.DEBUG)
+    level = layerwise.level
+    with V.PartialReload(True):
+        layerwise.warning("%s: Failed to load weights", "RMSNorm")
+        runner.warning("Following weights were not loaded from checkpoint: %s", {"x"})
+    assert "Failed to load" not in caplog.text and "not loaded" not in caplog.text
+    with pytest.raises(RuntimeError, match=r"vLLM layer\(s\) QKVParallelLinear got only part"):
+        with V.PartialReload(True):
+            layerwise.debug("%s: Delayed processing", "QKVParallelLinear")
+    assert not layerwise.filters and layerwise.level == level            # restored
+    with V.PartialReload(False):                                         # a full sync: untouched
+        layerwise.warning("%s: Failed to load weights", "Embedding")
+    assert "Embedding: Failed to load weights" in caplog.text
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def _save(tr, procs, path: Path, out: Path) -> Path:
     folder = out / "step_000001"
@@ -298,3 +320,34 @@ def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(world,
     sa, sb = a.opt.state_dict()["state"], b.opt.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k][m], sb[k][m]) for k in sa for m in sa[k])
     assert a.sched.state_dict() == b.sched.state_dict()
+
+
+@pytest.mark.slow
+def test_benches_put_lora_beside_full_training_and_full_syncs(tmp_path):
+    """bench/step.py --lora-rank: both variants in one JSON object; bench/sync.py --lora-rank:
+    bytes and time of every tensor, the merged adapted layers and the adapters alone."""
+    import subprocess
+    import sys
+
+    from tests.util import ROOT, env
+    step = subprocess.run([sys.executable, str(ROOT / "bench" / "step.py"), "--lora-rank", "4",
+                           "--steps", "1", "--warmup", "0", "--seq-len", "64"],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert step.returncode == 0, step.stderr[-3000:]
+    r = json.loads(step.stdout.strip().splitlines()[-1])
+    full, low = r["full"], r["lora"]
+    assert (full["lora_rank"], low["lora_rank"]) == (0, 4)
+    assert 0 < low["trainable_params"] < full["trainable_params"]
+    assert 0 < low["optimizer_state_mb"] < full["optimizer_state_mb"]
+    assert full["tokens_per_s"] > 0 and low["tokens_per_s"] > 0 and r["tokens_per_s_ratio"] > 0
+    assert r["peak_memory_measure"] == "peak_rss_gb" and low["peak_rss_gb"] > 0   # CPU
+    sync = subprocess.run([sys.executable, str(ROOT / "bench" / "sync.py"), "--lora-rank", "4",
+                           "--hidden", "128", "--layers", "2", "--repeat", "1"],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    r = json.loads(sync.stdout.strip().splitlines()[-1])
+    assert 0 < r["adapters"]["bytes"] < r["merged"]["bytes"] < r["full"]["bytes"]
+    # rank 4 x (in + out) per projection, hidden 128, kv 64, MLP 256: q 256, k 192, v 192, o 256,
+    # gate 384, up 384, down 384 -> 2048 x 4 numbers a layer, 2 layers, 4 bytes each
+    assert r["adapters"]["bytes"] == 2048 * 4 * 2 * 4
+    assert all(r[m]["sync_s"] > 0 for m in ("full", "merged", "adapters"))

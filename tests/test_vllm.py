@@ -266,9 +266,8 @@ def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tin
     prompts = _prompts(tiny, problems)
     sp = R.Sampling(n=2, max_new_tokens=8)
     base = M.load_model(tiny.path).eval()
-    policy = lora.add_lora(M.load_model(tiny.path), C.ModelConfig(path=tiny.path, lora_rank=8)).eval()
 
-    def perturb(seed: int) -> None:  # the adapters move (B starts at zero: merged = base)
+    def perturb(policy, seed: int) -> None:  # the adapters move (B starts at zero: merged = base)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for n, p in policy.named_parameters():
@@ -278,40 +277,45 @@ def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tin
     port = _free_port()
     opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
     engine.join_weight_channel("127.0.0.1", port, 1, 2)
-    sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
-    sizes = [sum(s.nbytes for b in plan for s in b) for plan in sender.plans]
-    assert len(sizes) == 2 and sizes[1] < sizes[0]
+    channel = opened()
 
-    def sync(version: int, s=sender) -> None:
+    def sync(version: int, s) -> None:
         control = S.LocalControl(version, s.plan, s.partial)
         sent = _thread(s.send, version)
         engine.receive_weights(control)
         sent()
 
-    last = base
-    for version in (1, 2, 3):
-        perturb(version)
-        assert sender.partial == (version > 1)
-        sync(version)
-        out = engine.generate(prompts, sp, seed=version)
-        now, before = (_max_diff(m, tiny, problems, prompts, out, 1.0) for m in (policy, last))
-        print(f"LoRA sync v{version} ({'partial' if version > 1 else 'every tensor'}): vs adapted "
-              f"{now:.2e}, vs the previous weights {before:.2e}")
-        assert now <= 1e-4 and before > 1e-2
-        last = _merged_copy(policy, tiny.path)
+    last, version = base, 0
+    for vision in (False, True):  # the language model's linear layers; and the vision tower's too
+        mc = C.ModelConfig(path=tiny.path, lora_rank=8, lora_vision=vision)
+        policy = lora.add_lora(M.load_model(tiny.path), mc).eval()
+        sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=channel)
+        sizes = [sum(s.nbytes for b in plan for s in b) for plan in sender.plans]
+        assert len(sizes) == 2 and sizes[1] < sizes[0]
+        for k in range(3):
+            version += 1
+            perturb(policy, version)
+            assert sender.partial == (k > 0)
+            sync(version, sender)
+            out = engine.generate(prompts, sp, seed=version)
+            now, before = (_max_diff(m, tiny, problems, prompts, out, 1.0) for m in (policy, last))
+            print(f"LoRA{' + vision' if vision else ''} sync v{version} "
+                  f"({'partial' if k else 'every tensor'}): vs adapted {now:.2e}, vs the previous "
+                  f"weights {before:.2e}")
+            assert now <= 1e-4 and before > 1e-2
+            last = _merged_copy(policy, tiny.path)
 
     # a layer loaded in part would hold garbage: the worker refuses it, naming the layer
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     lone = _module_with(name, dict(policy.named_parameters())[
         "base_model.model." + name.replace("q_proj.", "q_proj.base_layer.")].detach().clone())
-    bad = S.Sender(lone, "float32", bucket_mb=0.05, channel=sender.channel)
-    sent = _thread(bad.send, 4)
+    bad = S.Sender(lone, "float32", bucket_mb=0.05, channel=channel)
+    sent = _thread(bad.send, version + 1)
     with pytest.raises(Exception, match="QKVParallelLinear.*only part of their weights"):  # via vLLM
-        engine.receive_weights(S.LocalControl(4, bad.plan, partial=True))
+        engine.receive_weights(S.LocalControl(version + 1, bad.plan, partial=True))
     sent()
     # back to the base weights for whatever runs next on this engine
-    restore = S.Sender(base, "float32", bucket_mb=0.05, channel=sender.channel)
-    sync(5, restore)
+    sync(version + 2, S.Sender(base, "float32", bucket_mb=0.05, channel=channel))
 
 
 def _merged_copy(policy, path: str):
