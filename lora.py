@@ -49,10 +49,11 @@ def lora_targets(model, mc) -> list[str]:
                          "(no vision tower to adapt)")
     allowed = [n for n, part in layers.items() if part == "language" or mc.lora_vision]
     wanted = mc.lora_target_modules
-    if wanted == ALL_LINEAR:
+    wanted = [wanted] if isinstance(wanted, str) else wanted
+    if ALL_LINEAR in wanted:
         return allowed
     chosen: set[str] = set()
-    for t in [wanted] if isinstance(wanted, str) else wanted:
+    for t in wanted:
         hit = {n for n in allowed if n == t or n.endswith("." + t)}
         if not hit:
             raise ModelError(f"model.lora_target_modules: {t!r} matches no linear layer of "
@@ -65,7 +66,8 @@ def lora_targets(model, mc) -> list[str]:
 def _linear_names(layers: dict[str, str], vision: bool) -> str:
     """The distinct `parent.leaf` names of the linear layers, by part, for an error message."""
     def names(part):
-        return ", ".join(dict.fromkeys(".".join(n.split(".")[-2:]) for n, p in layers.items() if p == part))
+        leaves = (".".join(n.split(".")[-2:]) for n, p in layers.items() if p == part)
+        return ", ".join(dict.fromkeys(leaves))
     text = f"its linear layers: {names('language')} (or \"{ALL_LINEAR}\")"
     if "vision" in layers.values():
         text += (f"; the vision tower's: {names('vision')}" +
@@ -86,7 +88,8 @@ def add_lora(model, mc, seed: int = 0):
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
         # peft asks transformers' deprecated `is_gradient_checkpointing` (transformers 5.24)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
         return get_peft_model(model, config)
 
 
@@ -154,8 +157,8 @@ def engine_tensors(model) -> list[EngineTensor]:
         return [EngineTensor(n, tuple(p.shape), (p,)) for n, p in model.named_parameters()]
     adapted = {f"{n}.base_layer.weight": m for n, m in layers.items()}
     parents = {n.rpartition(".")[0] for n in layers}
-    linear = {n for n, m in model.named_modules() if n in layers or
-              (isinstance(m, torch.nn.Linear) and ".lora_" not in n and not n.endswith(".base_layer"))}
+    linear = {n for n, m in model.named_modules() if n in layers or (
+        isinstance(m, torch.nn.Linear) and ".lora_" not in n and not n.endswith(".base_layer"))}
     out = []
     for n, p in model.named_parameters():
         if ".lora_" in n:
@@ -195,8 +198,8 @@ def write_adapter(folder: Path, model, state: dict, base: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER,
                                         save_embedding_layers=False)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in weights.items()},
+              str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(model.peft_config[ADAPTER])
     config.base_model_name_or_path = base
     config.inference_mode = True

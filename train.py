@@ -228,7 +228,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    full = T.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing is built
+    full = T.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
         print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
               "train.share_prompt falls back to one row per episode", flush=True)
