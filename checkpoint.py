@@ -3,9 +3,12 @@
 A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = rollout steps done):
 - `hf/`: safetensors weights (the checkpoint layout `save_pretrained` writes: MoE experts per
   expert), config, generation config, tokenizer, chat template and (VLMs) image-processor files. `transformers`
-  `from_pretrained`, vLLM and VLMEvalKit load it directly.
+  `from_pretrained`, vLLM and VLMEvalKit load it directly. With LoRA: the merged model (each
+  adapted weight W + (B A) * alpha / r, what the engines serve).
+- `adapter/` (LoRA only): the adapters in PEFT's format (`PeftModel.from_pretrained(base, it)`).
 - `state/`: the sharded policy and optimizer through `torch.distributed.checkpoint` (each trainer
-  rank writes its own shards), and the reference policy's when it moves (`train.ref_update_every`;
+  rank writes its own shards; with LoRA the adapters and their optimizer state only: the frozen
+  base is `model.path`'s), and the reference policy's when it moves (`train.ref_update_every`;
   a frozen one is rebuilt from the model), plus `meta.pt`: step, weight version, LR schedule,
   RNG states of every trainer rank, consecutive skipped steps, optimizer steps taken, the
   adaptive KL coefficient. The data position is the step itself (the
@@ -217,7 +220,7 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
         export_hf(tmp / "hf", full, policy, procs, source, dtype)
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
-    model_sd, optim_sd = get_state_dict(policy, opt)
+    model_sd, optim_sd = _trained_state(policy, opt)
     state = {"model": model_sd, "optim": optim_sd}
     if ref is not None:
         state["ref"] = get_model_state_dict(ref)
@@ -264,14 +267,28 @@ def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str
             (f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint"))
 
 
+def _trained_state(policy, opt) -> tuple[dict, dict]:
+    """The (model, optimizer) state dicts of what trains: with LoRA the adapters and their
+    optimizer state (the frozen base is read from `model.path` again at resume; a tied alias of
+    a frozen weight, e.g. a tied lm_head, is left out too); without LoRA every parameter (none
+    is frozen: the state dicts as they are)."""
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    frozen = {n for n, p in policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
 def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
-    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names)
-    written in the checkpoint layout (model.write_weights), the config, the source folder's
-    generation config (its stop ids), the tokenizer, the chat template the run used, the image
-    processor with the run's pixel bounds."""
+    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names;
+    with LoRA merged, lora.merged_state_dict, and the adapters written to `adapter/` beside
+    `out` in PEFT's format) written in the checkpoint layout (model.write_weights), the config,
+    the source folder's generation config (its stop ids), the tokenizer, the chat template the
+    run used, the image processor with the run's pixel bounds."""
+    import lora
     import model as M
     out.mkdir(parents=True, exist_ok=True)
-    M.write_weights(out, model, full, dtype)
+    M.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
+    if lora.has_lora(model):
+        lora.write_adapter(out.parent / "adapter", model, full, source)
     model.config.save_pretrained(out)
     gen = Path(source) / "generation_config.json"
     if gen.is_file():
@@ -506,13 +523,17 @@ def _load(path: Path, state: tuple, train_group, is_root: bool,
     policy, opt, sched = state
     problem, meta = None, None
     try:
-        model_sd, optim_sd = get_state_dict(policy, opt)
+        model_sd, optim_sd = _trained_state(policy, opt)
         sd = {"model": model_sd, "optim": optim_sd}
         saved = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
         if ref is not None and any(k.startswith("ref.") for k in saved):
             sd["ref"] = get_model_state_dict(ref)
         dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
-        set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        # dcp.load found every trained parameter requested; the frozen ones (LoRA's base) are
+        # left out on purpose: not strict then
+        frozen = any(not p.requires_grad for p in policy.parameters())
+        set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(strict=not frozen))
         if "ref" in sd:
             set_model_state_dict(ref, sd["ref"])
     except (Exception, CheckpointException) as e:

@@ -103,6 +103,21 @@ class ModelConfig:
     max_pixels: int = num(112 * 112, ">= 1")
     mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
     activation_checkpointing: bool = False   # trainer: recompute activations in backward
+    # LoRA (the peft library): 0 = off, every parameter trains. > 0: the base model is frozen and
+    # low-rank adapters of this rank train (optimizer state for them only); the reference for
+    # loss.kl_coef is the same model with its adapters disabled (no second copy); the engines get
+    # the merged weights (W + lora_alpha / lora_rank * B A); checkpoints hold the adapters, the
+    # HF export the merged model, with the adapters beside it in PEFT's format (README: LoRA).
+    lora_rank: int = num(0, ">= 0")
+    lora_alpha: float = num(16.0, "> 0")     # the adapters' scale is lora_alpha / lora_rank
+    # which linear layers get adapters: "all-linear" (every linear layer of the language model,
+    # its output head excluded, as peft's "all-linear"), or a list of names, each matching every
+    # linear layer whose name is it or ends with "." + it (e.g. ["q_proj", "v_proj"])
+    lora_target_modules: list | str = "all-linear"
+    lora_vision: bool = False                # also adapt the vision tower's linear layers (else it stays frozen)
+    # adapter dropout: only 0 (dropout makes the trainer's train-mode logprobs differ from the
+    # engines', which the GRPO ratio and logprob_diff/max compare); the key exists to say so
+    lora_dropout: float = num(0.0, "[0, 1)")
 
 
 @dataclass
@@ -331,6 +346,7 @@ def validate(cfg: Config) -> None:
          f"model.min_pixels ({cfg.model.min_pixels}) must be <= model.max_pixels "
          f"({cfg.model.max_pixels})")
     need(ro.engine in ("hf", "vllm"), f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
+    check_lora(cfg.model)
     need(lo.aggregation in loss.AGGREGATIONS,
          f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(loss.AGGREGATIONS)})")
     need(lo.kl_estimator in loss.KL_ESTIMATORS,
@@ -339,6 +355,9 @@ def validate(cfg: Config) -> None:
          f"loss.objective: unknown {lo.objective!r} (known: {', '.join(loss.OBJECTIVES)})")
     need(lo.advantage in loss.ADVANTAGES,
          f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(loss.ADVANTAGES)})")
+    need(not (cfg.model.lora_rank and cfg.train.ref_update_every),
+         "train.ref_update_every: with LoRA (model.lora_rank > 0) the reference is the frozen base "
+         "(the policy with its adapters off), which cannot move; use 0 or train every parameter")
     need(lo.clip_dual == 0 or lo.clip_dual > 1,
          f"loss.clip_dual must be > 1 (the dual-clip cap, verl's clip_ratio_c; 0 = off), got {lo.clip_dual}")
     need(lo.clip_dual == 0 or lo.objective not in ("gspo", "cispo"),
@@ -384,6 +403,21 @@ def validate(cfg: Config) -> None:
     check_model_path(cfg.model.path)
     need(not data.source_problem(cfg.data.source),
          f"data.source: {data.source_problem(cfg.data.source)}")
+
+
+def check_lora(mc: ModelConfig) -> None:
+    """The LoRA keys that need no model (the target names are checked against the model's
+    linear layers when it is loaded: model.lora_targets)."""
+    t = mc.lora_target_modules
+    if isinstance(t, list) and (not t or not all(isinstance(x, str) and x for x in t)):
+        raise ConfigError(f"model.lora_target_modules: expected \"all-linear\" or a non-empty list "
+                          f"of module names, got {t!r}")
+    if isinstance(t, str) and not t:
+        raise ConfigError("model.lora_target_modules: expected \"all-linear\" or a list of module names, got ''")
+    if mc.lora_dropout > 0:
+        raise ConfigError(f"model.lora_dropout={mc.lora_dropout}: adapter dropout is refused: the "
+                          "trainer's train-mode logprobs would differ from the engines' (the GRPO "
+                          "ratio and logprob_diff/max compare them); keep it 0")
 
 
 def check_model_path(path: str) -> None:
@@ -438,14 +472,16 @@ def _toml_value(v: Any) -> str:
 # Keys that change what a run means: resuming a checkpoint with other values would silently
 # continue a different experiment, so they stop the run unless run.allow_config_change is set.
 # (reward.functions: what reward/mean measures; train.mini_batches, train.ppo_epochs and
-# loss.kl_coef: what one step's update and the loss are.) Every other changed key is listed in
+# loss.kl_coef: what one step's update and the loss are; the model.lora_* keys: what trains, and
+# the saved adapters would not fit another rank or target set.) Every other changed key is listed in
 # one line at resume (checkpoint.resume_plan "other_changes").
 MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
                 "data.system_prompt", "data.enable_thinking",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
-                "train.ppo_epochs", "reward.functions", "loss.kl_coef")
+                "train.ppo_epochs", "reward.functions", "loss.kl_coef", "model.lora_rank",
+                "model.lora_alpha", "model.lora_target_modules", "model.lora_vision")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
 # schedule (and says so).
 OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.beta1", "train.beta2",

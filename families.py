@@ -185,6 +185,12 @@ def tiny_type(path: str) -> str | None:
     return None
 
 
+def is_vlm(config) -> bool:
+    """A vision-language model: its config has a vision tower (asked of the config, never of
+    the family's name)."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def supported() -> list[str]:
     return list(FAMILIES)
 

@@ -195,9 +195,7 @@ def _unsupported(path: str, kind: str) -> str:
             f"{', '.join(F.supported())})")
 
 
-def is_vlm(config) -> bool:
-    """A vision-language model: its config has a vision tower."""
-    return getattr(config, "vision_config", None) is not None
+is_vlm = F.is_vlm  # a vision-language model: its config has a vision tower
 
 
 def text_config(config):
@@ -809,7 +807,8 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
 
 @torch.no_grad()
 def shard_from_rank0(path: str, full, mesh, device: torch.device, group, *,
-                     mixed_precision: bool = False, checkpointing: bool = False):
+                     mixed_precision: bool = False, checkpointing: bool = False,
+                     lora_mc=None, seed: int = 0):
     """The policy sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
     the first trainer rank, None on the others).
 
@@ -817,11 +816,18 @@ def shard_from_rank0(path: str, full, mesh, device: torch.device, group, *,
     allocates only its own shards; the first rank then scatters each full weight in turn
     (`distribute_tensor` over the trainer group), and broadcasts the buffers (rotary tables are
     not in a state dict). So a trainer node needs one host copy of the model, not one per rank.
+    `lora_mc` (the `[model]` config, when `lora_rank > 0`): adapters on both (lora.add_lora, the
+    first rank's initialised from `seed` and scattered like the rest; `full` is wrapped in
+    place), each layer's FSDP unit then holding its frozen base and its trainable adapters.
     Collective over `group` (the trainer ranks)."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
     model = model_from_config(path, meta=True)
+    if lora_mc is not None:
+        import lora
+        model = lora.add_lora(model, lora_mc, seed)
+        full = lora.add_lora(full, lora_mc, seed) if full is not None else None
     apply_fsdp(model, mesh, mixed_precision=mixed_precision, checkpointing=checkpointing)
     model.to_empty(device=device)
     src = dict(full.named_parameters()) if full is not None else {}

@@ -67,7 +67,11 @@ Named = list[tuple[str, torch.Tensor]]  # (HF parameter name, tensor) pairs of o
 
 class WeightSource(Protocol):
     """Where one weight sync comes from (sync.Receiver on a generation rank; in a world of one,
-    sync.LocalControl): the version and bucket plan, then the buckets in plan order."""
+    sync.LocalControl): the version and bucket plan, then the buckets in plan order. `partial`
+    (set by `control()`): the plan holds only the tensors that change (LoRA), the engine keeps
+    the others."""
+    partial: bool
+
     def control(self) -> tuple[int, list]: ...
     def buckets(self) -> Iterable[Named]: ...
 

@@ -1,14 +1,18 @@
 """Weight transport from the trainers to the engines, in buckets, with version numbers.
 
 Protocol, per sync (after every rollout step):
-1. Every trainer rank walks the policy's parameters in one fixed order (`named_parameters`) and
-   calls `full_tensor()` on each: FSDP2 shards are all-gathered on the trainer group, so all
+1. Every trainer rank walks the engines' tensors in one fixed order (`lora.engine_tensors`: the
+   policy's parameters, or with LoRA the base model's with each adapted weight merged) and
+   gathers each (`full_tensor()`): FSDP2 shards are all-gathered on the trainer group, so all
    trainer ranks must make the same calls in the same order.
 2. Trainer rank 0 casts each full tensor to the transport dtype and packs it into a byte bucket
    (`bucket_mb`); a full bucket is broadcast over the dedicated sync group {trainer 0, every
    generation rank} while the next one is packed (two buffers, asynchronous broadcast).
 3. Metadata (names, shapes, dtypes as strings, offsets) travels once, on the first sync; every
-   later sync sends one small control tensor (version, bucket count) and then the buckets.
+   later sync sends one small control tensor (version, bucket count, plan) and then the buckets.
+   There are one or two plans: every tensor (the first sync), and with LoRA the tensors that
+   change in training (every later sync: the adapted linear layers and their siblings; the
+   rest never changes).
 4. The generation rank unpacks each bucket into views of its receive buffer (reused across
    syncs) and its engine loads the `(name, tensor)` pairs (`engine.receive_weights(receiver)`).
 
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import device as D
+from lora import engine_tensors, full_tensor  # noqa: F401  (full_tensor: trainer.py's too)
 from model import DTYPES, checkpoint_pieces
 
 ALIGN = 64  # byte alignment of each tensor inside a bucket (dtype views need aligned offsets)
@@ -125,20 +130,16 @@ class LiveBytes:
             self.now -= n
 
 
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every trainer rank (a collective for FSDP2's DTensor shards)."""
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
 def wire_pieces(model) -> list[tuple[str, tuple[int, ...], int, tuple]]:
-    """What a sync sends, in order: (checkpoint name, shape, position of the parameter in
-    `named_parameters`, index into it) per piece. A parameter goes whole, except MoE experts fused
-    in memory, which go per expert under the names vLLM's loaders take
-    (model.checkpoint_pieces); every parameter's pieces are consecutive, in parameter order."""
+    """What a sync sends, in order: (checkpoint name, shape, position of the tensor in
+    `lora.engine_tensors(model)` (for a plain model: in `named_parameters`), index into it) per
+    piece. A tensor goes whole, except MoE experts fused in memory, which go per expert under
+    the names vLLM's loaders take (model.checkpoint_pieces); every tensor's pieces are
+    consecutive, in order."""
     out = []
-    for pos, (n, p) in enumerate(model.named_parameters()):
-        for name, index in checkpoint_pieces(clean_name(n), tuple(p.shape)):
-            shape = tuple(torch.empty(p.shape, device="meta")[index].shape) if index else tuple(p.shape)
+    for pos, t in enumerate(engine_tensors(model)):
+        for name, index in checkpoint_pieces(clean_name(t.name), t.shape):
+            shape = tuple(torch.empty(t.shape, device="meta")[index].shape) if index else t.shape
             out.append((name, shape, pos, index))
     return out
 
@@ -157,10 +158,15 @@ class Sender:
                  channel: "Channel | None" = None, solo_mb: float = 4.0):
         self.model, self.dtype, self.group, self.src, self.is_root = model, dtype, group, src, is_root
         self.bucket_bytes = int(bucket_mb * 2**20)
-        pieces = wire_pieces(model)
-        self.pieces = [(pos, index) for _, _, pos, index in pieces]  # slot order
-        self.plan = plan_buckets([(n, shape, dtype) for n, shape, _, _ in pieces],
-                                 self.bucket_bytes, int(solo_mb * 2**20))
+        self.tensors = engine_tensors(model)
+        every = wire_pieces(model)
+        changing = [piece for piece in every if self.tensors[piece[2]].changes]
+        # plan 0: every tensor (the first sync); plan 1, with LoRA: those that change (the rest)
+        wires = [every] + ([changing] if len(changing) < len(every) else [])
+        self._pieces = [[(pos, index) for _, _, pos, index in w] for w in wires]  # slot order
+        self.plans = [plan_buckets([(n, shape, dtype) for n, shape, _, _ in w],
+                                   self.bucket_bytes, int(solo_mb * 2**20)) for w in wires]
+        self.sends = 0  # syncs made (each trainer rank counts its own: they all send every sync)
         self.device = device
         # Control messages always go over `group` (torch world, gloo); bucket data goes over
         # `group` too (HF engines) or over `channel`, the communicator shared with vLLM workers.
@@ -168,30 +174,46 @@ class Sender:
         self._bufs: list[torch.Tensor] = []
         self._plan_sent = False
 
+    @property
+    def which(self) -> int:
+        """The plan the next sync uses: every tensor first, then (LoRA) those that change."""
+        return 0 if self.sends == 0 else len(self.plans) - 1
+
+    @property
+    def plan(self) -> list[list[Slot]]:
+        return self.plans[self.which]
+
+    @property
+    def partial(self) -> bool:
+        """The next sync sends only some of the engines' tensors (the others stay as they are)."""
+        return self.which > 0
+
     @torch.no_grad()  # full_tensor() and the casts would otherwise record autograd nodes
     def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
-        """Gather, pack and broadcast all parameters. Returns the bytes sent (root only).
+        """Gather, pack and broadcast the tensors of :attr:`plan`. Returns the bytes sent (root
+        only).
 
         A large tensor that already has the transport dtype goes out from its own memory (no
         copy); small ones are packed into one of two reused buffers while earlier broadcasts are
         in flight. `sink` (world of 1): instead of broadcasting, hand each bucket's unpacked
         tensors straight to the in-process engine, through the same pack/unpack path.
         """
-        params = [p for _, p in self.model.named_parameters()]
+        which, tensors = self.which, self.tensors
+        plan = self.plans[which]
         if self.is_root and self.group is not None:
-            self._send_control(version)
+            self._send_control(version, which)
         pending: list = []        # (work, ring buffer index or None, gathered bytes, tensor kept alive)
         gathered = 0              # bytes of gathered tensors whose broadcast is still pending
         sent = 0
         ring = 0
-        pieces = iter(self.pieces)
-        pos, whole = -1, None     # the parameter being sent, gathered
-        for bucket in self.plan:
+        pieces = iter(self._pieces[which])
+        pos, whole = -1, None     # the tensor being sent, gathered
+        for bucket in plan:
             full, views = [], []
             for _ in bucket:
                 p_pos, index = next(pieces)
-                if p_pos != pos:  # each parameter once, in order: a collective on every trainer
-                    pos, whole = p_pos, full_tensor(params[p_pos])
+                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
+                    pos, whole = p_pos, tensors[p_pos].gather()
                 full.append(whole[index] if index else whole)
                 views.append(bool(index))
             if not self.is_root:
@@ -201,7 +223,7 @@ class Sender:
             if (len(bucket) == 1 and not views[0] and t.dtype == DTYPES[self.dtype]
                     and t.is_contiguous() and t.device == self.device):
                 buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
-                if full[0] is not params[pos]:  # a gathered copy (DTensor), not the parameter
+                if full[0] is not tensors[pos].parts[0]:  # a gathered copy, not the parameter
                     held = buf.numel()
             else:
                 slot, ring = ring, 1 - ring
@@ -222,13 +244,14 @@ class Sender:
             sent += bucket_size(bucket)
         for w, _, _, _ in pending:
             w.wait()
+        self.sends += 1
         return sent
 
-    def _send_control(self, version: int) -> None:
+    def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values
-            dist.broadcast_object_list([self.plan], self.src, group=self.group)
+            dist.broadcast_object_list([self.plans], self.src, group=self.group)
             self._plan_sent = True
-        ctrl = torch.tensor([version, len(self.plan)], dtype=torch.int64)  # CPU: gloo
+        ctrl = torch.tensor([version, len(self.plans[which]), which], dtype=torch.int64)  # CPU: gloo
         dist.broadcast(ctrl, self.src, group=self.group)
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
@@ -294,18 +317,23 @@ class Receiver:
 
     def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):
         self.group, self.src, self.device = group, src, device
-        self.plan: list[list[Slot]] | None = None
-        self._bufs: list[torch.Tensor] = []
+        self.plans: list[list[list[Slot]]] | None = None
+        self.plan: list[list[Slot]] | None = None   # the current sync's
+        self.partial = False                        # it sends only the tensors that change
+        self._bufs: dict[int, list[torch.Tensor]] = {}
+        self._views: dict[int, list] = {}
+        self._which = 0
 
     def control(self) -> tuple[int, list[list[Slot]]]:
-        """(version, plan) of the sync that starts now; the plan itself travels only once."""
-        if self.plan is None:
+        """(version, plan) of the sync that starts now; the plans themselves travel only once."""
+        if self.plans is None:
             obj = [None]
             dist.broadcast_object_list(obj, self.src, group=self.group)
-            self.plan = obj[0]
-        ctrl = torch.zeros(2, dtype=torch.int64)
+            self.plans = obj[0]
+        ctrl = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(ctrl, self.src, group=self.group)
-        version, n = int(ctrl[0]), int(ctrl[1])
+        version, n, which = (int(x) for x in ctrl)
+        self.plan, self.partial, self._which = self.plans[which], which > 0, which
         if n != len(self.plan):
             raise RuntimeError(f"weight sync: sender has {n} buckets, receiver planned {len(self.plan)}")
         return version, self.plan
@@ -320,23 +348,25 @@ class Receiver:
         once (nothing is reused within a sync), so the transfer runs back to back while the
         engine loads whatever has arrived.
         """
-        if not self._bufs:
-            self._bufs = [torch.empty(bucket_size(b), dtype=torch.uint8, device=self.device)
-                          for b in self.plan]
-            self._views = [unpack(buf, b) for buf, b in zip(self._bufs, self.plan)]  # made once
+        w = self._which
+        if w not in self._bufs:  # made once per plan
+            self._bufs[w] = [torch.empty(bucket_size(b), dtype=torch.uint8, device=self.device)
+                             for b in self.plan]
+            self._views[w] = [unpack(buf, b) for buf, b in zip(self._bufs[w], self.plan)]
         channel = TorchChannel(self.group, self.src)
-        works = [channel.broadcast(buf) for buf in self._bufs]
-        for work, named in zip(works, self._views):
+        works = [channel.broadcast(buf) for buf in self._bufs[w]]
+        for work, named in zip(works, self._views[w]):
             work.wait()
             yield named
 
 
 class LocalControl:
     """The control side of a sync when the sender is in this process (a world of one): the
-    version and plan, no message. The data goes over the engine's own channel."""
+    version and plan (and whether it is `partial`: Sender.partial), no message. The data goes
+    over the engine's own channel."""
 
-    def __init__(self, version: int, plan: list[list[Slot]]):
-        self.version, self.plan = version, plan
+    def __init__(self, version: int, plan: list[list[Slot]], partial: bool = False):
+        self.version, self.plan, self.partial = version, plan, partial
 
     def control(self) -> tuple[int, list[list[Slot]]]:
         return self.version, self.plan
@@ -353,9 +383,10 @@ def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", en
         if sender.channel is None:  # the engine lives here: buckets handed straight over
             return sender.send(version, sink=engine.load_weights)
         import concurrent.futures as cf  # the engine's own processes receive over the channel
+        control = LocalControl(version, sender.plan, sender.partial)  # before the send moves on
         with cf.ThreadPoolExecutor(1) as pool:
             sent = pool.submit(sender.send, version)
-            got = engine.receive_weights(LocalControl(version, sender.plan))
+            got = engine.receive_weights(control)
             nbytes = sent.result()
     elif world.is_trainer:
         return sender.send(version)
@@ -367,11 +398,12 @@ def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", en
 
 
 def verify(world, policy, engine, dtype: str) -> bool:
-    """Bitwise: every engine's weights == the trainer's full weights cast to the sync dtype.
-    Collective over the whole world (`world.ctrl`)."""
+    """Bitwise: every engine's weights == the trainer's full weights (with LoRA: merged, as the
+    sync sends them) cast to the sync dtype. Collective over the whole world (`world.ctrl`)."""
     ref = None
     if world.is_trainer:  # every trainer rank gathers (collective); rank 0 fingerprints
-        full = [(n, full_tensor(p).detach().to(DTYPES[dtype])) for n, p in policy.named_parameters()]
+        with torch.no_grad():
+            full = [(t.name, t.gather().detach().to(DTYPES[dtype])) for t in engine_tensors(policy)]
         ref = checksum(full) if world.is_root else None
     mine = checksum(list(engine.named_parameters())) if world.is_gen else None
     got: list = [None] * world.size

@@ -229,9 +229,10 @@ def dropped_note(m: dict, n_groups: int) -> str:
                                           "(loss 0, gradient norm 0)" if d >= n_groups else ""))
 
 
-def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problems: int,
+def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_problems: int,
                     n_skipped: int, n_eval: int, plan: dict, sources: str) -> str:
-    """Who does what, on what, with which data and config, and where the run starts."""
+    """Who does what, on what, with which data and config, and where the run starts. `n_params`:
+    trainer.parameter_counts (total, trainable, optimizer-state bytes), or a plain count."""
     by_role: dict[str, list[int]] = {}
     for r, role in enumerate(roles):
         by_role.setdefault(role, []).append(r)
@@ -239,7 +240,7 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
                     f"{role}" for role, rs in by_role.items())
     ev = cfg.eval
     lines = [f"== {len(roles)} rank(s) on {device}: {who} ({cfg.rollout.engine} engine)",
-             f"   model {cfg.model.path} ({n_params / 1e6:.2f}M parameters; engines in "
+             f"   model {cfg.model.path} ({_params_text(cfg.model, n_params)}; engines in "
              f"{cfg.model.dtype}) | data {cfg.data.source}: {n_problems} training problems "
              f"({n_skipped} rows skipped)" + (f", {n_eval} {ev.split} problems for evaluation"
                                               if n_eval else ""),
@@ -259,6 +260,16 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int, n_problem
         lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"
                                                                     for k, a, b in changed))
     return "\n".join(lines)
+
+
+def _params_text(mc, n: int | dict) -> str:
+    """"0.71M parameters, 0.03M trainable (LoRA rank 8, alpha 16), AdamW state 0.2 MiB"."""
+    if not isinstance(n, dict):
+        return f"{n / 1e6:.2f}M parameters"
+    how = (f"{n['trainable'] / 1e6:.3g}M trainable (LoRA rank {mc.lora_rank}, alpha "
+           f"{mc.lora_alpha:g})" if mc.lora_rank else "all trainable")
+    return (f"{n['total'] / 1e6:.2f}M parameters, {how}, AdamW state "
+            f"{n['optimizer_bytes'] / 2**20:.3g} MiB")
 
 
 def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, rows: list[dict],

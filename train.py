@@ -215,7 +215,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    full = T.load_checked(world, model_path)  # rank 0: every weight there, or nothing is built
+    full = T.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
         print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
               "train.share_prompt falls back to one row per episode", flush=True)
@@ -228,7 +228,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                                         port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                         verbose=cfg.run.verbose)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
-                  cfg.run.steps, channel, full) if world.is_trainer else None)
+                  cfg.run.steps, channel, full, seed=cfg.run.seed) if world.is_trainer else None)
     del full  # the trainers hold their shards now
     receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc = cfg.reward
@@ -282,9 +282,9 @@ def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         restore(cfg, world, s, dev, plan)
     if rec:
         roles = [world.role(r) for r in range(world.size)]
-        n_params = sum(p.numel() for p in s.trainer.policy.parameters())
-        rec.say(tracking.startup_summary(cfg, roles, D.detect().kind, n_params, len(s.problems),
-                                         s.n_skipped, len(s.eval_set or []), plan, sources))
+        rec.say(tracking.startup_summary(cfg, roles, D.detect().kind, T.parameter_counts(s.trainer),
+                                         len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
+                                         sources))
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
     return s, progress, rec

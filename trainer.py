@@ -1,7 +1,9 @@
 """The trainer ranks' side of a step: the policy and its optimizer, and the updates on episodes.
 
 - :class:`Trainer`: the record a trainer rank holds (policy sharded with FSDP2, optional frozen
-  reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks.
+  reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks. With LoRA
+  (`model.lora_rank > 0`) the policy is the frozen base plus adapters (lora.py), AdamW holds
+  the adapters only, and the reference is the policy with its adapters disabled.
 - :func:`train_step`: advantages -> which responses count (:func:`loss.keep_mask`) -> the
   step's episodes split into `[train] mini_batches` mini-batches, each with its global loss
   denominator (:func:`loss.loss_denominator`) -> for each of `ppo_epochs` epochs, the
@@ -52,22 +54,24 @@ _SUMMED = ("kl", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mea
 
 @dataclass
 class Trainer:
-    policy: Any              # the model, sharded with FSDP2 over the trainer mesh
-    ref: Any                 # reference (only when loss.kl_coef > 0), else None; mix_reference
+    policy: Any              # the model (with LoRA: a peft model), sharded with FSDP2 over the trainer mesh
+    ref: Any                 # reference copy (loss.kl_coef > 0 without LoRA), else None; mix_reference
     opt: torch.optim.Optimizer
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
+    base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
 
 
 def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
-          channel: S.CommChannel | None = None, full=None) -> Trainer:
+          channel: S.CommChannel | None = None, full=None, seed: int = 0) -> Trainer:
     """Policy (FSDP2), optional reference, AdamW, LR schedule over `total_steps` rollout steps,
     weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
     `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
-    whose weights are scattered to every trainer's shards (model.shard_from_rank0)."""
+    whose weights are scattered to every trainer's shards (model.shard_from_rank0). With
+    `mc.lora_rank > 0`: adapters initialised from `seed`, no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if full is None and world.trainer_index == 0:  # scripts and tests: load it here
@@ -76,33 +80,41 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
     # train(): transformers builds in eval mode, where activation checkpointing never runs
+    lora = mc if mc.lora_rank else None
     policy = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision,
-                                checkpointing=mc.activation_checkpointing).train()
+                                checkpointing=mc.activation_checkpointing,
+                                lora_mc=lora, seed=seed).train()
     ref = None
-    if lc.kl_coef > 0:  # reference, sharded like the policy (mix_reference needs it); if used
+    if lc.kl_coef > 0 and lora is None:  # reference, sharded like the policy (mix_reference needs it)
         ref = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
+    # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
     # foreach: one kernel per group of tensors instead of one per tensor (torch's default on
     # CUDA; on CPU bitwise the same result as the per-tensor loop, and ~15% faster)
-    opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                            weight_decay=tc.weight_decay, foreach=True)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=tc.lr,
+                            betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, sc.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
-    return Trainer(policy, ref, opt, sched, sender, device)
+    return Trainer(policy, ref, opt, sched, sender, device,
+                   base_ref=lora is not None and lc.kl_coef > 0)
 
 
-def load_checked(world, model_path: str):
+def load_checked(world, model_path: str, mc=None):
     """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
     keeps it for the trainers' shards (:func:`build`); every rank learns the verdict, so a folder
-    that does not hold the model's weights stops the run with one line (ConfigError) before
+    that does not hold the model's weights, or `[model]` (mc) LoRA targets that match none of
+    its linear layers (lora.lora_targets), stop the run with one line (ConfigError) before
     anything is built. Collective over `world.ctrl`."""
     full, problem = None, None
     if world.is_root:
         try:
             full = M.load_model(model_path, dtype=torch.float32)
+            if mc is not None and mc.lora_rank:
+                import lora
+                lora.lora_targets(full, mc)
         except M.ModelError as e:
             problem = str(e)
     box = [problem]
@@ -110,6 +122,33 @@ def load_checked(world, model_path: str):
     if box[0]:
         raise M.ModelError(box[0])
     return full
+
+
+def has_reference(tr: Trainer) -> bool:
+    """A reference policy to compare with: its own copy, or with LoRA the base (adapters off)."""
+    return tr.ref is not None or tr.base_ref
+
+
+def reference_logprobs(tr: Trainer, batch: dict, tokens: M.Tokens, temperature: float) -> torch.Tensor:
+    """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
+    policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
+    with torch.no_grad():
+        if tr.ref is not None:
+            return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
+        with tr.policy.disable_adapter():
+            return M.sequence_logprobs(tr.policy, batch, tokens, temperature)[0]
+
+
+def parameter_counts(tr: Trainer) -> dict[str, int]:
+    """What the trainers hold, whole-model numbers (FSDP2 shards them over the trainer ranks):
+    `total` policy parameters, `trainable` ones, `held` parameters of every model built (policy
+    + reference copy), and `optimizer_bytes`: AdamW's two moments per trainable parameter."""
+    params = list(tr.policy.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    ref = sum(p.numel() for p in tr.ref.parameters()) if tr.ref is not None else 0
+    total = sum(p.numel() for p in params)
+    return {"total": total, "trainable": sum(p.numel() for p in trainable), "held": total + ref,
+            "optimizer_bytes": sum(2 * p.numel() * p.element_size() for p in trainable)}
 
 
 def quiet_view_warning() -> None:
@@ -271,7 +310,7 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
         batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
-        ref = M.sequence_logprobs(tr.ref, batch, tk, temperature)[0] if tr.ref is not None else None
+        ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
         out.append((lp, ref, batch["response_mask"]))
     return out
 
@@ -357,9 +396,8 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
             # is 1 in value with the gradient of the policy gradient; the engine's logprobs enter
             # only through truncated importance sampling (engine/trainer mismatch, staleness).
             old, ref_lp = lp.detach(), None
-            if tr.ref is not None:
-                with torch.no_grad():
-                    ref_lp, _ = M.sequence_logprobs(tr.ref, batch, tk, temperature)
+            if has_reference(tr):
+                ref_lp = reference_logprobs(tr, batch, tk, temperature)
         else:
             old, ref_lp, _ = proximal[k]
         behaviour = batch["engine_logprobs"]
@@ -466,7 +504,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         proximal = [proximal_logprobs(tr, episodes, sh, plan, images, procs=procs, lc=lc, tc=tc,
                                       temperature=rc.temperature)
                     for sh, plan in zip(shares, plans)]
-        if tr.ref is not None and (lc.kl_in_reward or lc.kl_target > 0):
+        if has_reference(tr) and (lc.kl_in_reward or lc.kl_target > 0):
             kl_sum, kl_count = reference_kl(proximal, shares, plans, len(episodes), lc,
                                             world.train_group)
             current_kl = float((kl_sum / kl_count.clamp(min=1.0)).mean())  # verl's current_kl
@@ -525,7 +563,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         out[f"train/{k}"] = tot[k] / kept
     if lc.clip_dual:
         out["train/clip_frac_dual"] = tot["clip_frac_dual"] / kept
-    if tr.ref is not None:
+    if has_reference(tr):
         out["train/kl_coef"] = coef
     out.update(extra)
     out["advantage/mean"] = float(adv.mean())

@@ -10,6 +10,7 @@ crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -341,7 +342,7 @@ class VLLMEngine:
         Returns the version received.
         """
         version, plan = source.control()
-        self._rpc("receive_weights", version, sync.plan_to_plain(plan))
+        self._rpc("receive_weights", version, sync.plan_to_plain(plan), source.partial)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
@@ -361,6 +362,50 @@ def refuse_npu_nz(kind: str) -> None:
     if kind == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
         raise RuntimeError(f"VLLM_ASCEND_ENABLE_NZ={os.environ.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
                            "weight sync needs VLLM_ASCEND_ENABLE_NZ=0 (source launch/npu_env.sh)")
+
+
+class PartialReload(logging.Filter):
+    """A reload of only some tensors (`active`; LoRA syncs after the first) through vLLM 0.23's
+    layerwise reload: each layer that gets no weights keeps its own, with a warning per layer
+    per sync ("Failed to load weights", "weights were not loaded"), expected here and held back.
+    A layer that gets only PART of its weights is not fine: the reload refills the rest from
+    uninitialised memory (its "Delayed processing" debug message); that stops the sync naming
+    the layer (sync.py sends every sibling of an adapted layer, which vLLM fuses with it, so
+    this is a guard). Used as a context manager around the reload."""
+
+    LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.gpu_model_runner")
+
+    def __init__(self, active: bool):
+        super().__init__()
+        self.active = active
+        self.partly: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "Delayed processing" in msg:
+            self.partly.append(msg.split(":")[0])
+        return record.levelno >= logging.ERROR
+
+    def __enter__(self) -> "PartialReload":
+        if self.active:
+            self._levels = []
+            for name in self.LOGGERS:
+                log = logging.getLogger(name)
+                self._levels.append(log.level)
+                log.setLevel(logging.DEBUG)  # the layerwise debug lines name partly loaded layers
+                log.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.active:
+            return
+        for name, level in zip(self.LOGGERS, self._levels):
+            logging.getLogger(name).removeFilter(self)
+            logging.getLogger(name).setLevel(level)
+        if self.partly and exc[0] is None:
+            raise RuntimeError(f"weight sync: vLLM layer(s) {', '.join(sorted(set(self.partly)))} "
+                               "got only part of their weights in a partial sync (the rest would "
+                               "be garbage); send every tensor of such a layer")
 
 
 class VLLMWorkerExtension:
@@ -392,15 +437,17 @@ class VLLMWorkerExtension:
                 raise RuntimeError("weight sync: vllm-ascend stores weights as FRACTAL_NZ; set "
                                    "VLLM_ASCEND_ENABLE_NZ=0 (Atlas 300I / 310P is not supported)")
 
-    def receive_weights(self, version: int, plan: list) -> int:
+    def receive_weights(self, version: int, plan: list, partial: bool = False) -> int:
         """Receive every bucket of `plan` (plain data) and load it. Returns the tensor count.
 
         Through vLLM's layerwise reload on every device (the path vLLM's own RL weight updates
         take): it re-runs each layer's post-load processing (CPU: the oneDNN repack; NPU: the
-        weight layout; quantization), which a bare `load_weights` would skip.
+        weight layout; quantization), which a bare `load_weights` would skip. `partial` (LoRA:
+        only the tensors that change): the layers that get nothing keep their weights
+        (:class:`PartialReload`).
         """
         buckets = sync.plan_from_plain(plan)
-        with torch.device(self.device):
+        with torch.device(self.device), PartialReload(partial):
             self.model_runner.reload_weights(weights_iterator=self.weight_stream(buckets),
                                              is_checkpoint_format=True)
         D.synchronize(D.TABLE[self.device.type])

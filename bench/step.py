@@ -2,6 +2,7 @@
 
     python bench/step.py                                   # tiny model, CPU, fp32
     python bench/step.py --model 3b --seq-len 2048 --bf16  # Qwen2.5-VL-3B architecture, random init
+    python bench/step.py --lora-rank 8                     # the same step with and without LoRA
 
 One process, FSDP2 over a world of one (the trainer's wrapping), `model.sequence_logprobs` +
 `loss.policy_loss` + backward + AdamW: exactly what train.py runs per micro-batch. The sequence
@@ -18,6 +19,14 @@ MFU = FLOPs / step time / peak. Peak: `--peak-tflops`, else a table by device na
 bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object, with
 `checkpoint_calls_per_step`: the layer forwards recomputed during the backward of one step
 (vision blocks + decoder layers with `--checkpointing`; 0 means checkpointing is not active).
+
+`--lora-rank R`: the step twice, side by side in one JSON object, each in a process of its own
+(so each peak is its own): every parameter training, and LoRA of rank R on every linear layer of
+the language model (lora.py, as `[model] lora_rank`; alpha 2R), with `trainable_params`,
+`optimizer_state_mb` and the ratios. Peak memory: the accelerator's allocator peak, or on the
+CPU the process's peak resident set (`peak_rss_gb`: Python, torch and the model included). FLOPs
+use the 6 N convention for both (a LoRA step skips the frozen weights' gradient matmuls, about a
+third of the step's; its MFU is then overstated by up to that much).
 """
 from __future__ import annotations
 
@@ -59,15 +68,36 @@ def count_params(model) -> tuple[int, int]:
     return text, vision
 
 
-def flops_per_step(model, T: int, P: int) -> float:
+def flops_per_step(model, T: int, P: int, counts: tuple[int, int] | None = None) -> float:
     tc, vc = model.config.text_config, model.config.vision_config
-    n_text, n_vis = count_params(model)
+    n_text, n_vis = counts or count_params(model)
     text = 6 * n_text * T + 12 * tc.num_hidden_layers * tc.hidden_size * T * T
     vision = 6 * n_vis * P + 12 * vc.depth * vc.hidden_size * P * P
     return float(text + vision)
 
 
 def main() -> None:
+    a = parse()
+    if a.lora_rank and a.one is None:  # both variants, each in its own process
+        import subprocess
+        runs = {}
+        for name, rank in (("full", 0), ("lora", a.lora_rank)):
+            args = sys.argv[1:] + ["--one", str(rank)]
+            out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"bench/step.py ({name}) failed:\n{out.stderr[-3000:]}")
+            runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        full, lora = runs["full"], runs["lora"]
+        peak = "peak_memory_gb" if full["peak_memory_gb"] else "peak_rss_gb"
+        print(json.dumps({"lora_rank": a.lora_rank, "full": full, "lora": lora,
+                          "tokens_per_s_ratio": round(lora["tokens_per_s"] / full["tokens_per_s"], 3),
+                          "peak_memory_ratio": round(lora[peak] / full[peak], 3),
+                          "peak_memory_measure": peak}))
+        return
+    run_one(a, a.lora_rank if a.one is None else a.one)
+
+
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["tiny", "3b"], default="tiny")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -78,7 +108,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float)
-    a = ap.parse_args()
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="also run the step with LoRA of this rank, side by side")
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # internal: one variant
+    return ap.parse_args(argv)
+
+
+def run_one(a, lora_rank: int) -> None:
+    """One variant of the step (LoRA of `lora_rank`, 0: every parameter); prints its JSON."""
+    import resource
 
     import torch
     import torch.distributed as dist
@@ -108,11 +146,18 @@ def main() -> None:
     tokens = M.Tokens(image_pad=tc.image_token_id, vision_start=tc.vision_start_token_id,
                       vision_end=tc.vision_end_token_id, eos=1, pad=0,
                       vocab_size=tc.text_config.vocab_size, suppressed=())
+    n_text, n_vis = count_params(model)
+    flops_model = model
+    if lora_rank:  # as trainer.build: adapters on the language model's linear layers
+        import config as C
+        import lora
+        model = lora.add_lora(model, C.ModelConfig(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank))
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
     M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = M.CheckpointCounter(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-6)
 
     img = Image.new("RGB", (a.image_px, a.image_px), (200, 100, 50))
     mm = M.image_inputs(ip, [img] * a.batch)
@@ -152,12 +197,11 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             recomputed.append(count.recomputes)
     step_s = statistics.median(times)
-    flops = flops_per_step(model, T, n_patches) * a.batch
+    flops = flops_per_step(flops_model, T, n_patches, (n_text, n_vis)) * a.batch
     peak = a.peak_tflops
     if peak is None and dev.kind != "cpu":
         name = D.device_name(dev)
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    n_text, n_vis = count_params(model)
     print(json.dumps({
         "model": a.model, "device": D.device_name(dev), "dtype": "bf16-mixed" if a.bf16 else "fp32",
         "params_text": n_text, "params_vision": n_vis, "seq_len": T, "batch": a.batch,
@@ -166,6 +210,10 @@ def main() -> None:
         "tflops_per_s": round(flops / step_s / 1e12, 4),
         "mfu": round(flops / step_s / 1e12 / peak, 4) if peak else None,
         "peak_memory_gb": round(D.peak_memory_gb(dev), 2),
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "lora_rank": lora_rank, "trainable_params": sum(p.numel() for p in trainable),
+        "optimizer_state_mb": round(sum(v.numel() * v.element_size() for st in opt.state.values()
+                                        for v in st.values() if torch.is_tensor(v)) / 2**20, 3),
         "checkpointing": a.checkpointing, "checkpoint_calls_per_step": max(recomputed)}))
     dist.destroy_process_group()
 

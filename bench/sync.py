@@ -2,6 +2,7 @@
 
     python bench/sync.py                  # 256 MB + the tiny model, 1 trainer -> 1 engine (gloo)
     python bench/sync.py --mb 1024 --engines 2 --bucket-mb 64
+    python bench/sync.py --lora-rank 8    # LoRA: every tensor vs merged adapted layers vs adapters
 
 Launches itself under torchrun (1 + engines ranks). Rank 0 holds a model whose parameters total
 `--mb` megabytes (16 MB tensors unless `--tensors`) plus the tiny Qwen2.5-VL's parameters; it
@@ -11,6 +12,17 @@ engine adopting them as its weights), then broadcasts the same number of bytes a
 on the same group. After a warm-up, `--repeat` sync/raw pairs run interleaved, so drift in the
 machine's load hits both alike. Prints one JSON object: bytes, sync_s and raw_s (medians),
 ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync), and each side's minimum.
+
+`--lora-rank R`: the LoRA question instead (README: LoRA). Every rank builds a model of the
+tiny family's architecture at `--hidden` / `--layers` (random, the same on every rank); rank 0
+puts LoRA of rank R on it (lora.py, all-linear, alpha 2R) with moved adapters, and syncs it
+three ways, interleaved, each to every engine through sync.Sender / sync.Receiver:
+- `full`: every tensor, as a run without LoRA sends every step;
+- `merged`: what a LoRA run sends after its first sync (the adapted linear layers and their
+  siblings, each adapted weight merged on the trainer: W + (B A) * alpha / r);
+- `adapters`: the A and B tensors alone: the transport a vLLM-LoRA design would need (vLLM's
+  loading of the adapters and its LoRA kernels during generation are not in this figure).
+Prints one JSON object: bytes and median seconds per sync of each.
 
 Seen here (2 shared cores, gloo over loopback): one gloo broadcast per bucket cost ~0.5 ms each
 beyond its bytes (gloo queues broadcasts on two worker threads); sync.py therefore sends buckets
@@ -45,6 +57,9 @@ def parse(argv=None):
                     help="tensors this large go out zero-copy as their own bucket (default: Sender's)")
     ap.add_argument("--repeat", type=int, default=15, help="interleaved sync/raw pairs")
     ap.add_argument("--no-tiny", action="store_true", help="leave the tiny model out")
+    ap.add_argument("--lora-rank", type=int, default=0, help="the LoRA mode (see above) at this rank")
+    ap.add_argument("--hidden", type=int, default=1024, help="LoRA mode: the model's hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="LoRA mode: its decoder layers")
     return ap.parse_args(argv)
 
 
@@ -126,10 +141,85 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def build_lora(args, rank: int):
+    """(plain model, LoRA model, module of the adapters alone) on rank 0; the plain model elsewhere."""
+    import tempfile
+
+    import torch
+    import config as C
+    import lora
+    import model as M
+    path = M.build_tiny(Path(tempfile.gettempdir()) / f"grpo-bench-sync-{args.hidden}x{args.layers}",
+                        seed=0, hidden=args.hidden, layers=args.layers)
+    plain = M.load_model(str(path)).requires_grad_(False)
+    if rank:
+        return plain, None, None
+    adapted = lora.add_lora(M.load_model(str(path)), C.ModelConfig(lora_rank=args.lora_rank,
+                                                                 lora_alpha=2.0 * args.lora_rank))
+    adapters = torch.nn.Module()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)  # B starts at zero
+                adapters.register_parameter(n.replace(".", "_"), p)
+    return plain, adapted, adapters
+
+
+def lora_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import sync as S
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    plain, adapted, adapters = build_lora(args, rank)
+    modes = ("full", "merged", "adapters")
+    if rank == 0:
+        ends = {m: S.Sender(x, "float32", args.bucket_mb, group=group, src=0)
+                for m, x in zip(modes, (plain, adapted, adapters))}
+    else:
+        ends = {m: S.Receiver(group, src=0) for m in modes}
+
+    def do_sync(mode, version):
+        end = ends[mode]
+        if rank == 0:
+            return end.send(version)
+        end.control()
+        for _ in end.buckets():
+            pass
+        return 0
+
+    def timed(mode, version):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        sent = do_sync(mode, version)
+        dist.barrier(group)
+        return time.perf_counter() - t0, sent
+
+    for m in modes:  # warm-up: plans, first connection; the LoRA sender's every-tensor sync
+        do_sync(m, 0)
+    times = {m: [] for m in modes}
+    sent = {}
+    for i in range(args.repeat):  # interleaved: drift in the machine's load hits all alike
+        for m in modes:
+            t, sent[m] = timed(m, 1 + i)
+            times[m].append(t)
+    if rank == 0:
+        out = {"lora_rank": args.lora_rank, "hidden": args.hidden, "layers": args.layers,
+               "engines": args.engines, "bucket_mb": args.bucket_mb, "repeat": args.repeat,
+               "params": sum(p.numel() for p in plain.parameters())}
+        for m in modes:
+            out[m] = {"bytes": sent[m], "sync_s": round(statistics.median(times[m]), 4),
+                      "min_s": round(min(times[m]), 4)}
+        print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     args = parse()
     if "RANK" in os.environ:
-        return worker(args)
+        return lora_worker(args) if args.lora_rank else worker(args)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={1 + args.engines}", __file__, *sys.argv[1:]]

@@ -50,6 +50,31 @@ def test_exact_resume_2_plus_2_equals_4(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_world_of_one_learns_and_resumes_exactly(tmp_path):
+    """`--model.lora_rank=8` in a world of one (trainer and HF engine in one process): 24 steps
+    straight == 12 + resume + 12, every non-timing metric and the saved adapters and export bit
+    for bit; every sync verified bitwise; the reward rises as in the 3-rank LoRA run
+    (test_e2e.py: towards the frozen head's ceiling)."""
+    args = [*TINY, "--model.lora_rank=8", "--sync.verify=true", "--run.save_every=12",
+            "--run.eval_every=12", "--run.eval_size=4",
+            '--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, steps in ((a, 24), (b, 12), (b, 24)):
+        p = _one([*args, f"--run.out_dir={out}", f"--run.steps={steps}"])
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout and "step_000012" in p.stdout
+    ra, rb = metrics(a), metrics(b)
+    assert [r["step"] for r in rb] == list(range(24))
+    assert _strip(ra) == _strip(rb)
+    assert all(r["sync/checksum_ok"] == 1.0 and r["logprob_diff/max"] <= 1e-4 for r in ra)
+    rewards = [r["reward/mean"] for r in ra]
+    assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.2, rewards
+    for part in ("hf/model.safetensors", "adapter/adapter_model.safetensors"):
+        wa, wb = (load_file(str(d / "checkpoints" / "step_000024" / part)) for d in (a, b))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), part
+
+
+@pytest.mark.slow
 def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
     e = env()
     e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4

@@ -66,6 +66,42 @@ def test_learning_and_sync_off_control(tmp_path):
     assert all(r["weight_version"] == 0 for r in metrics(off))
 
 
+def test_lora_learns_serves_the_merged_policy_and_changes_only_the_adapters(tmp_path):
+    """`--model.lora_rank=8` on the demo, 3 ranks, with a KL term (its reference: the base, the
+    adapters disabled): every sync verified bitwise and logprob parity every step; the reward
+    rises from the same start as full training (test above) towards what a frozen output head
+    allows here: with the tiny model's frozen lm_head and final norm, no change of the decoder
+    layers can put more than 0.405 probability on `<answer>` (README: LoRA), so it rises to near
+    that instead of to 0.8. The checkpoint holds the adapters only; its HF export differs from
+    the base exactly in the 14 adapted weights (7 linear layers x 2 decoder layers)."""
+    torchrun(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.steps=32", *TOY, "--model.lora_rank=8",
+                 "--loss.kl_coef=0.01", "--sync.verify=true"])
+    rows = metrics(tmp_path)
+    assert [r["weight_version"] for r in rows] == list(range(32))
+    assert all(r["sync/checksum_ok"] == 1.0 and r["logprob_diff/max"] <= 1e-4 for r in rows), rows
+    assert rows[-1]["kl"] > 0                                        # the reference is used
+    sent = [r["sync/bytes"] for r in rows]
+    assert sent[1] < sent[0] and len(set(sent[1:])) == 1             # every tensor once, then the adapted
+    rewards = [r["reward/mean"] for r in rows]
+    print("reward with LoRA:", [round(x, 3) for x in rewards])
+    assert sum(rewards[:4]) / 4 < 0.05
+    assert sum(rewards[-4:]) / 4 > 0.3, rewards
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    step = tmp_path / "checkpoints" / "step_000032"
+    keys = [k for k in dcp.FileSystemReader(str(step / "state")).read_metadata().state_dict_metadata
+            if k.startswith("model.")]
+    assert keys and all(".lora_" in k for k in keys)
+    base, hf = load_file(str(tmp_path / "tiny-model" / "model.safetensors")), load_file(str(step / "hf" / "model.safetensors"))
+    changed = sorted(k for k in base if not torch.equal(base[k], hf[k]))
+    assert changed == sorted(f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    assert (step / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_overlap_one_step_stale_still_learns(tmp_path):
     """`rollout.max_staleness=1`: the engines generate step k+1's batch while the trainers train
     on step k, so from step 1 on every episode is one version behind, and the loss corrects with

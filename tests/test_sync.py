@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lora
 import sync as S
 
 
@@ -149,13 +150,13 @@ def test_send_gathers_without_autograd(monkeypatch):
     for p in model.parameters():  # stands in for a DTensor: an autograd op like the all-gather
         p.full_tensor = (lambda p=p: p * 1.0)
     gathered = []
-    real = S.full_tensor
+    real = lora.full_tensor
 
     def recording(p):
         t = real(p)
         gathered.append(t)
         return t
-    monkeypatch.setattr(S, "full_tensor", recording)
+    monkeypatch.setattr(lora, "full_tensor", recording)  # what every engine tensor's gather calls
     assert model[0].weight.full_tensor().grad_fn is not None  # the stand-in does record a graph
     S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(1, sink=lambda named: None)
     assert len(gathered) == 4

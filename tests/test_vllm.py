@@ -263,3 +263,87 @@ def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkey
     assert stale > 1e-2 and fresh <= 1e-4
     # the trainer's torchrun world is untouched by the engine and the channel
     assert dist.is_initialized() and dist.get_world_size() == 1
+
+
+def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tiny, monkeypatch):
+    """A LoRA policy (lora.py) over the real channel: the first sync sends every tensor, later
+    ones only the adapted linear layers and their siblings (a partial reload, the rest kept);
+    the engine then matches the adapted policy each time, not the base. A plan that sends only
+    part of one vLLM layer (q_proj without k/v: one qkv_proj in vLLM) is refused."""
+    import lora
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    problems = _problems(2, seed=7)
+    prompts = _prompts(tiny, problems)
+    sp = R.Sampling(n=2, max_new_tokens=8)
+    base = M.load_model(tiny.path).eval()
+
+    def perturb(policy, seed: int) -> None:  # the adapters move (B starts at zero: merged = base)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if ".lora_" in n:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+    port = _free_port()
+    opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+    engine.join_weight_channel("127.0.0.1", port, 1, 2)
+    channel = opened()
+
+    def sync(version: int, s) -> None:
+        control = S.LocalControl(version, s.plan, s.partial)
+        sent = _thread(s.send, version)
+        engine.receive_weights(control)
+        sent()
+
+    last, version = base, 0
+    for vision in (False, True):  # the language model's linear layers; and the vision tower's too
+        mc = C.ModelConfig(path=tiny.path, lora_rank=8, lora_vision=vision)
+        policy = lora.add_lora(M.load_model(tiny.path), mc).eval()
+        sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=channel)
+        sizes = [sum(s.nbytes for b in plan for s in b) for plan in sender.plans]
+        assert len(sizes) == 2 and sizes[1] < sizes[0]
+        for k in range(3):
+            version += 1
+            perturb(policy, version)
+            assert sender.partial == (k > 0)
+            sync(version, sender)
+            out = engine.generate(prompts, sp, seed=version)
+            now, before = (_max_diff(m, tiny, problems, prompts, out, 1.0) for m in (policy, last))
+            print(f"LoRA{' + vision' if vision else ''} sync v{version} "
+                  f"({'partial' if k else 'every tensor'}): vs adapted {now:.2e}, vs the previous "
+                  f"weights {before:.2e}")
+            assert now <= 1e-4 and before > 1e-2
+            last = _merged_copy(policy, tiny.path)
+
+    # a layer loaded in part would hold garbage: the worker refuses it, naming the layer
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    lone = _module_with(name, dict(policy.named_parameters())[
+        "base_model.model." + name.replace("q_proj.", "q_proj.base_layer.")].detach().clone())
+    bad = S.Sender(lone, "float32", bucket_mb=0.05, channel=channel)
+    sent = _thread(bad.send, version + 1)
+    with pytest.raises(Exception, match="QKVParallelLinear.*only part of their weights"):  # via vLLM
+        engine.receive_weights(S.LocalControl(version + 1, bad.plan, partial=True))
+    sent()
+    # back to the base weights for whatever runs next on this engine
+    sync(version + 2, S.Sender(base, "float32", bucket_mb=0.05, channel=channel))
+
+
+def _merged_copy(policy, path: str):
+    """The plain model with `policy`'s adapters merged (lora.merged_state_dict), for comparison."""
+    import lora
+    copy = M.load_model(path).eval()
+    copy.load_state_dict(lora.merged_state_dict(policy, policy.state_dict()))
+    return copy
+
+
+def _module_with(name: str, tensor: torch.Tensor) -> torch.nn.Module:
+    """A module whose only parameter is `name` (dotted), holding `tensor`."""
+    root = torch.nn.Module()
+    m = root
+    *path, leaf = name.split(".")
+    for part in path:
+        if not hasattr(m, part):
+            m.add_module(part, torch.nn.Module())
+        m = getattr(m, part)
+    m.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root

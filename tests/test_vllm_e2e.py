@@ -52,3 +52,18 @@ def test_vllm_parity_every_step_learning_and_sync_off_control(tmp_path):
     off_rewards = [r["reward/mean"] for r in metrics(off)]
     print("reward without sync (vLLM):", [round(x, 3) for x in off_rewards])
     assert sum(off_rewards[-4:]) / 4 < 0.1, off_rewards
+
+
+def test_vllm_serves_the_merged_lora_policy_every_step(tmp_path):
+    """`--model.lora_rank=8` with the vLLM engine: the first sync sends every tensor, the later
+    ones the adapted layers only (a partial reload in the worker); the engine's logprobs equal
+    the trainer's (the adapted policy) every step."""
+    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=4", "--model.lora_rank=8",
+                 "--train.lr=1e-2", f"--run.out_dir={tmp_path}"], timeout=600)
+    rows = metrics(tmp_path)
+    diffs = [r["logprob_diff/max"] for r in rows]
+    print("vLLM + LoRA logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
+    assert [r["weight_version"] for r in rows] == list(range(4))
+    assert max(diffs) <= 1e-4, diffs
+    sent = [r["sync/bytes"] for r in rows]
+    assert 0 < sent[1] < sent[0] and len(set(sent[1:])) == 1
