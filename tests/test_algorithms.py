@@ -12,8 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +23,7 @@ import rollout as R
 import trainer as T
 from loss import (OBJECTIVES, group_advantages, kl_penalty, local_denominator, policy_loss,
                   zero_variance_groups)
-from tests.util import ROOT, TINY, env, metrics, torchrun
+from tests.util import ROOT, TINY, env, metrics, torchrun, train_py
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LN2 = math.log(2.0)
@@ -501,11 +499,9 @@ def test_two_mini_batches_two_epochs_clip_binds_and_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gspo", "cispo"])
 def test_demo_runs_with_gspo_and_cispo_presets(tmp_path, preset):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--config",
-                        str(ROOT / "configs" / "presets" / f"{preset}.toml"), *TOY,
-                        f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0",
-                        "--train.mini_batches=2"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, "--config", str(ROOT / "configs" / "presets" / f"{preset}.toml"), *TOY,
+                  f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0",
+                  "--train.mini_batches=2"])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 3 and all(r["train/updates"] == 2 for r in rows)
@@ -624,9 +620,8 @@ def test_train_step_several_updates_in_one_process(tmp_path):
 def test_easyr1_recipe_dry_run():
     e = env()
     e["GRPO_DEVICE"] = "cuda"
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
-                        str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    p = train_py(["--config", str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"], env=e,
+                 timeout=120)
     assert p.returncode == 0, p.stderr
     cfg = C.load(str(ROOT / "configs" / "vl3b_easyr1.toml"))
     W.validate_world(cfg, 16)

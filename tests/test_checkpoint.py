@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.util import ROOT, TINY, env, metrics, torchrun
+from tests.util import ROOT, TINY, env, metrics, torchrun, train_py
 
 ARGS = [*TINY, "--run.save_every=2", "--run.eval_every=2", "--run.eval_size=8"]
 
@@ -40,10 +40,8 @@ def test_exact_resume_2_plus_2_equals_4(tmp_path):
     # The HF export loads with transformers and is evaluated by --eval-only.
     from transformers import Qwen2_5_VLForConditionalGeneration
     Qwen2_5_VLForConditionalGeneration.from_pretrained(str(a / "checkpoints" / "step_000004" / "hf"))
-    q = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={a}",
-                        "--run.eval_size=8", "--eval-only", "--checkpoint",
-                        str(a / "checkpoints" / "step_000004")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    q = train_py([*TINY, f"--run.out_dir={a}", "--run.eval_size=8", "--eval-only", "--checkpoint",
+                  str(a / "checkpoints" / "step_000004")])
     assert q.returncode == 0, q.stderr[-3000:]
     row = json.loads((a / "eval.jsonl").read_text().splitlines()[-1])
     assert row["eval/n"] == 8 and 0.0 <= row["eval/accuracy"] <= 1.0
@@ -105,10 +103,8 @@ def test_local_geometry3k_folder_trains(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "data.py"), "--write-synthetic", str(d),
                     "--n-train", "32", "--n-val", "8", "--n-test", "8"], cwd=ROOT, check=True,
                    env=env(), capture_output=True)
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data.source={d}",
-                        f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2", "--run.keep_last=0",
-                        "--data.max_prompt_len=200"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, f"--data.source={d}", f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2",
+                  "--run.keep_last=0", "--data.max_prompt_len=200"])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2
@@ -128,12 +124,12 @@ def test_plot_script_draws_png(tmp_path):
 
 
 def _one(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A world of one (`python train.py`): the checkpoint logic does not depend on the ranks."""
+    """A world of one (`python train.py`, warm: tests/util.train_py): the checkpoint logic does
+    not depend on the ranks."""
     e = env()
     if fault:
         e["GRPO_FAULT"] = fault
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return train_py([*TINY, *args], env=e, timeout=timeout)
 
 
 def _ours(stderr: str) -> list[str]:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun
+from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun, train_py
 
 REQUIRED = ["step", "weight_version", "reward/mean", "reward/accuracy", "reward/format",
             "response_len/mean", "loss", "grad_norm", "kl", "entropy", "time/generate_s",
@@ -121,9 +121,7 @@ def test_overlap_one_step_stale_still_learns(tmp_path):
 
 
 def test_world_of_one(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
-                        "--run.steps=2", "--sync.verify=true"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path}", "--run.steps=2", "--sync.verify=true"])
     assert p.returncode == 0, p.stderr[-4000:]
     check_parity(metrics(tmp_path), 2)
     assert "step 2/2 |" in p.stdout

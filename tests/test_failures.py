@@ -11,7 +11,7 @@ import time
 import pytest
 
 import rewards
-from tests.util import ROOT, TINY, env, free_port, metrics
+from tests.util import ROOT, TINY, env, free_port, metrics, train_py
 
 TIMEOUT = 20  # cluster.timeout_s in these tests
 
@@ -128,9 +128,7 @@ def test_unreachable_master_is_one_line_naming_address_port_and_timeout(tmp_path
     port = free_port()
     e = env()
     e.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
-                        "--cluster.timeout_s=3"], cwd=ROOT, env=e, capture_output=True, text=True,
-                       timeout=120)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path}", "--cluster.timeout_s=3"], env=e, timeout=120)
     assert p.returncode == 4, p.stderr[-3000:]
     [line] = _ours(p.stderr)
     assert line.startswith(f"error: rank 1 could not set up the world (MASTER_ADDR=127.0.0.1, "
@@ -161,9 +159,7 @@ def test_second_job_on_the_run_folder_stops_naming_the_holder(tmp_path):
 def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_path):
     e = env()
     e["GRPO_FAULT"] = "raise@1"   # this rank's own error, in the loop
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY,
-                        f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"], env=e, timeout=120)
     assert p.returncode == 4, p.stderr[-3000:]
     assert "Traceback (most recent call last)" in p.stderr
     assert _ours(p.stderr) == ["error: rank 0 (trainer+generation) failed at step 1 (rollout): "
@@ -173,9 +169,7 @@ def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_
     bad = tmp_path / "model"
     bad.mkdir()
     (bad / "config.json").write_text("{")
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--model.path={bad}",
-                        f"--run.out_dir={tmp_path / 'run2'}"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = train_py([*TINY, f"--model.path={bad}", f"--run.out_dir={tmp_path / 'run2'}"], timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith(
         f"config error: model.path={bad}: cannot read its config (")

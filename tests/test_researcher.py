@@ -15,7 +15,7 @@ import pytest
 import synthetic
 import trainer as T
 from tests.test_tracking import tensorboard_run, wandb_records
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, env, metrics, train_py
 
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 
@@ -23,8 +23,7 @@ TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer
 def train(out: Path, *args: str, extra_env: dict | None = None, timeout: float = 300):
     e = env()
     e.update(extra_env or {})
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
-                           *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    return train_py([*TINY, f"--run.out_dir={out}", *args], env=e, timeout=timeout)
 
 
 def ok(p):
@@ -96,11 +95,10 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
     assert "note: reward" not in p.stdout                   # the same reward trains and grades
 
     # --eval-only: the same keys, its own generations file
-    q = ok(subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
-                           "--run.eval_size=3", "--eval.n=2", "--eval.split=test",
-                           '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
-                           "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+    q = ok(train_py([*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2",
+                     "--eval.split=test",
+                     '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
+                     "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]))
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
     assert (last["split"], last["n"], last["max_new_tokens"]) == ("test", 2, 16)
