@@ -1,8 +1,9 @@
 """What a researcher forking the project relies on, through real runs (world of one, CPU):
 trackers fed from the loop, evaluation for any task, any dataset schema, resume that never lies,
 LR schedules, the console, full rollout dumps and the plot. A cosine schedule continuing exactly
-on resume after a kill is checked in the 3-rank exact-resume run
-(tests/test_checkpoint.py::test_exact_resume_after_a_kill_equals_the_uninterrupted_run)."""
+on resume after a kill is checked in the 3-rank exact-resume run (tests/test_checkpoint.py::
+test_exact_resume_after_a_kill_equals_the_uninterrupted_run), the library warnings of a 3-rank
+launch printed once in tests/test_e2e.py::test_three_ranks_print_library_warnings_once."""
 from __future__ import annotations
 
 import json
@@ -265,16 +266,3 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
     fig = plot.plot([run], keys=["kl", "time/"])
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["kl", "time"]
     assert plot.main([str(d), "--keys", "nothing/here", "-o", str(tmp_path / "x.png")]) == 2
-
-
-@pytest.mark.slow
-def test_three_ranks_print_library_warnings_once(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=3", str(ROOT / "train.py"), *TINY,
-                        f"--run.out_dir={tmp_path}", "--run.steps=2", "--run.keep_last=0"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    both = p.stdout + p.stderr
-    assert both.count("returned a view tensor") == 0               # silenced (trainer.quiet_view_warning)
-    assert "Loading weights" not in both                           # no per-rank progress bars
-    assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1
