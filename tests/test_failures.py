@@ -58,21 +58,29 @@ def test_hung_rank_times_out_and_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_step_is_skipped_and_counted(tmp_path):
-    p, _ = launch(tmp_path, "nan_loss@1", "--run.steps=3")
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_nan_steps_are_skipped_counted_and_consecutive_ones_stop_the_run(tmp_path):
+    """A non-finite loss at steps 1, 3 and 4 (every trainer rank), train.max_skipped_steps = 2:
+    step 1 is skipped and counted, its NaN logged as it was, and the run goes on (step 2
+    trains); steps 3 and 4 are 2 in a row: the run stops after logging step 4, saying why."""
+    p, _ = launch(tmp_path, "nan_loss@1,nan_loss@3,nan_loss@4", "--run.steps=6",
+                  "--train.max_skipped_steps=2")
+    assert p.returncode != 0
+    assert "2 consecutive steps had a non-finite loss" in p.stderr, p.stderr[-3000:]
     rows = metrics(tmp_path)
-    assert [r["train/skipped"] for r in rows] == [0.0, 1.0, 0.0]
-    assert rows[-1]["train/skipped_steps"] == 1.0
+    assert [r["train/skipped"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert rows[2]["train/skipped_steps"] == 1.0 and rows[-1]["train/skipped_steps"] == 3.0
     assert rows[1]["grad_norm"] != rows[1]["grad_norm"]  # nan logged as it was
 
 
-@pytest.mark.slow
-def test_consecutive_nans_stop_the_run(tmp_path):
-    p, _ = launch(tmp_path, "nan_loss", "--run.steps=6", "--train.max_skipped_steps=2")
-    assert p.returncode != 0
-    assert "2 consecutive steps had a non-finite loss" in p.stderr
-    assert len(metrics(tmp_path)) == 2
+def test_several_faults_in_one_spec(monkeypatch):
+    """GRPO_FAULT holds several comma-separated specs (one run, several faults)."""
+    import failures
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GRPO_FAULT", "nan_loss@1,nan_loss@3:0,die@5:7")
+    assert [s for s in range(6) if failures.fault_active("nan_loss", s)] == [1, 3]
+    assert not failures.fault_active("die", 5)       # for rank 7 only
+    monkeypatch.setenv("GRPO_FAULT", "nan_loss")
+    assert failures.fault_active("nan_loss", 0) and not failures.fault_active("die", 0)
 
 
 @pytest.mark.slow
