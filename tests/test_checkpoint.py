@@ -275,16 +275,21 @@ def test_full_disk_while_saving_is_named_and_the_previous_checkpoint_stays(tmp_p
 def test_resume_with_more_trainer_ranks_reshards(tmp_path):
     """A checkpoint of 1 trainer rank resumed on 2: weights and optimizer resharded. The step
     after the resume sees the same episodes and nearly the same update as an uninterrupted
-    1-trainer run (not bit-exact: another reduction order, RNG states not restored)."""
+    1-trainer run (not bit-exact: another reduction order, RNG states not restored).
+    `b` is a copy of the uninterrupted run `a` resumed from its step-2 checkpoint (the newer one
+    moved aside, tests/test_resume.py), as a run of 2 steps would have left it."""
+    import shutil
     a, b = tmp_path / "a", tmp_path / "b"
     args = [*TINY, "--run.save_every=2", "--rollout.temperature=1.0"]
     torchrun(2, [*args, f"--run.out_dir={a}", "--run.steps=3"])
-    torchrun(2, [*args, f"--run.out_dir={b}", "--run.steps=2"])
+    shutil.copytree(a, b)
+    at_2 = ["--resume", str(b / "checkpoints" / "step_000002")]
     # another rank split is another experiment: refused, naming both counts, unless allowed
-    q = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"], check=False)
+    q = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", *at_2], check=False)
     assert q.returncode != 0 and q.stderr.count("config error") == 1
     assert "the rank split (trainers of ranks) '1 of 2' -> '2 of 3'" in q.stderr
-    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", "--run.allow_config_change=true"])
+    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", *at_2,
+                     "--run.allow_config_change=true"])
     assert ("resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state "
             "resharded") in p.stdout
     assert "resumed from" in p.stdout
