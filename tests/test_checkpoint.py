@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.util import ROOT, TINY, env, metrics, torchrun, train_py
+from tests.util import ROOT, TINY, env, metrics, torchrun, torchrun_cmd, train_py
 
 ARGS = [*TINY, "--run.save_every=2", "--run.eval_every=2", "--run.eval_size=8"]
 
@@ -46,11 +46,10 @@ def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("resumed")
     a, b = root / "a", root / "b"
     torchrun(3, [*EVERYTHING, f"--run.out_dir={a}"])
-    e = env()
+    e = env(warm=True)
     e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *EVERYTHING, f"--run.out_dir={b}"]
-    killed = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(torchrun_cmd(3, [*EVERYTHING, f"--run.out_dir={b}"]), cwd=ROOT, env=e,
+                            capture_output=True, text=True, timeout=300)
     after_kill = {"rc": killed.returncode, "checkpoints": sorted(x.name for x in (b / "checkpoints").iterdir()),
                   "steps": [r["step"] for r in metrics(b)]}
     q = torchrun(3, [*EVERYTHING, f"--run.out_dir={b}"])

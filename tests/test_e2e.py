@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun, train_py
+from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun, torchrun_cmd, train_py
 
 # (and the parts of the run's reward: reward/accuracy and reward/format for the demo's geometry)
 REQUIRED = ["step", "weight_version", "reward/mean",
@@ -70,8 +69,9 @@ def learning(tmp_path_factory):
     root = tmp_path_factory.mktemp("learning")
     args = [*TINY, "--run.steps=24", *TOY, "--train.mini_batches=2", "--train.ppo_epochs=2",
             "--sync.verify=true", "--sync.bucket_mb=0.05"]  # small buckets: many, double buffered
-    p = torchrun(3, [*args, f"--run.out_dir={root / 'on'}"])
-    torchrun(3, [*args, f"--run.out_dir={root / 'off'}", "--sync.enabled=false"])
+    torchrun(3, [*args, f"--run.out_dir={root / 'on'}"])
+    # the control with the ranks train.py itself, imports and all: its console is checked below
+    p = torchrun(3, [*args, f"--run.out_dir={root / 'off'}", "--sync.enabled=false"], warm=False)
     return SimpleNamespace(on=root / "on", off=root / "off", launch=p)
 
 
@@ -110,7 +110,8 @@ def test_two_mini_batches_two_epochs_clip_binds_and_learns(learning):
 
 
 def test_three_ranks_print_library_warnings_once(learning):
-    """The learning run's console (stdout and stderr of the launch): no FSDP view-tensor warning
+    """The console of the control run (stdout and stderr of a 3-rank launch of train.py itself,
+    so what the imports print is in it): no FSDP view-tensor warning
     (trainer.quiet_view_warning), no per-rank weight-loading bars, the rank plan once."""
     both = learning.launch.stdout + learning.launch.stderr
     assert both.count("returned a view tensor") == 0               # silenced (trainer.quiet_view_warning)
@@ -185,11 +186,11 @@ def test_two_nodes_simulated(tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.steps=3",
-               "--cluster.gen_ranks=2", "--sync.verify=true"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+        cmd = torchrun_cmd(2, [*TINY, f"--run.out_dir={tmp_path}", "--run.steps=3",
+                               "--cluster.gen_ranks=2", "--sync.verify=true"],
+                           launcher=["--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
+                                     "--master_addr=127.0.0.1", f"--master_port={port}"])
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(warm=True), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):

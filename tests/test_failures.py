@@ -11,18 +11,19 @@ import time
 import pytest
 
 import rewards
-from tests.util import ROOT, TINY, env, free_port, metrics, train_py
+from tests.util import ROOT, TINY, env, free_port, metrics, torchrun_cmd, train_py
 
 TIMEOUT = 20  # cluster.timeout_s in these tests
 
 
-def launch(tmp_path, fault: str | None, *extra: str, timeout: float = 240):
-    e = env()
+def launch(tmp_path, fault: str | None, *extra: str, timeout: float = 240, warm: bool = True):
+    """3 ranks under torchrun; each rank is train.py forked from the warm server (tests/warm.py)
+    unless not `warm`."""
+    e = env(warm)
     if fault:
         e["GRPO_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
-           f"--cluster.timeout_s={TIMEOUT}", *extra]
+    cmd = torchrun_cmd(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
+                           f"--cluster.timeout_s={TIMEOUT}", *extra], warm=warm)
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     return p, time.monotonic() - t0
@@ -89,11 +90,10 @@ def test_engine_start_up_has_its_own_deadline_apart_from_the_collective_timeout(
     loaded machine): the job waits for it under rollout.start_timeout_s and trains; with a
     start-up deadline shorter than that, one line names it and the rank still starting."""
     def two_ranks(out, *extra):
-        e = dict(env(), GRPO_FAULT="slow_engine_start:1")
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", str(ROOT / "train.py"), *TINY,
-                               f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
-                               "--cluster.timeout_s=6", *extra],  # the engine: 9 s to start
+        e = dict(env(warm=True), GRPO_FAULT="slow_engine_start:1")
+        return subprocess.run(torchrun_cmd(2, [*TINY, f"--run.out_dir={out}", "--run.keep_last=0",
+                                               "--run.steps=2", "--cluster.timeout_s=6",  # the engine: 9 s to start
+                                               *extra]),
                               cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
     p = two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -203,11 +203,12 @@ def test_own_error_on_one_rank_blames_no_other_rank(tmp_path):
 def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
     """SIGTERM or Ctrl-C to torchrun (it forwards the signal to every rank): one line per rank
     naming the signal, step and phase; no "died", no "stuck", no KeyboardInterrupt traceback;
-    every rank gone within seconds."""
-    e = env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
-           f"--cluster.timeout_s={TIMEOUT}", "--run.steps=500"]
+    every rank gone within seconds. Ctrl-C with the ranks train.py itself (torchrun signals
+    each worker's process group), SIGTERM with warm ranks (tests/warm_rank.py forwards it)."""
+    warm = sig == signal.SIGTERM
+    e = env(warm)
+    cmd = torchrun_cmd(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
+                           f"--cluster.timeout_s={TIMEOUT}", "--run.steps=500"], warm=warm)
     p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     m = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 180

@@ -40,7 +40,9 @@ def test_vllm_parity_every_step_and_learning(tmp_path):
     reward rising. No sync-off control here: parity at every step with a changing policy already
     proves the engine received every update (the HF engine's sync-off control is in
     tests/test_e2e.py); the LoRA run on vLLM is tests/test_family_runs.py's Qwen3-VL run."""
-    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=20", f"--run.out_dir={tmp_path}"], timeout=600)
+    # the ranks are train.py itself: vLLM's spawned processes re-import the main module
+    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=20", f"--run.out_dir={tmp_path}"], timeout=600,
+             warm=False)
     rows = metrics(tmp_path)
     diffs = [r["logprob_diff/max"] for r in rows]
     print("vLLM logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
