@@ -50,8 +50,8 @@ def resumed(tmp_path_factory):
     e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4
     killed = subprocess.run(torchrun_cmd(3, [*EVERYTHING, f"--run.out_dir={b}"]), cwd=ROOT, env=e,
                             capture_output=True, text=True, timeout=300)
-    after_kill = {"rc": killed.returncode, "checkpoints": sorted(x.name for x in (b / "checkpoints").iterdir()),
-                  "steps": [r["step"] for r in metrics(b)]}
+    after_kill = {"rc": killed.returncode, "steps": [r["step"] for r in metrics(b)],
+                  "checkpoints": sorted(x.name for x in (b / "checkpoints").iterdir())}
     q = torchrun(3, [*EVERYTHING, f"--run.out_dir={b}"])
     return SimpleNamespace(a=a, b=b, after_kill=after_kill, resumed=q)
 

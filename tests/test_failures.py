@@ -88,17 +88,26 @@ def test_several_faults_in_one_spec(monkeypatch):
 def test_engine_start_up_has_its_own_deadline_apart_from_the_collective_timeout(tmp_path):
     """An engine that takes 1.5 x cluster.timeout_s to start (vLLM profiling and compiling on a
     loaded machine): the job waits for it under rollout.start_timeout_s and trains; with a
-    start-up deadline shorter than that, one line names it and the rank still starting."""
+    start-up deadline shorter than that, one line names it and the rank still starting. The two
+    launches run at the same time (their engine ranks only sleep)."""
     def two_ranks(out, *extra):
         e = dict(env(warm=True), GRPO_FAULT="slow_engine_start:1")
-        return subprocess.run(torchrun_cmd(2, [*TINY, f"--run.out_dir={out}", "--run.keep_last=0",
-                                               "--run.steps=2", "--cluster.timeout_s=6",  # the engine: 9 s to start
-                                               *extra]),
-                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
-    p = two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120")
-    assert p.returncode == 0, p.stderr[-3000:]
+        args = [*TINY, f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
+                "--cluster.timeout_s=6", *extra]  # the engine: 9 s to start
+        return subprocess.Popen(torchrun_cmd(2, args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    launches = [two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120"),
+                two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")]
+    try:
+        waits, p = (subprocess.CompletedProcess(q.args, 0, *q.communicate(timeout=240))
+                    for q in launches)
+    finally:
+        for q in launches:
+            if q.poll() is None:
+                q.kill()
+    waits.returncode, p.returncode = (q.returncode for q in launches)
+    assert waits.returncode == 0, waits.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "a")] == [0, 1]
-    p = two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")
     assert p.returncode != 0
     line = _ours(p.stderr)[0]
     assert line.startswith("error: rank 0 (trainer) failed during start: waiting for every engine to "

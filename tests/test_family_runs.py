@@ -2,12 +2,11 @@
 
 - every family of families.py, 4 steps in a world of one (HF engine, sync.verify): engine ==
   trainer bitwise after every sync, logprob_diff/max <= 1e-4 at every step, and the HF export
-  loads strictly with from_pretrained (all the runs in one interpreter: tests/util.run_inline);
+  loads strictly with from_pretrained (the runs in two interpreters at once: tests/util.run_inline);
 - the vLLM engine (its CPU build) for Qwen3-VL, Qwen3-VL-MoE and a text-only MoE (Qwen3-MoE):
   logprob_diff/max <= 1e-4 at every step after every sync (the MoE experts go per expert through
   vLLM's own loaders), the MoE ones starting from the HF export of their run above (so vLLM loads
-  that export), the Qwen3-VL one with LoRA (merged syncs, partial reloads); all three in one
-  interpreter. Qwen3.5 / Qwen3.5-MoE cannot run on vLLM's CPU build (its causal_conv1d kernel
+  that export), the Qwen3-VL one with LoRA (merged syncs, partial reloads). Qwen3.5 / Qwen3.5-MoE cannot run on vLLM's CPU build (its causal_conv1d kernel
   has no float32): skipped, naming why.
 The 3-rank runs (2 FSDP trainers + 1 engine) of a dense VLM and a text-only MoE are
 tests/test_e2e.py::test_parity_three_ranks.
@@ -65,7 +64,7 @@ def runs(tmp_path_factory):
         [*TINY_TEXT, f"--data.source={text}", "--data.problem_column=question",
          "--data.answer_column=gold", f"--run.out_dir={root / 'run_text'}", "--run.steps=2",
          "--sync.verify=true", "--run.keep_last=0", "--rollout.prompts_per_step=2"]],
-        timeout=1200)
+        timeout=1200, parallel=2)
     (root / "stdout.txt").write_text(p.stdout)
     return root
 
@@ -98,7 +97,8 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
     a, b = trained.state_dict(), start.state_dict()
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)   # it trained
     # where one packed row per prompt is not exact, the run says once that it falls back
-    out = (runs / "stdout.txt").read_text().split("== run:")[FAMILIES.index(t) + 1]
+    [out] = [part for part in (runs / "stdout.txt").read_text().split("== run:")
+             if f"--run.out_dir={runs / t} " in part.split("\n", 1)[0]]
     note = "train.share_prompt falls back to one row per episode"
     assert out.count(note) == (0 if M.packs_exactly(trained.config) else 1), out[:2000]
 
@@ -118,9 +118,10 @@ TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer
 @pytest.fixture(scope="module")
 def vllm_runs(runs, tmp_path_factory):
     """The vLLM runs, world of one, all in one interpreter (tests/util.run_inline: vLLM's
-    imports paid once): an MoE family starts from its run's export; the dense VLM trains on the
-    two-images-per-row folder (several images through vLLM) with LoRA (`--model.lora_rank=8`,
-    the toy reward, lr 1e-2 so that the adapters move): the engine serves the merged policy."""
+    imports paid once; two at once gain nothing, an engine's worker uses every core): an MoE
+    family starts from its run's export; the dense VLM trains on the two-images-per-row folder
+    (several images through vLLM) with LoRA (`--model.lora_rank=8`, the toy reward, lr 1e-2 so
+    that the adapters move): the engine serves the merged policy."""
     import os
     if not VLLM_CPU.exists():
         pytest.importorskip("vllm")

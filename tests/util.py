@@ -80,13 +80,27 @@ for argv in json.loads(sys.argv[2]):
 """
 
 
-def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.CompletedProcess:
-    """Each of `runs` (train.py arguments) as a world of one, in order, in one process."""
-    p = subprocess.run([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(runs)], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-    return p
+def run_inline(runs: list[list[str]], timeout: float = 900, parallel: int = 1
+               ) -> subprocess.CompletedProcess:
+    """Each of `runs` (train.py arguments) as a world of one, in order, in one process; with
+    `parallel` > 1 the runs are dealt round-robin to that many such processes running at once
+    (a world of one uses one core). stdout: every process's, one after the other; each run's
+    part starts with its `== run: ARGS` line."""
+    groups = [runs[i::parallel] for i in range(parallel) if runs[i::parallel]]
+    procs = [subprocess.Popen([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(g)], cwd=ROOT,
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for g in groups]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise AssertionError(f"exited {p.returncode}\n{out[-4000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(procs[0].args, 0, "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
 
 
 def train_py(args: list[str], env: dict | None = None, timeout: float = 300,

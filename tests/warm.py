@@ -101,8 +101,9 @@ def serve(sock_path: str) -> None:
                     conn = conn_of.pop(pid, None)
                     if conn is not None:  # None: its client went away
                         pid_of.pop(conn, None)
+                        rc = os.waitstatus_to_exitcode(status)
                         try:
-                            conn.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+                            conn.send(json.dumps({"rc": rc}).encode())
                         except OSError:
                             pass
                         close(conn)
