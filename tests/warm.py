@@ -191,28 +191,40 @@ def _become(req: dict, fds: list[int]) -> None:
 
 # ----------------------------------------------------------------------------- the client side
 _server: subprocess.Popen | None = None
+_ready = False
 _dir: str | None = None
 
 
+def start_server() -> None:
+    """Start the server if it is not running, without waiting for its imports (conftest.py
+    starts it as the session starts: it imports on the other core meanwhile)."""
+    global _server, _dir, _ready
+    if _server is not None and _server.poll() is None:
+        return
+    import atexit
+    _dir, _ready = tempfile.mkdtemp(prefix="warm-train-"), False
+    log = open(os.path.join(_dir, "server.log"), "w")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import warm; "
+            f"warm.serve({os.path.join(_dir, 'sock')!r})")
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1",
+             PYTHONFAULTHANDLER="1", TOKENIZERS_PARALLELISM="false")
+    _server = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=e,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+    atexit.register(_server.stdin.close)  # the server ends at EOF
+
+
 def socket_path() -> str:
-    """The running server's socket (started on first use)."""
-    global _server, _dir
+    """The running server's socket (started on first use, waited for until it is ready)."""
+    global _ready
     if _server is None or _server.poll() is not None:
-        import atexit
-        _dir = tempfile.mkdtemp(prefix="warm-train-")
-        log = open(os.path.join(_dir, "server.log"), "w")
-        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import warm; "
-                f"warm.serve({os.path.join(_dir, 'sock')!r})")
-        e = dict(os.environ)
-        e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1",
-                 PYTHONFAULTHANDLER="1", TOKENIZERS_PARALLELISM="false")
-        _server = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=e,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        atexit.register(_server.stdin.close)  # the server ends at EOF
+        start_server()
+    if not _ready:
         if _server.stdout.readline().strip() != b"ready":
             _server.wait(30)
             raise AssertionError("the warm train.py server did not start:\n"
                                  + open(os.path.join(_dir, "server.log")).read()[-4000:])
+        _ready = True
     return os.path.join(_dir, "sock")
 
 
