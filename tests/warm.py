@@ -126,14 +126,18 @@ def serve(sock_path: str) -> None:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    sel.close()
-                    for c in (listener, *pid_of, conn):
-                        c.close()
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    _become(json.loads(msg), fds)  # never returns
+                    try:
+                        signal.set_wakeup_fd(-1)
+                        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                        for k in list(sel.get_map().values()):  # the server's sockets
+                            if isinstance(k.fileobj, socket.socket):
+                                k.fileobj.close()
+                        sel.close()
+                        os.close(wake_r)
+                        os.close(wake_w)
+                        _become(json.loads(msg), fds)  # never returns
+                    finally:
+                        os._exit(70)  # never serve in a forked process
                 for fd in fds:
                     os.close(fd)
                 pid_of[conn], conn_of[pid] = pid, conn
