@@ -1,4 +1,4 @@
-"""GRPO for vision-language models (Qwen2.5-VL), one torchrun launch, no Ray.
+"""GRPO for Qwen vision-language and language models (families.py), one torchrun launch, no Ray.
 
 The world is split statically (world.py): the first ranks train (FSDP2 over a trainer-only
 mesh), the last `cluster.gen_ranks` ranks each own one inference engine. One step:
@@ -65,7 +65,7 @@ import world as W
 USAGE = """\
 usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
                 [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT] [--check-channel]
-GRPO for Qwen2.5-VL: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
+GRPO for Qwen VLMs and LLMs: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
   --config FILE         a TOML config; repeatable, later files override earlier ones
                         (a preset after the base: --config configs/tiny.toml --config configs/presets/dapo.toml)
   --section.key=value   override one key (TOML syntax), e.g. --run.steps=5 --rollout.temperature=0.7
