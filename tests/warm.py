@@ -53,7 +53,7 @@ def serve(sock_path: str) -> None:
     # what a tiny run imports lazily (the model classes, the processor): most of the rest
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # noqa: F401
     import transformers.models.qwen2_5_vl.processing_qwen2_5_vl  # noqa: F401
-    import transformers.models.qwen2_vl.image_processing_qwen2_vl  # noqa: F401
+    import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl  # noqa: F401
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     from transformers import AutoConfig, AutoModel, AutoProcessor, AutoTokenizer  # noqa: F401
