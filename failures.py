@@ -19,7 +19,7 @@
 - :func:`start_barrier`: every rank waits for the engines' start-up under a deadline of its own
   (`rollout.start_timeout_s`), not under the collective timeout.
 - :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
-  ``GRPO_FAULT=<point>[@<step>][:<rank>]`` is set.
+  ``GRPO_FAULT=<point>[@<step>][:<rank>]`` (several: comma-separated) is set.
 """
 from __future__ import annotations
 
@@ -60,15 +60,15 @@ def say(line: str) -> None:
 
 
 def fault_active(point: str, step: int | None = None) -> bool:
-    """True when this rank reaches fault `point` (at `step`, if the spec names one)."""
-    spec = os.environ.get("GRPO_FAULT")
-    if not spec:
-        return False
-    name, _, rank = spec.partition(":")
-    name, _, at = name.partition("@")
-    if name != point or (at and step != int(at)):
-        return False
-    return not rank or int(rank) == int(os.environ.get("RANK", 0))
+    """True when this rank reaches fault `point` (at `step`, if the spec names one). Several
+    specs, comma-separated, inject each (`nan_loss@1,nan_loss@3`: one test run, two faults)."""
+    for spec in filter(None, os.environ.get("GRPO_FAULT", "").split(",")):
+        name, _, rank = spec.partition(":")
+        name, _, at = name.partition("@")
+        if name == point and (not at or step == int(at)) and (
+                not rank or int(rank) == int(os.environ.get("RANK", 0))):
+            return True
+    return False
 
 
 def inject_start(timeout_s: float) -> None:

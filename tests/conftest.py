@@ -9,6 +9,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GRPO_DEVICE", "cpu")
 
 
+def pytest_sessionstart(session):
+    # the warm train.py server (tests/warm.py) imports on the other core while tests collect
+    from tests import warm
+    warm.start_server()
+
+
 def pytest_configure(config):
     # `python -m pytest -q -m "not slow" tests` is the fast tier (about 2 minutes on 2 cores):
     # torchrun launches, the vLLM engine and anything long are marked slow.

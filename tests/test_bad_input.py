@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import loss as L
 import rewards
 import synthetic
 import train
-from tests.util import ROOT, TINY, env
+from tests.util import ROOT, TINY, train_py
 
 
 @pytest.fixture
@@ -87,9 +85,8 @@ def test_hub_ids_and_local_folders_are_still_sources(tmp_path, monkeypatch):
 ])
 def test_missing_checkpoint_paths_stop_before_any_model_is_built(tmp_path, flags, line):
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
-                        *[f.format(tmp=tmp_path) for f in flags]],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = train_py([*TINY, f"--run.out_dir={out}", *[f.format(tmp=tmp_path) for f in flags]],
+                 timeout=120)
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr == line.format(tmp=tmp_path) + "\n"
     assert not (out / "tiny-model").exists() and not (out / "config.toml").exists()

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.util import ROOT, TINY, env, metrics, torchrun
+from tests.util import ROOT, TINY, env, metrics, torchrun, torchrun_cmd, train_py
 
 ARGS = [*TINY, "--run.save_every=2", "--run.eval_every=2", "--run.eval_size=8"]
 
@@ -22,31 +23,93 @@ def _weights(out_dir, step):
     return load_file(str(out_dir / "checkpoints" / f"step_{step:06d}" / "hf" / "model.safetensors"))
 
 
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+# Everything a resume must restore at once, on two FSDP2-sharded trainers + one engine: several
+# updates per rollout batch (M = E = 2), DAPO refill, CISPO, the KL options of issue 23 (the KL in
+# the reward, the adaptive coefficient with its state in the checkpoint's meta, a reference that
+# moves every step with its shards in the checkpoint) and a cosine LR schedule with warm-up: a
+# resume that restarted any of them from its initial value would make the rows differ.
+EVERYTHING = [*ARGS, *TOY, "--train.mini_batches=2", "--train.ppo_epochs=2",
+              "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2",
+              "--loss.objective=cispo", "--loss.kl_coef=0.05", "--loss.kl_in_reward=true",
+              "--loss.kl_estimator=k1", "--loss.kl_target=0.001", "--loss.kl_horizon=100",
+              "--train.ref_update_every=1", "--train.ref_mix_alpha=0.5",
+              "--train.lr_schedule=cosine", "--train.warmup_steps=1", "--train.min_lr_ratio=0.1",
+              "--run.steps=6"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Three 3-rank launches shared by the tests below: `a` runs 6 steps straight; `b` runs the
+    same config and trainer rank 0 is killed while writing step 4's checkpoint (after the
+    shards, before the commit), then `b` is launched again and resumes from step 2."""
+    root = tmp_path_factory.mktemp("resumed")
+    a, b = root / "a", root / "b"
+    torchrun(3, [*EVERYTHING, f"--run.out_dir={a}"])
+    e = env(warm=True)
+    e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4
+    killed = subprocess.run(torchrun_cmd(3, [*EVERYTHING, f"--run.out_dir={b}"]), cwd=ROOT, env=e,
+                            capture_output=True, text=True, timeout=300)
+    after_kill = {"rc": killed.returncode, "steps": [r["step"] for r in metrics(b)],
+                  "checkpoints": sorted(x.name for x in (b / "checkpoints").iterdir())}
+    q = torchrun(3, [*EVERYTHING, f"--run.out_dir={b}"])
+    return SimpleNamespace(a=a, b=b, after_kill=after_kill, resumed=q)
+
+
 @pytest.mark.slow
-def test_exact_resume_2_plus_2_equals_4(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    torchrun(3, [*ARGS, f"--run.out_dir={a}", "--run.steps=4"])
-    torchrun(3, [*ARGS, f"--run.out_dir={b}", "--run.steps=2"])
-    p = torchrun(3, [*ARGS, f"--run.out_dir={b}", "--run.steps=4"])   # same out_dir: resumes
-    assert "resumed from" in p.stdout and "step_000002" in p.stdout
+def test_exact_resume_after_a_kill_equals_the_uninterrupted_run(resumed):
+    """6 steps straight == 2 + (killed at step 4, resumed from step 2) + 4: every non-timing
+    metric and the final weights bit for bit; the HF export loads with transformers and is
+    evaluated by --eval-only. (This test merges what were three: 2 + 2 == 4 on the demo config,
+    exact resume with mini-batches, epochs, refill and the KL options, and the cosine schedule
+    continuing exactly after a kill; a finished run extended by a resume is exact in
+    test_lora_world_of_one_learns_and_resumes_exactly.)"""
+    a, b, q = resumed.a, resumed.b, resumed.resumed
+    assert "resumed from" in q.stdout and "step_000002" in q.stdout
+    assert "changed optimizer keys" not in q.stdout
     ra, rb = metrics(a), metrics(b)
-    assert [r["step"] for r in rb] == [0, 1, 2, 3]
+    assert [r["step"] for r in rb] == list(range(6))
     assert _strip(ra) == _strip(rb)                  # every non-timing metric, bit for bit
-    assert "eval/accuracy" in ra[1] and "eval/accuracy" in ra[3]
-    wa, wb = _weights(a, 4), _weights(b, 4)
+    assert "eval/accuracy" in ra[1] and "eval/accuracy" in ra[3] and "eval/accuracy" in ra[5]
+    wa, wb = _weights(a, 6), _weights(b, 6)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not torch.equal(wa["lm_head.weight"], _weights(a, 2)["lm_head.weight"])  # it trained
+    assert not torch.equal(wa["lm_head.weight"], _weights(a, 4)["lm_head.weight"])  # it trained
+    # every knob was live, so the comparison above covers its state
+    assert len({r["train/kl_coef"] for r in ra}) == 6                     # the coefficient moves
+    assert abs(ra[0]["train/kl_seq_mean"]) < 1e-6 < ra[2]["train/kl_seq_mean"]  # ref = policy at 0
+    assert [r["train/optimizer_steps"] for r in ra] == [4, 8, 12, 16, 20, 24]
+    lrs = [r["train/lr"] for r in ra]
+    assert lrs[0] == pytest.approx(2e-3 * 1.0) and lrs[-1] < lrs[1]      # warmed up, decaying
 
     # The HF export loads with transformers and is evaluated by --eval-only.
     from transformers import Qwen2_5_VLForConditionalGeneration
-    Qwen2_5_VLForConditionalGeneration.from_pretrained(str(a / "checkpoints" / "step_000004" / "hf"))
-    q = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={a}",
-                        "--run.eval_size=8", "--eval-only", "--checkpoint",
-                        str(a / "checkpoints" / "step_000004")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(str(a / "checkpoints" / "step_000006" / "hf"))
+    q = train_py([*TINY, f"--run.out_dir={a}", "--run.eval_size=8", "--eval-only", "--checkpoint",
+                  str(a / "checkpoints" / "step_000006")])
     assert q.returncode == 0, q.stderr[-3000:]
     row = json.loads((a / "eval.jsonl").read_text().splitlines()[-1])
     assert row["eval/n"] == 8 and 0.0 <= row["eval/accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_keeps_previous_and_resumes(resumed):
+    """The killed launch of the fixture: the previous checkpoint intact, the new one not
+    committed; the resume redoes steps 2-3 and every record file holds every step once."""
+    tmp_path = resumed.b
+    assert resumed.after_kill["rc"] != 0
+    names = resumed.after_kill["checkpoints"]
+    assert names == ["step_000002", "step_000004.tmp"], names   # previous intact, new one not committed
+    assert resumed.after_kill["steps"] == [0, 1, 2, 3]          # logged before the commit failed
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
+    # every record file holds every step once: steps 2-3, logged before step 4's checkpoint
+    # failed to commit, were moved aside and done again
+    assert _column(tmp_path, "samples.jsonl", "step") == [s for s in range(6) for _ in range(2)]
+    assert _column(tmp_path, "eval.jsonl", "after") == [2, 4, 6]
+    assert _column(tmp_path, "metrics.abandoned.jsonl", "step") == [2, 3]
+    assert _column(tmp_path, "eval.abandoned.jsonl", "after") == [4]
+    # keep_last=2, and rotation never deletes the checkpoint the run resumed from
+    ck = tmp_path / "checkpoints"
+    assert sorted(x.name for x in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
 @pytest.mark.slow
@@ -75,40 +138,14 @@ def test_lora_world_of_one_learns_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_during_checkpoint_keeps_previous_and_resumes(tmp_path):
-    e = env()
-    e["GRPO_FAULT"] = "checkpoint_before_rename@4:0"  # trainer rank 0 dies writing step 4
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *ARGS, f"--run.out_dir={tmp_path}", "--run.steps=6"]
-    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0
-    ck = tmp_path / "checkpoints"
-    names = sorted(x.name for x in ck.iterdir())
-    assert names == ["step_000002", "step_000004.tmp"], names   # previous intact, new one not committed
-    q = torchrun(3, [*ARGS, f"--run.out_dir={tmp_path}", "--run.steps=6"])
-    assert "resumed from" in q.stdout and "step_000002" in q.stdout
-    assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
-    # every record file holds every step once: steps 2-3, logged before step 4's checkpoint
-    # failed to commit, were moved aside and done again
-    assert _column(tmp_path, "samples.jsonl", "step") == [s for s in range(6) for _ in range(2)]
-    assert _column(tmp_path, "eval.jsonl", "after") == [2, 4, 6]
-    assert _column(tmp_path, "metrics.abandoned.jsonl", "step") == [2, 3]
-    assert _column(tmp_path, "eval.abandoned.jsonl", "after") == [4]
-    # keep_last=2, and rotation never deletes the checkpoint the run resumed from
-    assert sorted(x.name for x in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]
-
-
-@pytest.mark.slow
 def test_local_geometry3k_folder_trains(tmp_path):
     """`python data.py --write-synthetic` writes the Geometry3K layout; the trainer reads it."""
     d = tmp_path / "g3k"
     subprocess.run([sys.executable, str(ROOT / "data.py"), "--write-synthetic", str(d),
                     "--n-train", "32", "--n-val", "8", "--n-test", "8"], cwd=ROOT, check=True,
                    env=env(), capture_output=True)
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--data.source={d}",
-                        f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2", "--run.keep_last=0",
-                        "--data.max_prompt_len=200"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, f"--data.source={d}", f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2",
+                  "--run.keep_last=0", "--data.max_prompt_len=200"])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert len(rows) == 2
@@ -128,12 +165,12 @@ def test_plot_script_draws_png(tmp_path):
 
 
 def _one(args: list[str], fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """A world of one (`python train.py`): the checkpoint logic does not depend on the ranks."""
+    """A world of one (`python train.py`, warm: tests/util.train_py): the checkpoint logic does
+    not depend on the ranks."""
     e = env()
     if fault:
         e["GRPO_FAULT"] = fault
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return train_py([*TINY, *args], env=e, timeout=timeout)
 
 
 def _ours(stderr: str) -> list[str]:
@@ -237,16 +274,21 @@ def test_full_disk_while_saving_is_named_and_the_previous_checkpoint_stays(tmp_p
 def test_resume_with_more_trainer_ranks_reshards(tmp_path):
     """A checkpoint of 1 trainer rank resumed on 2: weights and optimizer resharded. The step
     after the resume sees the same episodes and nearly the same update as an uninterrupted
-    1-trainer run (not bit-exact: another reduction order, RNG states not restored)."""
+    1-trainer run (not bit-exact: another reduction order, RNG states not restored).
+    `b` is a copy of the uninterrupted run `a` resumed from its step-2 checkpoint (the newer one
+    moved aside, tests/test_resume.py), as a run of 2 steps would have left it."""
+    import shutil
     a, b = tmp_path / "a", tmp_path / "b"
     args = [*TINY, "--run.save_every=2", "--rollout.temperature=1.0"]
     torchrun(2, [*args, f"--run.out_dir={a}", "--run.steps=3"])
-    torchrun(2, [*args, f"--run.out_dir={b}", "--run.steps=2"])
+    shutil.copytree(a, b)
+    at_2 = ["--resume", str(b / "checkpoints" / "step_000002")]
     # another rank split is another experiment: refused, naming both counts, unless allowed
-    q = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3"], check=False)
+    q = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", *at_2], check=False)
     assert q.returncode != 0 and q.stderr.count("config error") == 1
     assert "the rank split (trainers of ranks) '1 of 2' -> '2 of 3'" in q.stderr
-    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", "--run.allow_config_change=true"])
+    p = torchrun(3, [*args, f"--run.out_dir={b}", "--run.steps=3", *at_2,
+                     "--run.allow_config_change=true"])
     assert ("resuming a checkpoint of 1 trainer rank(s) on 2: weights and optimizer state "
             "resharded") in p.stdout
     assert "resumed from" in p.stdout

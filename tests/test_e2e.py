@@ -1,22 +1,26 @@
 """The whole loop under real torchrun launches (CPU, gloo, tiny random Qwen2.5-VL).
 
-- parity: after every sync the engine's weights equal the trainer's bit for bit, and the
-  engine's generation-time logprobs equal the trainer's recomputation (fp32) to 1e-4;
 - learning: a toy reward the tiny policy can learn rises by a wide margin, and with the sync
-  switched off the generation side does NOT improve (so the rise is the sync's doing);
+  switched off the generation side does NOT improve (so the rise is the sync's doing); the
+  learning run (two mini-batches x two PPO epochs, one module fixture) also checks parity at
+  every step, the clips binding, and the console of a 3-rank launch;
+- parity: after every sync the engine's weights equal the trainer's bit for bit, and the
+  engine's generation-time logprobs equal the trainer's recomputation (fp32) to 1e-4 (the dense
+  VLM in the learning run, a text-only MoE apart);
 - overlap: with one-step staleness and truncated importance sampling it still learns;
 - a world of 1 and two simulated nodes run the same config.
 """
 from __future__ import annotations
 
 import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun
+from tests.util import ROOT, TINY, TINY_TEXT, env, free_port, metrics, torchrun, torchrun_cmd, train_py
 
-REQUIRED = ["step", "weight_version", "reward/mean", "reward/accuracy", "reward/format",
+# (and the parts of the run's reward: reward/accuracy and reward/format for the demo's geometry)
+REQUIRED = ["step", "weight_version", "reward/mean",
             "response_len/mean", "loss", "grad_norm", "kl", "entropy", "time/generate_s",
             "time/train_s", "time/sync_s", "time/step_s", "sync/bytes", "logprob_diff/max"]
 pytestmark = pytest.mark.slow  # torchrun launches: the full tier only
@@ -24,10 +28,13 @@ pytestmark = pytest.mark.slow  # torchrun launches: the full tier only
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 
 
-def check_parity(rows: list[dict], steps: int) -> None:
+GEOMETRY = ("reward/accuracy", "reward/format")
+
+
+def check_parity(rows: list[dict], steps: int, parts=GEOMETRY) -> None:
     assert [r["step"] for r in rows] == list(range(steps))
     for r in rows:
-        assert set(REQUIRED) <= set(r), set(REQUIRED) - set(r)
+        assert {*REQUIRED, *parts} <= set(r), {*REQUIRED, *parts} - set(r)
         assert r["sync/checksum_ok"] == 1.0, r
         assert r["logprob_diff/max"] <= 1e-4, r
         assert r["sync/bytes"] > 0
@@ -35,25 +42,41 @@ def check_parity(rows: list[dict], steps: int) -> None:
     assert [r["weight_version"] for r in rows] == list(range(steps))
 
 
-@pytest.mark.parametrize("family", [TINY, [*TINY_TEXT, "--model.path=tiny-qwen3_moe"]],
-                         ids=["qwen2_5_vl", "qwen3_moe-text"])
-def test_parity_three_ranks(tmp_path, family):
-    """2 FSDP trainers + 1 engine, for a dense VLM and a text-only MoE (its experts go per
-    expert and land back in the engine's fused parameters bitwise); the export loads strictly."""
+def check_parity_run(out, steps: int, parts=GEOMETRY) -> None:
+    """A 3-rank run with sync.verify: parity at every step, the run's records, a strict export."""
     import model as M
-    torchrun(3, [*family, f"--run.out_dir={tmp_path}", "--run.steps=4", "--sync.verify=true",
+    check_parity(metrics(out), steps, parts)
+    assert (out / "config.toml").exists()
+    assert len((out / "samples.jsonl").read_text().splitlines()) == steps * 2
+    M.load_model(str(out / "checkpoints" / f"step_{steps:06d}" / "hf"))
+
+
+def test_parity_three_ranks_text_moe(tmp_path):
+    """2 FSDP trainers + 1 engine for a text-only MoE (its experts go per expert and land back in
+    the engine's fused parameters bitwise); the export loads strictly. The dense VLM's 3-rank
+    parity is checked at every step of the learning run below."""
+    torchrun(3, [*TINY_TEXT, "--model.path=tiny-qwen3_moe", f"--run.out_dir={tmp_path}",
+                 "--run.steps=4", "--sync.verify=true",
                  "--sync.bucket_mb=0.05"])  # small buckets: many buckets, double buffering
-    check_parity(metrics(tmp_path), 4)
-    assert (tmp_path / "config.toml").exists()
-    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4 * 2
-    M.load_model(str(tmp_path / "checkpoints" / "step_000004" / "hf"))
+    check_parity_run(tmp_path, 4)
 
 
-def test_learning_and_sync_off_control(tmp_path):
-    on, off = tmp_path / "on", tmp_path / "off"
-    args = [*TINY, "--run.steps=24", *TOY]
-    torchrun(3, [*args, f"--run.out_dir={on}"])
-    torchrun(3, [*args, f"--run.out_dir={off}", "--sync.enabled=false"])
+@pytest.fixture(scope="module")
+def learning(tmp_path_factory):
+    """The demo with the toy reward, 24 steps on 2 FSDP trainers + 1 engine, two mini-batches x
+    two PPO epochs, every sync verified bitwise over small buckets; and its control, the same
+    run with the sync switched off."""
+    root = tmp_path_factory.mktemp("learning")
+    args = [*TINY, "--run.steps=24", *TOY, "--train.mini_batches=2", "--train.ppo_epochs=2",
+            "--sync.verify=true", "--sync.bucket_mb=0.05"]  # small buckets: many, double buffered
+    torchrun(3, [*args, f"--run.out_dir={root / 'on'}"])
+    # the control with the ranks train.py itself, imports and all: its console is checked below
+    p = torchrun(3, [*args, f"--run.out_dir={root / 'off'}", "--sync.enabled=false"], warm=False)
+    return SimpleNamespace(on=root / "on", off=root / "off", launch=p)
+
+
+def test_learning_and_sync_off_control(learning):
+    on, off = learning.on, learning.off
     r_on = [r["reward/mean"] for r in metrics(on)]
     r_off = [r["reward/mean"] for r in metrics(off)]
     first = sum(r_on[:4]) / 4
@@ -64,6 +87,36 @@ def test_learning_and_sync_off_control(tmp_path):
     assert last_on > 0.4, r_on              # learned: a wide margin over the start
     assert last_off < 0.1, r_off            # the engines never saw the learned weights
     assert all(r["weight_version"] == 0 for r in metrics(off))
+
+
+def test_parity_three_ranks_at_every_step_of_the_learning_run(learning):
+    """2 FSDP trainers + 1 engine, a dense VLM: engine == trainer bitwise after every sync and
+    logprob parity at every one of the 24 steps; the export loads strictly."""
+    check_parity_run(learning.on, 24, parts=("reward/target_fraction",))  # the toy reward
+
+
+def test_two_mini_batches_two_epochs_clip_binds_and_learns(learning):
+    """M = E = 2 (the learning run): four optimizer steps per rollout step, one sync per rollout
+    step, the ratio moves and both clips bind; it learns (test_learning_and_sync_off_control)."""
+    rows = metrics(learning.on)
+    assert all(r["train/updates"] == 4 and r["sync/checksum_ok"] == 1.0 for r in rows)
+    assert [r["weight_version"] for r in rows] == list(range(24))      # one sync per rollout step
+    # the ratio moves once there is a gradient (at step 0 every reward is 0: no advantage)
+    assert all(r["train/approx_kl"] > 0 for r in rows if r["advantage/abs_mean"] > 0)
+    assert max(r["train/clip_frac_low"] for r in rows) > 0, rows
+    assert max(r["train/clip_frac_high"] for r in rows) > 0, rows
+    rewards = [r["reward/mean"] for r in rows]
+    assert sum(rewards[:3]) / 3 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
+
+
+def test_three_ranks_print_library_warnings_once(learning):
+    """The console of the control run (stdout and stderr of a 3-rank launch of train.py itself,
+    so what the imports print is in it): no FSDP view-tensor warning
+    (trainer.quiet_view_warning), no per-rank weight-loading bars, the rank plan once."""
+    both = learning.launch.stdout + learning.launch.stderr
+    assert both.count("returned a view tensor") == 0               # silenced (trainer.quiet_view_warning)
+    assert "Loading weights" not in both                           # no per-rank progress bars
+    assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1
 
 
 def test_lora_learns_serves_the_merged_policy_and_changes_only_the_adapters(tmp_path):
@@ -121,9 +174,7 @@ def test_overlap_one_step_stale_still_learns(tmp_path):
 
 
 def test_world_of_one(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
-                        "--run.steps=2", "--sync.verify=true"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path}", "--run.steps=2", "--sync.verify=true"])
     assert p.returncode == 0, p.stderr[-4000:]
     check_parity(metrics(tmp_path), 2)
     assert "step 2/2 |" in p.stdout
@@ -135,11 +186,11 @@ def test_two_nodes_simulated(tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.steps=3",
-               "--cluster.gen_ranks=2", "--sync.verify=true"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+        cmd = torchrun_cmd(2, [*TINY, f"--run.out_dir={tmp_path}", "--run.steps=3",
+                               "--cluster.gen_ranks=2", "--sync.verify=true"],
+                           launcher=["--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
+                                     "--master_addr=127.0.0.1", f"--master_port={port}"])
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(warm=True), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):

@@ -11,18 +11,19 @@ import time
 import pytest
 
 import rewards
-from tests.util import ROOT, TINY, env, free_port, metrics
+from tests.util import ROOT, TINY, env, free_port, metrics, torchrun_cmd, train_py
 
 TIMEOUT = 20  # cluster.timeout_s in these tests
 
 
-def launch(tmp_path, fault: str | None, *extra: str, timeout: float = 240):
-    e = env()
+def launch(tmp_path, fault: str | None, *extra: str, timeout: float = 240, warm: bool = True):
+    """3 ranks under torchrun; each rank is train.py forked from the warm server (tests/warm.py)
+    unless not `warm`."""
+    e = env(warm)
     if fault:
         e["GRPO_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
-           f"--cluster.timeout_s={TIMEOUT}", *extra]
+    cmd = torchrun_cmd(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
+                           f"--cluster.timeout_s={TIMEOUT}", *extra], warm=warm)
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     return p, time.monotonic() - t0
@@ -58,39 +59,55 @@ def test_hung_rank_times_out_and_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_step_is_skipped_and_counted(tmp_path):
-    p, _ = launch(tmp_path, "nan_loss@1", "--run.steps=3")
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_nan_steps_are_skipped_counted_and_consecutive_ones_stop_the_run(tmp_path):
+    """A non-finite loss at steps 1, 3 and 4 (every trainer rank), train.max_skipped_steps = 2:
+    step 1 is skipped and counted, its NaN logged as it was, and the run goes on (step 2
+    trains); steps 3 and 4 are 2 in a row: the run stops after logging step 4, saying why."""
+    p, _ = launch(tmp_path, "nan_loss@1,nan_loss@3,nan_loss@4", "--run.steps=6",
+                  "--train.max_skipped_steps=2")
+    assert p.returncode != 0
+    assert "2 consecutive steps had a non-finite loss" in p.stderr, p.stderr[-3000:]
     rows = metrics(tmp_path)
-    assert [r["train/skipped"] for r in rows] == [0.0, 1.0, 0.0]
-    assert rows[-1]["train/skipped_steps"] == 1.0
+    assert [r["train/skipped"] for r in rows] == [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert rows[2]["train/skipped_steps"] == 1.0 and rows[-1]["train/skipped_steps"] == 3.0
     assert rows[1]["grad_norm"] != rows[1]["grad_norm"]  # nan logged as it was
 
 
-@pytest.mark.slow
-def test_consecutive_nans_stop_the_run(tmp_path):
-    p, _ = launch(tmp_path, "nan_loss", "--run.steps=6", "--train.max_skipped_steps=2")
-    assert p.returncode != 0
-    assert "2 consecutive steps had a non-finite loss" in p.stderr
-    assert len(metrics(tmp_path)) == 2
+def test_several_faults_in_one_spec(monkeypatch):
+    """GRPO_FAULT holds several comma-separated specs (one run, several faults)."""
+    import failures
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GRPO_FAULT", "nan_loss@1,nan_loss@3:0,die@5:7")
+    assert [s for s in range(6) if failures.fault_active("nan_loss", s)] == [1, 3]
+    assert not failures.fault_active("die", 5)       # for rank 7 only
+    monkeypatch.setenv("GRPO_FAULT", "nan_loss")
+    assert failures.fault_active("nan_loss", 0) and not failures.fault_active("die", 0)
 
 
 @pytest.mark.slow
 def test_engine_start_up_has_its_own_deadline_apart_from_the_collective_timeout(tmp_path):
     """An engine that takes 1.5 x cluster.timeout_s to start (vLLM profiling and compiling on a
     loaded machine): the job waits for it under rollout.start_timeout_s and trains; with a
-    start-up deadline shorter than that, one line names it and the rank still starting."""
+    start-up deadline shorter than that, one line names it and the rank still starting. The two
+    launches run at the same time (their engine ranks only sleep)."""
     def two_ranks(out, *extra):
-        e = dict(env(), GRPO_FAULT="slow_engine_start:1")
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", str(ROOT / "train.py"), *TINY,
-                               f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
-                               "--cluster.timeout_s=10", *extra],
-                              cwd=ROOT, env=e, capture_output=True, text=True, timeout=240)
-    p = two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120")
-    assert p.returncode == 0, p.stderr[-3000:]
+        e = dict(env(warm=True), GRPO_FAULT="slow_engine_start:1")
+        args = [*TINY, f"--run.out_dir={out}", "--run.keep_last=0", "--run.steps=2",
+                "--cluster.timeout_s=6", *extra]  # the engine: 9 s to start
+        return subprocess.Popen(torchrun_cmd(2, args), cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    launches = [two_ranks(tmp_path / "a", "--rollout.start_timeout_s=120"),
+                two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")]
+    try:
+        waits, p = (subprocess.CompletedProcess(q.args, 0, *q.communicate(timeout=240))
+                    for q in launches)
+    finally:
+        for q in launches:
+            if q.poll() is None:
+                q.kill()
+    waits.returncode, p.returncode = (q.returncode for q in launches)
+    assert waits.returncode == 0, waits.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "a")] == [0, 1]
-    p = two_ranks(tmp_path / "b", "--rollout.start_timeout_s=3")
     assert p.returncode != 0
     line = _ours(p.stderr)[0]
     assert line.startswith("error: rank 0 (trainer) failed during start: waiting for every engine to "
@@ -128,9 +145,7 @@ def test_unreachable_master_is_one_line_naming_address_port_and_timeout(tmp_path
     port = free_port()
     e = env()
     e.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
-                        "--cluster.timeout_s=3"], cwd=ROOT, env=e, capture_output=True, text=True,
-                       timeout=120)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path}", "--cluster.timeout_s=3"], env=e, timeout=120)
     assert p.returncode == 4, p.stderr[-3000:]
     [line] = _ours(p.stderr)
     assert line.startswith(f"error: rank 1 could not set up the world (MASTER_ADDR=127.0.0.1, "
@@ -161,9 +176,7 @@ def test_second_job_on_the_run_folder_stops_naming_the_holder(tmp_path):
 def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_path):
     e = env()
     e["GRPO_FAULT"] = "raise@1"   # this rank's own error, in the loop
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY,
-                        f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path / 'run'}", "--run.steps=2"], env=e, timeout=120)
     assert p.returncode == 4, p.stderr[-3000:]
     assert "Traceback (most recent call last)" in p.stderr
     assert _ours(p.stderr) == ["error: rank 0 (trainer+generation) failed at step 1 (rollout): "
@@ -173,9 +186,7 @@ def test_own_error_in_a_world_of_one_prints_its_traceback_and_blames_no_one(tmp_
     bad = tmp_path / "model"
     bad.mkdir()
     (bad / "config.json").write_text("{")
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--model.path={bad}",
-                        f"--run.out_dir={tmp_path / 'run2'}"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = train_py([*TINY, f"--model.path={bad}", f"--run.out_dir={tmp_path / 'run2'}"], timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1].startswith(
         f"config error: model.path={bad}: cannot read its config (")
@@ -201,11 +212,12 @@ def test_own_error_on_one_rank_blames_no_other_rank(tmp_path):
 def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
     """SIGTERM or Ctrl-C to torchrun (it forwards the signal to every rank): one line per rank
     naming the signal, step and phase; no "died", no "stuck", no KeyboardInterrupt traceback;
-    every rank gone within seconds."""
-    e = env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
-           f"--cluster.timeout_s={TIMEOUT}", "--run.steps=500"]
+    every rank gone within seconds. Ctrl-C with the ranks train.py itself (torchrun signals
+    each worker's process group), SIGTERM with warm ranks (tests/warm_rank.py forwards it)."""
+    warm = sig == signal.SIGTERM
+    e = env(warm)
+    cmd = torchrun_cmd(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
+                           f"--cluster.timeout_s={TIMEOUT}", "--run.steps=500"], warm=warm)
     p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     m = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 180

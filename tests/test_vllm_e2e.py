@@ -34,10 +34,16 @@ def shim(monkeypatch):
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(VLLM_CPU / "shim"), *paths]))
 
 
-def test_vllm_parity_every_step_learning_and_sync_off_control(tmp_path):
-    on, off = tmp_path / "on", tmp_path / "off"
-    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=20", f"--run.out_dir={on}"], timeout=600)
-    rows = metrics(on)
+def test_vllm_parity_every_step_and_learning(tmp_path):
+    """20 steps of the demo on the vLLM engine: a new weight version every step, engine ==
+    trainer (logprob_diff/max <= 1e-4, fp32) at every step while the policy changes, and the toy
+    reward rising. No sync-off control here: parity at every step with a changing policy already
+    proves the engine received every update (the HF engine's sync-off control is in
+    tests/test_e2e.py); the LoRA run on vLLM is tests/test_family_runs.py's Qwen3-VL run."""
+    # the ranks are train.py itself: vLLM's spawned processes re-import the main module
+    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=20", f"--run.out_dir={tmp_path}"], timeout=600,
+             warm=False)
+    rows = metrics(tmp_path)
     diffs = [r["logprob_diff/max"] for r in rows]
     print("vLLM logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
     assert [r["weight_version"] for r in rows] == list(range(20))   # updated every step
@@ -46,24 +52,3 @@ def test_vllm_parity_every_step_learning_and_sync_off_control(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     print("reward with sync (vLLM):", [round(x, 3) for x in rewards])
     assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
-
-    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=20", f"--run.out_dir={off}",
-                 "--sync.enabled=false"], timeout=600)
-    off_rewards = [r["reward/mean"] for r in metrics(off)]
-    print("reward without sync (vLLM):", [round(x, 3) for x in off_rewards])
-    assert sum(off_rewards[-4:]) / 4 < 0.1, off_rewards
-
-
-def test_vllm_serves_the_merged_lora_policy_every_step(tmp_path):
-    """`--model.lora_rank=8` with the vLLM engine: the first sync sends every tensor, the later
-    ones the adapted layers only (a partial reload in the worker); the engine's logprobs equal
-    the trainer's (the adapted policy) every step."""
-    torchrun(3, [*TINY, *VLLM, *TOY, "--run.steps=4", "--model.lora_rank=8",
-                 "--train.lr=1e-2", f"--run.out_dir={tmp_path}"], timeout=600)
-    rows = metrics(tmp_path)
-    diffs = [r["logprob_diff/max"] for r in rows]
-    print("vLLM + LoRA logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
-    assert [r["weight_version"] for r in rows] == list(range(4))
-    assert max(diffs) <= 1e-4, diffs
-    sent = [r["sync/bytes"] for r in rows]
-    assert 0 < sent[1] < sent[0] and len(set(sent[1:])) == 1

@@ -8,15 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import warm as warm_server
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def env() -> dict:
+def env(warm: bool = False) -> dict:
+    """The environment of a launched process; `warm`: with the warm server's socket, for
+    torchrun launches of tests/warm_rank.py (tests/warm.py)."""
     e = dict(os.environ)
     # PYTHONFAULTHANDLER: a native crash (seen twice, rarely, on a non-root trainer rank inside
     # gloo) prints every thread's Python stack instead of dying silently
     e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
              TOKENIZERS_PARALLELISM="false")
+    if warm:
+        e[warm_server.SOCKET_ENV] = warm_server.socket_path()
     return e
 
 
@@ -26,12 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 300, nnodes: int = 1,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --standalone` on this machine; returns the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ROOT / "train.py"), *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None,
+                 warm: bool = True) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N` (or `launcher`'s flags) of train.py ARGS.
+    `warm`: each worker is tests/warm_rank.py, train.py forked from the warm server (run it
+    with env(warm=True)); not warm: train.py itself, imports and all."""
+    entry = ROOT / "tests" / "warm_rank.py" if warm else ROOT / "train.py"
+    return [sys.executable, "-m", "torch.distributed.run",
+            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), str(entry), *args]
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
+             warm: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` on this machine; returns the finished process. `warm=False`
+    where the ranks must be train.py itself (tests/warm.py says when)."""
+    p = subprocess.run(torchrun_cmd(nproc, args, warm=warm), cwd=ROOT, env=env(warm),
+                       capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"torchrun exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
@@ -64,10 +80,32 @@ for argv in json.loads(sys.argv[2]):
 """
 
 
-def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.CompletedProcess:
-    """Each of `runs` (train.py arguments) as a world of one, in order, in one process."""
-    p = subprocess.run([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(runs)], cwd=ROOT,
-                       env=env(), capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-    return p
+def run_inline(runs: list[list[str]], timeout: float = 900, parallel: int = 1
+               ) -> subprocess.CompletedProcess:
+    """Each of `runs` (train.py arguments) as a world of one, in order, in one process; with
+    `parallel` > 1 the runs are dealt round-robin to that many such processes running at once
+    (a world of one uses one core). stdout: every process's, one after the other; each run's
+    part starts with its `== run: ARGS` line."""
+    groups = [runs[i::parallel] for i in range(parallel) if runs[i::parallel]]
+    procs = [subprocess.Popen([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(g)], cwd=ROOT,
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for g in groups]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise AssertionError(f"exited {p.returncode}\n{out[-4000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(procs[0].args, 0, "".join(o for o, _ in outs),
+                                       "".join(e for _, e in outs))
+
+
+def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
+             cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` (a world of one unless `env` says otherwise) forked from the warm
+    server (tests/warm.py): what subprocess.run(..., capture_output=True, text=True) returns,
+    subprocess.TimeoutExpired past `timeout`."""
+    return warm_server.train_py(args, env if env is not None else globals()["env"](), timeout, cwd)
