@@ -86,22 +86,40 @@ def run_inline(runs: list[list[str]], timeout: float = 900, parallel: int = 1
     `parallel` > 1 the runs are dealt round-robin to that many such processes running at once
     (a world of one uses one core). stdout: every process's, one after the other; each run's
     part starts with its `== run: ARGS` line."""
+    import signal
+    import tempfile
+    import time
     groups = [runs[i::parallel] for i in range(parallel) if runs[i::parallel]]
+    # Output to files, not pipes, and each process in a session of its own, killed whole at the
+    # end: a run that dies (os._exit in a failure path) leaves vLLM's engine processes behind,
+    # which would hold a pipe open and keep the test waiting until its timeout.
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in groups]
     procs = [subprocess.Popen([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(g)], cwd=ROOT,
-                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for g in groups]
+                              env=env(), stdout=o, stderr=e, text=True, start_new_session=True)
+             for g, (o, e) in zip(groups, files)]
+    deadline = time.monotonic() + timeout
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)   # it and whatever it left behind
+            except ProcessLookupError:
+                pass
+            p.wait()
+    outs = []
+    for o, e in files:
+        o.seek(0)
+        e.seek(0)
+        outs.append((o.read(), e.read()))
+        o.close()
+        e.close()
     for p, (out, err) in zip(procs, outs):
         if p.returncode != 0:
             raise AssertionError(f"exited {p.returncode}\n{out[-4000:]}\n{err[-6000:]}")
     return subprocess.CompletedProcess(procs[0].args, 0, "".join(o for o, _ in outs),
                                        "".join(e for _, e in outs))
-
 
 def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
              cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
