@@ -32,36 +32,44 @@ _PEFT_PREFIX = "base_model.model."
 
 def linear_layers(model) -> dict[str, str]:
     """Every linear layer LoRA can adapt, by full module name, in model order: "language" (under
-    the language model, `model.get_decoder()`) or "vision" (the rest: a VLM's vision tower and
-    its merger). The output head never (as peft's "all-linear")."""
+    the language model, `model.get_decoder()`), "head" (the output head) or "vision" (the rest: a
+    VLM's vision tower and its merger)."""
     head = model.get_output_embeddings()
     language = {id(m) for m in model.get_decoder().modules()}
-    return {name: "language" if id(m) in language else "vision"
-            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    return {name: "head" if m is head else "language" if id(m) in language else "vision"
+            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 def lora_targets(model, mc) -> list[str]:
     """The full names of the linear layers `[model]` (mc) puts adapters on: every linear layer of
-    the language model for "all-linear", else those whose name is, or ends with "." + , one of
-    `lora_target_modules`; the vision tower's too with `lora_vision`. A ConfigError names the key
-    and the model's linear layers when a target matches none, and `lora_vision` on a text-only
-    model."""
+    the language model for "all-linear", and those whose name is, or ends with "." + , one of
+    `lora_target_modules`; the vision tower's too with `lora_vision`. The output head only when
+    named (`["all-linear", "lm_head"]`; as peft's "all-linear", that never includes it), and not
+    when it is tied to the input embeddings (its merged weight would change them too). A
+    ConfigError names the key and the model's linear layers when a target matches none, and
+    `lora_vision` on a text-only model."""
     layers = linear_layers(model)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if mc.lora_vision and not is_vlm(model.config):
         raise ConfigError(f"model.lora_vision=true: model.path={mc.path} is a text-only model "
                          "(no vision tower to adapt)")
-    allowed = [n for n, part in layers.items() if part == "language" or mc.lora_vision]
+    allowed = [n for n, part in layers.items() if part == "head" or part == "language"
+               or (part == "vision" and mc.lora_vision)]
     wanted = mc.lora_target_modules
     wanted = [wanted] if isinstance(wanted, str) else wanted
-    if ALL_LINEAR in wanted:
-        return allowed
-    chosen: set[str] = set()
+    chosen = {n for n in allowed if layers[n] != "head"} if ALL_LINEAR in wanted else set()
     for t in wanted:
+        if t == ALL_LINEAR:
+            continue
         hit = {n for n in allowed if n == t or n.endswith("." + t)}
         if not hit:
             raise ConfigError(f"model.lora_target_modules: {t!r} matches no linear layer of "
                              f"{'the model' if mc.lora_vision else 'the language model'}; "
                              f"{_linear_names(layers, mc.lora_vision)}")
+        if tied and any(layers[n] == "head" for n in hit):
+            raise ConfigError(f"model.lora_target_modules: {t!r} is the output head, which "
+                             f"model.path={mc.path} ties to its input embeddings (an adapter "
+                             "merged into it would change them too); leave it out")
         chosen |= hit
     return [n for n in allowed if n in chosen]
 
@@ -71,7 +79,7 @@ def _linear_names(layers: dict[str, str], vision: bool) -> str:
     def names(part):
         leaves = (".".join(n.split(".")[-2:]) for n, p in layers.items() if p == part)
         return ", ".join(dict.fromkeys(leaves))
-    text = f"its linear layers: {names('language')} (or \"{ALL_LINEAR}\")"
+    text = f"its linear layers: {names('language')} (or \"{ALL_LINEAR}\"), the head {names('head')}"
     if "vision" in layers.values():
         text += (f"; the vision tower's: {names('vision')}" +
                  ("" if vision else " (adapted only with model.lora_vision = true)"))

@@ -371,9 +371,13 @@ class PartialReload(logging.Filter):
     A layer that gets only PART of its weights is not fine: the reload refills the rest from
     uninitialised memory (its "Delayed processing" debug message); that stops the sync naming
     the layer (sync.py sends every sibling of an adapted layer, which vLLM fuses with it, so
-    this is a guard). Used as a context manager around the reload."""
+    this is a guard). Used as a context manager around the reload. The vocabulary layers are
+    exempt: each is one weight, padded to a multiple of 64 rows, so it always loads "in part"
+    (the padding rows, whose logits vLLM drops); they arrive whole or not at all (LoRA of the
+    output head, configs/tiny.toml)."""
 
     LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.gpu_model_runner")
+    PADDED = ("ParallelLMHead", "VocabParallelEmbedding")  # vLLM's vocabulary layers
 
     def __init__(self, active: bool):
         super().__init__()
@@ -382,7 +386,7 @@ class PartialReload(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        if "Delayed processing" in msg:
+        if "Delayed processing" in msg and msg.split(":")[0] not in self.PADDED:
             self.partly.append(msg.split(":")[0])
         return record.levelno >= logging.ERROR
 

@@ -117,7 +117,7 @@ def test_lora_world_of_one_learns_and_resumes_exactly(tmp_path):
     """`--model.lora_rank=8` in a world of one (trainer and HF engine in one process): 24 steps
     straight == 12 + resume + 12, every non-timing metric and the saved adapters and export bit
     for bit; every sync verified bitwise; the reward rises as in the 3-rank LoRA run
-    (test_e2e.py: towards the frozen head's ceiling)."""
+    (test_e2e.py: as with full training; the demo's adapters include the output head)."""
     args = [*TINY, "--model.lora_rank=8", "--sync.verify=true", "--run.save_every=12",
             "--run.eval_every=12", "--run.eval_size=4",
             '--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
@@ -131,7 +131,7 @@ def test_lora_world_of_one_learns_and_resumes_exactly(tmp_path):
     assert _strip(ra) == _strip(rb)
     assert all(r["sync/checksum_ok"] == 1.0 and r["logprob_diff/max"] <= 1e-4 for r in ra)
     rewards = [r["reward/mean"] for r in ra]
-    assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.2, rewards
+    assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
     for part in ("hf/model.safetensors", "adapter/adapter_model.safetensors"):
         wa, wb = (load_file(str(d / "checkpoints" / "step_000024" / part)) for d in (a, b))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), part

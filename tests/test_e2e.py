@@ -122,11 +122,10 @@ def test_three_ranks_print_library_warnings_once(learning):
 def test_lora_learns_serves_the_merged_policy_and_changes_only_the_adapters(tmp_path):
     """`--model.lora_rank=8` on the demo, 3 ranks, with a KL term (its reference: the base, the
     adapters disabled): every sync verified bitwise and logprob parity every step; the reward
-    rises from the same start as full training (test above) towards what a frozen output head
-    allows here: with the tiny model's frozen lm_head and final norm, no change of the decoder
-    layers can put more than 0.405 probability on `<answer>` (README: LoRA), so it rises to near
-    that instead of to 0.8. The checkpoint holds the adapters only; its HF export differs from
-    the base exactly in the 14 adapted weights (7 linear layers x 2 decoder layers)."""
+    rises as with full training (test above; the demo's adapters include the output head,
+    configs/tiny.toml: frozen, the tiny random head alone caps the reward near 0.4). The
+    checkpoint holds the adapters only; its HF export differs from the base exactly in the 15
+    adapted weights (7 linear layers x 2 decoder layers, and the head)."""
     torchrun(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.steps=32", *TOY, "--model.lora_rank=8",
                  "--loss.kl_coef=0.01", "--sync.verify=true"])
     rows = metrics(tmp_path)
@@ -138,7 +137,7 @@ def test_lora_learns_serves_the_merged_policy_and_changes_only_the_adapters(tmp_
     rewards = [r["reward/mean"] for r in rows]
     print("reward with LoRA:", [round(x, 3) for x in rewards])
     assert sum(rewards[:4]) / 4 < 0.05
-    assert sum(rewards[-4:]) / 4 > 0.3, rewards
+    assert sum(rewards[-4:]) / 4 > 0.6, rewards
 
     import torch
     import torch.distributed.checkpoint as dcp
@@ -149,9 +148,10 @@ def test_lora_learns_serves_the_merged_policy_and_changes_only_the_adapters(tmp_
     assert keys and all(".lora_" in k for k in keys)
     base, hf = load_file(str(tmp_path / "tiny-model" / "model.safetensors")), load_file(str(step / "hf" / "model.safetensors"))
     changed = sorted(k for k in base if not torch.equal(base[k], hf[k]))
-    assert changed == sorted(f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+    layers = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert changed == sorted([*layers, "lm_head.weight"])
     assert (step / "adapter" / "adapter_model.safetensors").is_file()
 
 

@@ -85,6 +85,19 @@ def test_default_targets_are_the_language_models_linear_layers(tiny_dir):
     assert "lm_head" not in with_tower
 
 
+def test_the_output_head_is_adapted_only_when_named_and_never_when_tied(tiny_dir):
+    model = M.model_from_config(tiny_dir("qwen2_5_vl"), meta=True)   # untied head
+    every = lora.lora_targets(model, _mc())
+    assert lora.lora_targets(model, _mc(lora_target_modules=["all-linear", "lm_head"])) == [
+        *every, "lm_head"]
+    assert lora.lora_targets(model, _mc(lora_target_modules=["lm_head"])) == ["lm_head"]
+    text = M.model_from_config(tiny_dir("qwen3"), meta=True)         # tied to the embeddings
+    assert text.get_output_embeddings().weight is text.get_input_embeddings().weight
+    with pytest.raises(C.ConfigError, match="'lm_head' is the output head, which model.path="
+                                            ".* ties to its input embeddings"):
+        lora.lora_targets(text, _mc(lora_target_modules=["all-linear", "lm_head"]))
+
+
 def test_a_target_that_matches_nothing_names_the_key_and_the_linear_layers(tiny_dir):
     model = M.model_from_config(tiny_dir("qwen2_5_vl"), meta=True)
     with pytest.raises(C.ConfigError) as e:
@@ -118,12 +131,14 @@ def test_targets_that_match_nothing_stop_the_run_before_anything_is_built(world,
 
 
 # ----------------------------------------------------------------------------- training
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3"])  # a VLM and a text-only family
-def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(world, tiny_dir, kind):
+@pytest.mark.parametrize("kind, targets", [   # a VLM, a text-only family, the VLM's head too
+    ("qwen2_5_vl", "all-linear"), ("qwen3", "all-linear"), ("qwen2_5_vl", ["all-linear", "lm_head"])])
+def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(world, tiny_dir, kind,
+                                                                              targets):
     path = tiny_dir(kind)
     procs = M.load_processors(path, 56 * 56, 112 * 112)
-    tr = T.build(path, world, CPU, _mc(), C.TrainConfig(lr=1e-2), C.LossConfig(kl_coef=0.1),
-                 C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, _mc(lora_target_modules=targets), C.TrainConfig(lr=1e-2),
+                 C.LossConfig(kl_coef=0.1), C.SyncConfig(), 10)
     # no reference copy: the parameters held are the policy's (base + adapters)
     counts = T.parameter_counts(tr)
     n_base = sum(p.numel() for p in M.load_model(path).parameters())
@@ -153,6 +168,8 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
 
     # later syncs send the adapted layers (and their siblings) only, merged; verify is bitwise
     assert tr.sender.partial
+    head = [t for t in lora.engine_tensors(tr.policy) if t.name == "lm_head.weight"]
+    assert any(len(t.parts) == 3 and t.changes for t in head) == (targets != "all-linear")
     later = tr.sender.send(2, sink=engine.load_weights)
     assert 0 < later < first
     assert S.verify(world, tr.policy, engine, "float32")
@@ -221,7 +238,8 @@ def test_engine_tensors_send_every_sibling_vllm_fuses_with_an_adapted_layer(tiny
 
 def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_part_layer():
     """vllm_engine.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
-    partial reload are held back; a layer loaded in part (vLLM's "Delayed processing") stops it."""
+    partial reload are held back; a layer loaded in part (vLLM's "Delayed processing") stops it,
+    except a vocabulary layer (padded rows, one weight: the LoRA output head's later syncs)."""
     import logging
 
     import vllm_engine as V
@@ -243,6 +261,8 @@ def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_pa
         with pytest.raises(RuntimeError, match=r"vLLM layer\(s\) QKVParallelLinear got only part"):
             with V.PartialReload(True):
                 layerwise.debug("%s: Delayed processing", "QKVParallelLinear")
+        with V.PartialReload(True):       # a vocabulary layer's padding rows: it came whole
+            layerwise.debug("%s: Delayed processing", "ParallelLMHead")
         assert seen == [] and not layerwise.filters and [g.level for g in loggers] == levels
         with V.PartialReload(False):                                 # a full sync: untouched
             layerwise.warning("%s: Failed to load weights", "Embedding")
