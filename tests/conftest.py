@@ -10,7 +10,11 @@ os.environ.setdefault("GRPO_DEVICE", "cpu")
 
 
 def pytest_sessionstart(session):
-    # the warm train.py server (tests/warm.py) imports on the other core while tests collect
+    # the warm train.py server (tests/warm.py) imports on the other core while tests collect;
+    # under `-n 2` (pytest-xdist) each worker starts its own, the controller (no tests) none
+    controller = "PYTEST_XDIST_WORKER" not in os.environ
+    if getattr(session.config.option, "numprocesses", None) and controller:
+        return
     from tests import warm
     warm.start_server()
 
