@@ -59,6 +59,26 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+def end(code: int) -> None:
+    """Exit now with `code` (no interpreter teardown: a failing rank's threads may be stuck in C
+    calls), after ending this process's child processes: vLLM's engine core, started through
+    multiprocessing, would otherwise outlive the rank, holding its device memory (and, under a
+    test, the output pipes it inherited). SIGTERM first (the engine core stops its workers),
+    SIGKILL for what is still there after 3 s."""
+    import multiprocessing
+    import time
+    kids = multiprocessing.active_children()
+    for kid in kids:
+        kid.terminate()
+    deadline = time.monotonic() + 3.0
+    for kid in kids:
+        kid.join(max(deadline - time.monotonic(), 0.0))
+        if kid.is_alive():
+            kid.kill()
+            kid.join(1.0)  # reaped here: this sandbox's init reaps no orphaned zombie
+    os._exit(code)
+
+
 def fault_active(point: str, step: int | None = None) -> bool:
     """True when this rank reaches fault `point` (at `step`, if the spec names one). Several
     specs, comma-separated, inject each (`nan_loss@1,nan_loss@3`: one test run, two faults)."""
@@ -153,7 +173,7 @@ class Liveness:
                 # another rank failed: stop now, even if this rank's main thread is stuck in a
                 # C call (a hung engine, a collective)
                 say(f"error: rank {self.rank} ({self.role}) stopping: {self.abort_notice()}")
-                os._exit(5)
+                end(5)
 
     def abort(self, why: str) -> None:
         """Tell every rank to stop (their heartbeat threads exit the process within a beat)."""
@@ -301,7 +321,7 @@ def on_signals(live: Liveness | None) -> None:
         else:
             where = live.where_text() if live else "during start-up"
             say(f"error: {who} stopped by {name} {where}")
-        os._exit(128 + signum)
+        end(128 + signum)
 
     def handler(signum, frame):  # the main thread, when it gets to run Python code
         if live is not None and live.failing:  # already reporting its failure, or stopping
@@ -344,7 +364,7 @@ def exit_bad_input(e: C.ConfigError) -> int:
         if dist.is_available() and dist.is_initialized():  # found after start-up (a refused
             sys.stdout.flush()                               # resume): no teardown that aborts
             sys.stderr.flush()
-            os._exit(2)
+            end(2)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     signal.signal(signal.SIGINT, lambda *_: os._exit(2))
@@ -362,7 +382,7 @@ def exit_bad_input(e: C.ConfigError) -> int:
             store.wait([key + "/all"], datetime.timedelta(seconds=60))
         except Exception:  # noqa: BLE001 - a rank that never arrives: exit anyway
             pass
-    os._exit(2)
+    end(2)
 
 
 def world_failed(e: BaseException, timeout_s: float) -> int:
@@ -402,15 +422,15 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
             if isinstance(e, Fatal):
                 say(f"error: rank {rank} ({role}) failed {where}: {e}")
                 live.abort(f"rank {rank} ({role}) failed {where}: {e}")
-                os._exit(4)
+                end(4)
             notice = live.abort_notice() if is_communication_error(e) else None
             if notice:  # another rank failed first: this error is only its consequence
                 say(f"error: rank {rank} ({role}) stopping: {notice}")
-                os._exit(5)
+                end(5)
             d = live.diagnose() if is_communication_error(e) else Diagnosis()
             tail = f"; {d.line}" if d.line else ""
             if not (d.dead or d.failed or d.signalled):  # else this error is only a consequence
                 traceback.print_exc()        # first: the culprit line stays the last word
             say(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}")
             live.abort(f"rank {rank} ({role}) failed {where} ({type(e).__name__}){tail}")
-            os._exit(4)
+            end(4)

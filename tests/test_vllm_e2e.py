@@ -52,3 +52,35 @@ def test_vllm_parity_every_step_and_learning(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     print("reward with sync (vLLM):", [round(x, 3) for x in rewards])
     assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
+
+
+def test_a_failing_rank_ends_its_vllm_engine_too(tmp_path):
+    """A rank that fails after its vLLM engine started (an injected error at step 1, a world of
+    one) exits 4 with its one line, and takes vLLM's engine-core and worker processes with it:
+    none of the run's session is left (an orphaned engine would keep its device memory, and here
+    the output pipes, after the rank is gone)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.util import env
+    e = env()
+    e["GRPO_FAULT"] = "raise@1"
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, *VLLM,
+                          "--run.steps=3", f"--run.out_dir={tmp_path}"], cwd=ROOT, env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        for _ in range(50):  # multiprocessing's resource tracker exits once its pipe closes
+            left = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(p.pid)],
+                                  capture_output=True, text=True).stdout.strip().splitlines()
+            if not left:
+                break
+            time.sleep(0.1)
+        if left:
+            os.killpg(p.pid, 9)
+    assert p.returncode == 4, err[-3000:]
+    assert "error: rank 0 (trainer+generation) failed at step 1" in err
+    assert left == [], left
