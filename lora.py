@@ -53,8 +53,7 @@ def lora_targets(model, mc) -> list[str]:
     if mc.lora_vision and not is_vlm(model.config):
         raise ConfigError(f"model.lora_vision=true: model.path={mc.path} is a text-only model "
                          "(no vision tower to adapt)")
-    allowed = [n for n, part in layers.items() if part == "head" or part == "language"
-               or (part == "vision" and mc.lora_vision)]
+    allowed = [n for n, part in layers.items() if part != "vision" or mc.lora_vision]
     wanted = mc.lora_target_modules
     wanted = [wanted] if isinstance(wanted, str) else wanted
     chosen = {n for n in allowed if layers[n] != "head"} if ALL_LINEAR in wanted else set()
