@@ -35,11 +35,15 @@ def free_port() -> int:
 def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None,
                  warm: bool = True) -> list[str]:
     """`torchrun --standalone --nproc_per_node=N` (or `launcher`'s flags) of train.py ARGS.
-    `warm`: each worker is tests/warm_rank.py, train.py forked from the warm server (run it
-    with env(warm=True)); not warm: train.py itself, imports and all."""
-    entry = ROOT / "tests" / "warm_rank.py" if warm else ROOT / "train.py"
-    return [sys.executable, "-m", "torch.distributed.run",
-            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), str(entry), *args]
+    `warm`: torchrun and each worker forked from the warm server through tests/warm_rank.py
+    (run it with env(warm=True)); not warm: torchrun and train.py themselves, imports and all."""
+    if not warm:
+        return [sys.executable, "-m", "torch.distributed.run",
+                *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), str(ROOT / "train.py"),
+                *args]
+    client = str(ROOT / "tests" / "warm_rank.py")
+    return [sys.executable, client, "-m", "torch.distributed.run",
+            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), client, *args]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,

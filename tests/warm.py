@@ -14,10 +14,13 @@ line after the imports:
   of SystemExit; os._exit(n) in a failure path and death by a signal are the process's own.
 
 `train_py(args)` is `subprocess.run([python, "train.py", *args], capture_output=True)` for a
-world of one. Under torchrun, `tests/warm_rank.py` is each worker: it hands its argv, environment
-and file descriptors to the server, forwards every signal torchrun sends it to the forked rank's
-process group, and ends as the rank ended (its exit code, or killed by the same signal); if the
-worker is killed itself, the server kills the rank. torchrun itself is the real one.
+world of one. A torchrun launch (tests/util.torchrun) is `tests/warm_rank.py -m
+torch.distributed.run ...`: torchrun's agent, the real one, forked as `python -m
+torch.distributed.run` (its imports are ~1.3 s of CPU a launch), whose workers are
+`tests/warm_rank.py` again: each hands its argv, environment and file descriptors to the server,
+forwards every signal it gets (to the forked rank's process group; to the agent alone), and
+ends as the forked process ended (its exit code, or killed by the same signal); if the client
+is killed itself, the server kills what it forked.
 
 What a fork cannot show: output printed while the modules import (it goes to the server's log)
 and the start-up signal handlers of train.py's `__main__` block. Launches that check those, and
@@ -153,8 +156,10 @@ def _kill(pid: int) -> None:
 
 
 def _become(req: dict, fds: list[int]) -> None:
-    """In the forked process: become `python train.py ARGV` and exit as it would."""
+    """In the forked process: become `python train.py ARGV` (or `python -m MODULE ARGV` where
+    the request names a module: torchrun) and exit as it would."""
     import atexit
+    import runpy
     import signal
     import threading
     import traceback
@@ -168,9 +173,14 @@ def _become(req: dict, fds: list[int]) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    sys.argv = [train.__file__, *req["argv"]]
+    module = req.get("module")
+    sys.argv = [module or train.__file__, *req["argv"]]  # run_module puts the module's file first
     try:
-        code = train.main()
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        else:
+            code = train.main()
     except SystemExit as e:
         code = e.code
     except KeyboardInterrupt:  # as the interpreter does: it ends by SIGINT itself
