@@ -126,10 +126,13 @@ def run_one(a, lora_rank: int) -> None:
     import device as D
     import loss as L
     import model as M
+    import world as W
 
     dev = D.detect()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    # a free port, as train.py's world of one: a fixed one collided with a second bench process
+    # (the tests run bench/step.py from two modules at once)
+    os.environ.setdefault("MASTER_PORT", str(W.free_port()))
     dist.init_process_group(dev.backend, rank=0, world_size=1)
     device = D.torch_device(dev, 0)
     if a.model == "tiny":
