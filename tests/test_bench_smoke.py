@@ -50,8 +50,17 @@ def test_sync_memory():  # the meta device: shapes only (about 4 s)
 
 @pytest.mark.slow
 def test_step():
-    r = run(BENCH / "step.py", "--steps", "1", "--warmup", "0", "--seq-len", "64", "--image-px", "56")
-    assert r["model"] == "tiny" and r["seq_len"] == 64 and r["step_s"] > 0
+    """With `--lora-rank` the script runs its plain step (the `full` part, what a run without the
+    flag prints) and the LoRA one, each in a process of its own, and puts them side by side."""
+    r = run(BENCH / "step.py", "--lora-rank", "4", "--steps", "1", "--warmup", "0", "--seq-len",
+            "64", "--image-px", "56")
+    full, low = r["full"], r["lora"]
+    assert full["model"] == "tiny" and full["seq_len"] == 64 and full["step_s"] > 0
+    assert (full["lora_rank"], low["lora_rank"]) == (0, 4)
+    assert 0 < low["trainable_params"] < full["trainable_params"]
+    assert 0 < low["optimizer_state_mb"] < full["optimizer_state_mb"]
+    assert full["tokens_per_s"] > 0 and low["tokens_per_s"] > 0 and r["tokens_per_s_ratio"] > 0
+    assert r["peak_memory_measure"] == "peak_rss_gb" and low["peak_rss_gb"] > 0   # CPU
 
 
 @pytest.mark.slow
