@@ -2,7 +2,7 @@
 
 - every family of families.py, 4 steps in a world of one (HF engine, sync.verify): engine ==
   trainer bitwise after every sync, logprob_diff/max <= 1e-4 at every step, and the HF export
-  loads strictly with from_pretrained (the runs in two interpreters at once: tests/util.run_inline);
+  loads strictly with from_pretrained (the runs forked from the warm server, two at once);
 - the vLLM engine (its CPU build) for Qwen3-VL, Qwen3-VL-MoE and a text-only MoE (Qwen3-MoE):
   logprob_diff/max <= 1e-4 at every step after every sync (the MoE experts go per expert through
   vLLM's own loaders), the MoE ones starting from the HF export of their run above (so vLLM loads
@@ -18,7 +18,8 @@ import torch
 
 import families as F
 import model as M
-from tests.util import TINY, TINY_TEXT, VLLM_CPU, metrics, run_inline, use_vllm_cpu_build
+from tests.util import (TINY, TINY_TEXT, VLLM_CPU, metrics, run_inline, train_py,
+                        use_vllm_cpu_build)
 
 pytestmark = pytest.mark.slow
 FAMILIES = list(F.FAMILIES)
@@ -54,18 +55,27 @@ def write_sets(root) -> tuple:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every family's run and the two folder runs, each a `python train.py` forked from the warm
+    server (tests/util.train_py: no imports to pay), two at a time (a world of one uses a core);
+    each run's stdout in `<name>.stdout.txt`."""
+    from concurrent.futures import ThreadPoolExecutor
     root = tmp_path_factory.mktemp("families")
     two, text = write_sets(root)
-    p = run_inline([[*family_args(t), f"--run.out_dir={root / t}", f"--run.steps={STEPS}",
+    named = {t: [*family_args(t), f"--run.out_dir={root / t}", f"--run.steps={STEPS}",
                  "--sync.verify=true", "--run.keep_last=1", "--rollout.prompts_per_step=2"]
-                for t in FAMILIES] + [
-        [*TINY, f"--data.source={two}", f"--run.out_dir={root / 'run_two'}", "--run.steps=2",
-         "--sync.verify=true", "--run.keep_last=0", "--rollout.prompts_per_step=2"],
-        [*TINY_TEXT, f"--data.source={text}", "--data.problem_column=question",
-         "--data.answer_column=gold", f"--run.out_dir={root / 'run_text'}", "--run.steps=2",
-         "--sync.verify=true", "--run.keep_last=0", "--rollout.prompts_per_step=2"]],
-        timeout=1200, parallel=2)
-    (root / "stdout.txt").write_text(p.stdout)
+             for t in FAMILIES}
+    named["run_two"] = [*TINY, f"--data.source={two}", f"--run.out_dir={root / 'run_two'}",
+                        "--run.steps=2", "--sync.verify=true", "--run.keep_last=0",
+                        "--rollout.prompts_per_step=2"]
+    named["run_text"] = [*TINY_TEXT, f"--data.source={text}", "--data.problem_column=question",
+                         "--data.answer_column=gold", f"--run.out_dir={root / 'run_text'}",
+                         "--run.steps=2", "--sync.verify=true", "--run.keep_last=0",
+                         "--rollout.prompts_per_step=2"]
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(named, pool.map(lambda args: train_py(args, timeout=600), named.values())))
+    for name, p in done.items():
+        assert p.returncode == 0, f"{name}: exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}"
+        (root / f"{name}.stdout.txt").write_text(p.stdout)
     return root
 
 
@@ -97,8 +107,7 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
     a, b = trained.state_dict(), start.state_dict()
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)   # it trained
     # where one packed row per prompt is not exact, the run says once that it falls back
-    [out] = [part for part in (runs / "stdout.txt").read_text().split("== run:")
-             if f"--run.out_dir={runs / t} " in part.split("\n", 1)[0]]
+    out = (runs / f"{t}.stdout.txt").read_text()
     note = "train.share_prompt falls back to one row per episode"
     assert out.count(note) == (0 if M.packs_exactly(trained.config) else 1), out[:2000]
 

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,18 +229,22 @@ def start_server() -> None:
     atexit.register(_server.stdin.close)  # the server ends at EOF
 
 
+_lock = threading.Lock()  # tests start processes from several threads (tests/test_family_runs.py)
+
+
 def socket_path() -> str:
     """The running server's socket (started on first use, waited for until it is ready)."""
     global _ready
-    if _server is None or _server.poll() is not None:
-        start_server()
-    if not _ready:
-        if _server.stdout.readline().strip() != b"ready":
-            _server.wait(30)
-            raise AssertionError("the warm train.py server did not start:\n"
-                                 + open(os.path.join(_dir, "server.log")).read()[-4000:])
-        _ready = True
-    return os.path.join(_dir, "sock")
+    with _lock:  # one thread reads the server's "ready" line; the others wait for it
+        if _server is None or _server.poll() is not None:
+            start_server()
+        if not _ready:
+            if _server.stdout.readline().strip() != b"ready":
+                _server.wait(30)
+                raise AssertionError("the warm train.py server did not start:\n"
+                                     + open(os.path.join(_dir, "server.log")).read()[-4000:])
+            _ready = True
+        return os.path.join(_dir, "sock")
 
 
 def _recv(conn: socket.socket, timeout: float | None) -> dict | None:
