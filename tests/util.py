@@ -82,46 +82,34 @@ for argv in json.loads(sys.argv[2]):
 """
 
 
-def run_inline(runs: list[list[str]], timeout: float = 900, parallel: int = 1
-               ) -> subprocess.CompletedProcess:
-    """Each of `runs` (train.py arguments) as a world of one, in order, in one process; with
-    `parallel` > 1 the runs are dealt round-robin to that many such processes running at once
-    (a world of one uses one core). stdout: every process's, one after the other; each run's
-    part starts with its `== run: ARGS` line."""
+def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.CompletedProcess:
+    """Each of `runs` (train.py arguments) as a world of one, in order, in one process (the vLLM
+    runs of tests/test_family_runs.py: vLLM's imports paid once). stdout: each run's part starts
+    with its `== run: ARGS` line."""
     import signal
     import tempfile
-    import time
-    groups = [runs[i::parallel] for i in range(parallel) if runs[i::parallel]]
-    # Output to files, not pipes, and each process in a session of its own, killed whole at the
+    # Output to files, not pipes, and the process in a session of its own, killed whole at the
     # end: a run that dies (os._exit in a failure path) leaves vLLM's engine processes behind,
     # which would hold a pipe open and keep the test waiting until its timeout.
-    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in groups]
-    procs = [subprocess.Popen([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(g)], cwd=ROOT,
-                              env=env(), stdout=o, stderr=e, text=True, start_new_session=True)
-             for g, (o, e) in zip(groups, files)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for p in procs:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-c", _INLINE, str(ROOT), json.dumps(runs)],
+                             cwd=ROOT, env=env(), stdout=out, stderr=err, text=True,
+                             start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)   # it and whatever it left behind
             except ProcessLookupError:
                 pass
             p.wait()
-    outs = []
-    for o, e in files:
-        o.seek(0)
-        e.seek(0)
-        outs.append((o.read(), e.read()))
-        o.close()
-        e.close()
-    for p, (out, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise AssertionError(f"exited {p.returncode}\n{out[-4000:]}\n{err[-6000:]}")
-    return subprocess.CompletedProcess(procs[0].args, 0, "".join(o for o, _ in outs),
-                                       "".join(e for _, e in outs))
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if p.returncode != 0:
+        raise AssertionError(f"exited {p.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(p.args, 0, stdout, stderr)
+
 
 def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
              cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
