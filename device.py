@@ -31,10 +31,15 @@ class Device:
     # each engine rank (gloo: its broadcast waits on a two-thread queue per bucket), or by
     # broadcast (NCCL / HCCL: pipelined, and the root sends each byte once).
     fan_out: bool = False
+    # How vLLM's engine process starts its workers. That process is always spawned (it must not
+    # inherit this rank's world) and holds no world or accelerator state itself. On CPU its
+    # workers fork from it, vLLM's own default there (each skips a fresh interpreter and ~5 s of
+    # imports); on GPU/NPU they are spawned, as the vLLM notes prescribe (not yet run there).
+    vllm_workers: str = "spawn"
 
 
 TABLE = {
-    "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True),
+    "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork"),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl"),
 }

@@ -1,9 +1,10 @@
 """The vLLM / vllm-ascend engine and its worker extension (the receiving side of weight sync).
 
-vLLM runs in processes of its own that it SPAWNS (engine core; on CPU also a separate worker);
-this process (a torchrun rank with torch.distributed initialised) only sends them requests. A
-spawned process starts with fresh interpreter state, so vLLM builds a private one-rank world
-there and never sees the torchrun world. Weights reach vLLM's worker over a communicator of
+vLLM runs in processes of its own (engine core; on CPU also a separate worker); this process (a
+torchrun rank with torch.distributed initialised) only sends them requests. The engine core is
+SPAWNED: it starts with fresh interpreter state, so vLLM builds a private one-rank world in its
+worker and never sees the torchrun world (the workers are spawned from the engine core too, or
+forked from it on CPU: device.Device.vllm_workers). Weights reach vLLM's worker over a communicator of
 their own (`sync.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on Ascend); only metadata
 crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no vLLM installed.
 """
@@ -146,9 +147,22 @@ def checked_processor(load, **kwargs):
 
 
 def _vllm_process_hook() -> "_VLLMProcessHook":
+    _engine_workers_start()
     _image_only_processor()
     _cpu_moe_activation()
     return _VLLMProcessHook()
+
+
+WORKERS_ENV = "GRPO_VLLM_WORKERS"      # device.Device.vllm_workers, for vLLM's engine process
+FRONT_END_ENV = "GRPO_VLLM_FRONT_END"  # the pid of the rank that builds the LLM
+
+
+def _engine_workers_start() -> None:
+    """In a process vLLM spawned (the engine core; not the rank, which keeps "spawn" for the
+    engine core itself): vLLM starts its workers by the method the rank named (WORKERS_ENV)."""
+    method = os.environ.get(WORKERS_ENV)
+    if method and os.environ.get(FRONT_END_ENV) != str(os.getpid()):
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
 
 
 def _cpu_moe_activation() -> None:
@@ -185,14 +199,19 @@ class _VLLMProcessHook:
         return (_vllm_process_hook, ())
 
 
-def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False) -> None:
+def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
+                   workers: str = "spawn") -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
-    before this process imports vLLM's engine client, which reads its start-up deadline once)."""
+    before this process imports vLLM's engine client, which reads its start-up deadline once).
+    `workers`: how the engine process starts vLLM's workers (device.Device.vllm_workers)."""
     if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
     sync.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if workers not in ("spawn", "fork"):
+        raise ValueError(f"vLLM workers start by 'spawn' or 'fork', not {workers!r}")
+    os.environ[WORKERS_ENV], os.environ[FRONT_END_ENV] = workers, str(os.getpid())
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
     # store of its own and waits forever for torchrun's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -242,19 +261,21 @@ class VLLMEngine:
                   "the same", flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
                    timeout_s=timeout_s, max_images=max_images if procs.vision else None,
-                   verbose=verbose)
+                   verbose=verbose, workers=dev.vllm_workers)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
                  llm_kwargs: dict | None = None, max_images: int | None = 1,
-                 verbose: bool = False):
+                 verbose: bool = False, workers: str | None = None):
         """`max_images`: the most images a prompt holds (None: a text-only model, no
         multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests:
         `distributed_executor_backend`); `verbose` (run.verbose): vLLM's INFO lines too, else its
-        warnings only."""
+        warnings only; `workers`: how vLLM's engine process starts its workers
+        (device.Device.vllm_workers; None: this machine's device's)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
-        _prepare_spawn(rollout_cfg.start_timeout_s, verbose)
+        _prepare_spawn(rollout_cfg.start_timeout_s, verbose,
+                       workers or D.detect().vllm_workers)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 

@@ -122,7 +122,7 @@ def test_prepare_spawn_environment(monkeypatch):
     V._prepare_spawn()
     V._prepare_spawn()  # idempotent
     root = str(Path(V.__file__).resolve().parent)
-    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # the engine core: spawned
     assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", root]
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -133,6 +133,28 @@ def test_prepare_spawn_environment(monkeypatch):
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "42")
     V._prepare_spawn(900.0)
     assert os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] == "42"
+
+
+def test_engine_core_starts_its_workers_as_the_device_says(monkeypatch):
+    """The rank spawns vLLM's engine core; the core (where the process hook runs when it
+    unpickles vLLM's config) starts the workers by the device's method: fork on CPU. The hook
+    run in the rank itself (a copy of the config) leaves the rank's "spawn" alone."""
+    import device as D
+    assert D.TABLE["cpu"].vllm_workers == "fork"
+    assert D.TABLE["cuda"].vllm_workers == D.TABLE["npu"].vllm_workers == "spawn"
+    for key in ("VLLM_WORKER_MULTIPROC_METHOD", V.WORKERS_ENV, V.FRONT_END_ENV):
+        monkeypatch.setenv(key, "")  # given back after the test
+    monkeypatch.setattr(V, "_image_only_processor", lambda: None)  # the hook's vLLM patches
+    monkeypatch.setattr(V, "_cpu_moe_activation", lambda: None)
+    for kind in D.TABLE:
+        V._prepare_spawn(workers=D.TABLE[kind].vllm_workers)
+        V._vllm_process_hook()                          # in the rank: nothing changes
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        os.environ[V.FRONT_END_ENV] = str(os.getpid() + 1)  # as seen from the engine core
+        V._vllm_process_hook()
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == D.TABLE[kind].vllm_workers, kind
+    with pytest.raises(ValueError, match="'forkserver'"):
+        V._prepare_spawn(workers="forkserver")
 
 
 def test_prepare_spawn_cuts_vllm_logging_to_warnings_unless_verbose(monkeypatch):
