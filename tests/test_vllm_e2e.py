@@ -36,8 +36,9 @@ def shim(monkeypatch):
 
 def _launch_processes(marker: str) -> list[str]:
     """Every process still alive whose environment holds `marker` (torchrun workers start
-    sessions of their own, so a process group would not find them; vLLM's spawned engine core
-    and worker inherit the environment)."""
+    sessions of their own, so a process group would not find them): the launch's warm clients
+    (tests/warm_rank.py; the warm server kills a fork whose client is gone) and vLLM's engine
+    core, spawned with the rank's environment, and its worker, forked from the core."""
     left = []
     for proc in Path("/proc").iterdir():
         try:
@@ -66,12 +67,12 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
 
     tag = f"vllm-e2e-{uuid.uuid4().hex}"
     marker = f"GRPO_TEST_LAUNCH={tag}"
-    e = dict(env(), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag)
-    # the ranks are train.py itself: vLLM's spawned processes re-import the main module.
-    # Output to files: an orphaned engine holding a pipe would keep the test waiting.
+    e = dict(env(warm=True), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag)
+    # the agent and the ranks are forks of the warm server (tests/warm.py; the ranks' vLLM
+    # engine cores are spawned, fresh interpreters, as in any launch). Output to files: an orphaned engine holding a pipe would keep the test waiting.
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
         p = subprocess.Popen(torchrun_cmd(3, [*TINY, *VLLM, *TOY, "--run.steps=21",
-                                              f"--run.out_dir={tmp_path / 'run'}"], warm=False),
+                                              f"--run.out_dir={tmp_path / 'run'}"]),
                              cwd=ROOT, env=e, stdout=out, stderr=err, text=True)
         try:
             p.wait(timeout=600)

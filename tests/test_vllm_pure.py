@@ -157,6 +157,21 @@ def test_engine_core_starts_its_workers_as_the_device_says(monkeypatch):
         V._prepare_spawn(workers="forkserver")
 
 
+def test_train_py_as_a_spawned_childs_main_only_imports(capsys):
+    """`python train.py` under torchrun: vLLM's engine core is spawned, and multiprocessing's
+    spawn re-runs the parent's main script there as `__mp_main__`. train.py then only imports
+    and defines: no signal handler, no output, no run. (The tests' vLLM launches are forks of
+    the warm server, whose main module is `-c`: they do not show this.)"""
+    import runpy
+    import signal
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    ns = runpy.run_path(str(Path(V.__file__).parent / "train.py"), run_name="__mp_main__")
+    assert callable(ns["main"])
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before
+    out = capsys.readouterr()
+    assert out.out == out.err == ""
+
+
 def test_prepare_spawn_cuts_vllm_logging_to_warnings_unless_verbose(monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     V._prepare_spawn()

@@ -22,11 +22,13 @@ forwards every signal it gets (to the forked rank's process group; to the agent 
 ends as the forked process ended (its exit code, or killed by the same signal); if the client
 is killed itself, the server kills what it forked.
 
-What a fork cannot show: output printed while the modules import (it goes to the server's log)
-and the start-up signal handlers of train.py's `__main__` block. Launches that check those, and
-the ones whose ranks start vLLM (its spawned processes re-import the main module), start
-train.py itself: tests/util.torchrun(..., warm=False); bench/device_check.sh and
-tests/test_failures.py::test_ctrl_c_while_torch_imports_is_one_line_exit_130 run it too.
+What a fork cannot show: output printed while the modules import (it goes to the server's log),
+the start-up signal handlers of train.py's `__main__` block, and a spawned child's re-import of
+the main script (multiprocessing's spawn runs it as `__mp_main__`; vLLM's engine core does:
+tests/test_vllm_pure.py::test_train_py_as_a_spawned_childs_main_only_imports). Launches that
+check the first two start train.py itself: tests/util.torchrun(..., warm=False);
+bench/device_check.sh and tests/test_failures.py::test_ctrl_c_while_torch_imports_is_one_line_exit_130
+run it too.
 """
 from __future__ import annotations
 
