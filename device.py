@@ -36,10 +36,17 @@ class Device:
     # workers fork from it, vLLM's own default there (each skips a fresh interpreter and ~5 s of
     # imports); on GPU/NPU they are spawned, as the vLLM notes prescribe (not yet run there).
     vllm_workers: str = "spawn"
+    # With rollout.enforce_eager, whether vLLM's processes run its torch.compile'd helpers
+    # eagerly too. On CPU the one on the generation path is the sampler's
+    # `compiled_random_sample`, for requests without a seed (this project seeds every one), which
+    # vLLM still compiles with inductor (a C++ build) in every engine's warm-up: ~2 s a start
+    # here, more on a fresh machine's cold cache. GPU/NPU keep vLLM's compiled helpers.
+    vllm_eager_helpers: bool = False
 
 
 TABLE = {
-    "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork"),
+    "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
+                  vllm_eager_helpers=True),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl"),
 }

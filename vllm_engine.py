@@ -148,21 +148,37 @@ def checked_processor(load, **kwargs):
 
 def _vllm_process_hook() -> "_VLLMProcessHook":
     _engine_workers_start()
+    _eager_helpers()
     _image_only_processor()
     _cpu_moe_activation()
     return _VLLMProcessHook()
 
 
 WORKERS_ENV = "GRPO_VLLM_WORKERS"      # device.Device.vllm_workers, for vLLM's engine process
+EAGER_ENV = "GRPO_VLLM_EAGER_HELPERS"  # "1": device.Device.vllm_eager_helpers and enforce_eager
 FRONT_END_ENV = "GRPO_VLLM_FRONT_END"  # the pid of the rank that builds the LLM
+
+
+def _in_vllm_process() -> bool:
+    """Whether this is one of vLLM's own processes (engine core, worker), not the rank."""
+    return os.environ.get(FRONT_END_ENV, str(os.getpid())) != str(os.getpid())
 
 
 def _engine_workers_start() -> None:
     """In a process vLLM spawned (the engine core; not the rank, which keeps "spawn" for the
     engine core itself): vLLM starts its workers by the method the rank named (WORKERS_ENV)."""
     method = os.environ.get(WORKERS_ENV)
-    if method and os.environ.get(FRONT_END_ENV) != str(os.getpid()):
+    if method and _in_vllm_process():
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+
+
+def _eager_helpers() -> None:
+    """In vLLM's processes, where the rank asked for it (EAGER_ENV): torch.compile'd functions
+    run eagerly (read at each call; the workers forked from the engine core inherit it). What
+    TORCH_COMPILE_DISABLE=1 does, without touching the rank (it builds vLLM's config)."""
+    if os.environ.get(EAGER_ENV) == "1" and _in_vllm_process():
+        import torch._dynamo
+        torch._dynamo.config.disable = True
 
 
 def _cpu_moe_activation() -> None:
@@ -200,10 +216,12 @@ class _VLLMProcessHook:
 
 
 def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
-                   workers: str = "spawn") -> None:
+                   workers: str = "spawn", eager_helpers: bool = False) -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
     before this process imports vLLM's engine client, which reads its start-up deadline once).
-    `workers`: how the engine process starts vLLM's workers (device.Device.vllm_workers)."""
+    `workers`: how the engine process starts vLLM's workers (device.Device.vllm_workers);
+    `eager_helpers`: vLLM's torch.compile'd helpers run eagerly (device.Device.vllm_eager_helpers,
+    with rollout.enforce_eager)."""
     if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
     sync.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
@@ -212,6 +230,7 @@ def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
     if workers not in ("spawn", "fork"):
         raise ValueError(f"vLLM workers start by 'spawn' or 'fork', not {workers!r}")
     os.environ[WORKERS_ENV], os.environ[FRONT_END_ENV] = workers, str(os.getpid())
+    os.environ[EAGER_ENV] = "1" if eager_helpers else "0"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
     # store of its own and waits forever for torchrun's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -261,21 +280,22 @@ class VLLMEngine:
                   "the same", flush=True)
         return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
                    timeout_s=timeout_s, max_images=max_images if procs.vision else None,
-                   verbose=verbose, workers=dev.vllm_workers)
+                   verbose=verbose, device_kind=dev.kind)
 
     def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
                  llm_kwargs: dict | None = None, max_images: int | None = 1,
-                 verbose: bool = False, workers: str | None = None):
+                 verbose: bool = False, device_kind: str | None = None):
         """`max_images`: the most images a prompt holds (None: a text-only model, no
         multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests:
         `distributed_executor_backend`); `verbose` (run.verbose): vLLM's INFO lines too, else its
-        warnings only; `workers`: how vLLM's engine process starts its workers
-        (device.Device.vllm_workers; None: this machine's device's)."""
+        warnings only; `device_kind`: the device vLLM runs on (device.TABLE's row: how its
+        processes start; None: this machine's)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
-        _prepare_spawn(rollout_cfg.start_timeout_s, verbose,
-                       workers or D.detect().vllm_workers)
+        dev = D.TABLE[device_kind] if device_kind else D.detect()
+        _prepare_spawn(rollout_cfg.start_timeout_s, verbose, dev.vllm_workers,
+                       eager_helpers=dev.vllm_eager_helpers and rollout_cfg.enforce_eager)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 

@@ -11,7 +11,8 @@ from tests.util import ROOT
 
 
 def test_table_rows():
-    assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork")
+    assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
+                                      vllm_eager_helpers=True)
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl")
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl")
     # weight buckets: point to point only where the device's tensors travel over gloo

@@ -67,7 +67,9 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
 
     tag = f"vllm-e2e-{uuid.uuid4().hex}"
     marker = f"GRPO_TEST_LAUNCH={tag}"
-    e = dict(env(warm=True), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag)
+    inductor = tmp_path / "inductor"  # where a torch.compile (inductor) build would go
+    e = dict(env(warm=True), GRPO_FAULT="raise@20:2", GRPO_TEST_LAUNCH=tag,
+             TORCHINDUCTOR_CACHE_DIR=str(inductor))
     # the agent and the ranks are forks of the warm server (tests/warm.py; the ranks' vLLM
     # engine cores are spawned, fresh interpreters, as in any launch). Output to files: an orphaned engine holding a pipe would keep the test waiting.
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
@@ -97,6 +99,8 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     print("reward with sync (vLLM):", [round(x, 3) for x in rewards])
     assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
+    # vLLM's warm-up compiled nothing (device.Device.vllm_eager_helpers: CPU, enforce_eager)
+    assert not inductor.exists() or not any(inductor.iterdir()), sorted(inductor.rglob("*"))[:5]
     # the failing engine rank
     assert p.returncode != 0
     assert "error: rank 2 (generation) failed at step 20" in stderr, stderr[-3000:]

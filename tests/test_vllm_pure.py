@@ -135,24 +135,34 @@ def test_prepare_spawn_environment(monkeypatch):
     assert os.environ["VLLM_ENGINE_READY_TIMEOUT_S"] == "42"
 
 
-def test_engine_core_starts_its_workers_as_the_device_says(monkeypatch):
+def test_engine_core_starts_its_workers_and_compiles_as_the_device_says(monkeypatch):
     """The rank spawns vLLM's engine core; the core (where the process hook runs when it
-    unpickles vLLM's config) starts the workers by the device's method: fork on CPU. The hook
-    run in the rank itself (a copy of the config) leaves the rank's "spawn" alone."""
+    unpickles vLLM's config) starts the workers by the device's method (fork on CPU) and, on CPU
+    under enforce_eager, runs vLLM's torch.compile'd helpers eagerly. The hook run in the rank
+    itself (a copy of the config) leaves the rank alone."""
     import device as D
     assert D.TABLE["cpu"].vllm_workers == "fork"
     assert D.TABLE["cuda"].vllm_workers == D.TABLE["npu"].vllm_workers == "spawn"
-    for key in ("VLLM_WORKER_MULTIPROC_METHOD", V.WORKERS_ENV, V.FRONT_END_ENV):
+    import torch._dynamo
+    for key in ("VLLM_WORKER_MULTIPROC_METHOD", V.WORKERS_ENV, V.FRONT_END_ENV, V.EAGER_ENV):
         monkeypatch.setenv(key, "")  # given back after the test
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     monkeypatch.setattr(V, "_image_only_processor", lambda: None)  # the hook's vLLM patches
     monkeypatch.setattr(V, "_cpu_moe_activation", lambda: None)
     for kind in D.TABLE:
-        V._prepare_spawn(workers=D.TABLE[kind].vllm_workers)
-        V._vllm_process_hook()                          # in the rank: nothing changes
-        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-        os.environ[V.FRONT_END_ENV] = str(os.getpid() + 1)  # as seen from the engine core
-        V._vllm_process_hook()
-        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == D.TABLE[kind].vllm_workers, kind
+        for eager in (True, False):  # rollout.enforce_eager
+            torch._dynamo.config.disable = False
+            dev = D.TABLE[kind]
+            V._prepare_spawn(workers=dev.vllm_workers,
+                             eager_helpers=dev.vllm_eager_helpers and eager)
+            V._vllm_process_hook()                      # in the rank: nothing changes
+            assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+            assert torch._dynamo.config.disable is False
+            os.environ[V.FRONT_END_ENV] = str(os.getpid() + 1)  # as seen from the engine core
+            V._vllm_process_hook()
+            assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == dev.vllm_workers, kind
+            # vLLM's compiled helpers run eagerly on CPU under enforce_eager only
+            assert torch._dynamo.config.disable is (kind == "cpu" and eager), (kind, eager)
     with pytest.raises(ValueError, match="'forkserver'"):
         V._prepare_spawn(workers="forkserver")
 
@@ -240,7 +250,7 @@ def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch):
             captured.update(kw)
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(V, "_image_only_processor", lambda: None)
-    monkeypatch.setattr(V, "_prepare_spawn", lambda *a: None)
+    monkeypatch.setattr(V, "_prepare_spawn", lambda *a, **kw: None)
     V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm"), 1, 2, seed=0)
     assert captured["async_scheduling"] is False
     monkeypatch.delitem(sys.modules, "vllm")
