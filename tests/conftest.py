@@ -11,12 +11,12 @@ os.environ.setdefault("GRPO_DEVICE", "cpu")
 
 def pytest_sessionstart(session):
     # the warm train.py server (tests/warm.py) imports on the other core while tests collect;
-    # under `-n 2` (pytest-xdist) each worker starts its own, the controller (no tests) none
-    controller = "PYTEST_XDIST_WORKER" not in os.environ
-    if getattr(session.config.option, "numprocesses", None) and controller:
+    # under `-n 2` (pytest-xdist) the controller starts it before its workers (this hook runs
+    # before xdist's) and they share it: one server's imports, not one per worker
+    if "PYTEST_XDIST_WORKER" in os.environ:
         return
     from tests import warm
-    warm.start_server()
+    warm.start_server(share=bool(getattr(session.config.option, "numprocesses", None)))
 
 
 def pytest_configure(config):

@@ -212,9 +212,13 @@ _ready = False
 _dir: str | None = None
 
 
-def start_server() -> None:
+SHARED_ENV = "GRPO_TEST_WARM_SHARED"  # the folder of a server another process started
+
+
+def start_server(share: bool = False) -> None:
     """Start the server if it is not running, without waiting for its imports (conftest.py
-    starts it as the session starts: it imports on the other core meanwhile)."""
+    starts it as the session starts: it imports on the other core meanwhile). `share`: the
+    processes this one starts afterwards (pytest-xdist's workers) use it too (SHARED_ENV)."""
     global _server, _dir, _ready
     if _server is not None and _server.poll() is None:
         return
@@ -229,6 +233,8 @@ def start_server() -> None:
     _server = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=e,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
     atexit.register(_server.stdin.close)  # the server ends at EOF
+    if share:
+        os.environ[SHARED_ENV] = _dir
 
 
 _lock = threading.Lock()  # tests start processes from several threads (tests/test_family_runs.py)
@@ -237,6 +243,9 @@ _lock = threading.Lock()  # tests start processes from several threads (tests/te
 def socket_path() -> str:
     """The running server's socket (started on first use, waited for until it is ready)."""
     global _ready
+    shared = os.environ.get(SHARED_ENV)
+    if shared and _server is None:  # a server of the pytest-xdist controller's
+        return _shared_socket(shared)
     with _lock:  # one thread reads the server's "ready" line; the others wait for it
         if _server is None or _server.poll() is not None:
             start_server()
@@ -247,6 +256,24 @@ def socket_path() -> str:
                                      + open(os.path.join(_dir, "server.log")).read()[-4000:])
             _ready = True
         return os.path.join(_dir, "sock")
+
+
+def _shared_socket(folder: str, timeout: float = 300) -> str:
+    """The socket of the server in `folder`, once it accepts connections (it listens once its
+    imports are done); an error with its log if it is gone or not ready within `timeout`."""
+    import time
+    path, deadline = os.path.join(folder, "sock"), time.monotonic() + timeout
+    while True:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            try:
+                probe.connect(path)  # the server sees a connection closed at once: ignored
+                return path
+            except (FileNotFoundError, ConnectionRefusedError):
+                pass
+        log = open(os.path.join(folder, "server.log")).read()
+        if "Traceback" in log or time.monotonic() > deadline:
+            raise AssertionError(f"the shared warm train.py server did not start:\n{log[-4000:]}")
+        time.sleep(0.05)
 
 
 def _recv(conn: socket.socket, timeout: float | None) -> dict | None:
