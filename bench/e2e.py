@@ -3,7 +3,8 @@
     python bench/e2e.py                       # 3 rounds of 12 steps each way, 1 trainer + 1 engine
     python bench/e2e.py --steps 20 --nproc 3  # the demo's 2 trainers + 1 engine
 
-Runs `train.py --config configs/tiny.toml` under torchrun, alternating synchronous
+Runs `train.py --config configs/tiny.toml` under torchrun (GRPO_BENCH_LAUNCH: another
+launcher, :func:`launcher`), alternating synchronous
 (max_staleness 0) and overlapped (1, with truncated importance sampling) runs for `--rounds`
 rounds, and pools the steps after each run's warm-up. Prints one JSON object with medians:
 sync_step_s, overlap_step_s, and the synchronous runs' generate_s, train_s, sync_s;
@@ -33,10 +34,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def launcher() -> tuple[list[str], str]:
+    """(the command that starts torchrun, the script its workers run): `python -m
+    torch.distributed.run` and train.py, unless GRPO_BENCH_LAUNCH holds another pair as JSON
+    `{"torchrun": [...], "entry": "..."}` (the tests' smoke run: their warm launcher,
+    tests/warm.py, which forks the same torchrun and train.py instead of importing them)."""
+    spec = os.environ.get("GRPO_BENCH_LAUNCH")
+    if not spec:
+        return [sys.executable, "-m", "torch.distributed.run"], str(ROOT / "train.py")
+    spec = json.loads(spec)
+    return list(spec["torchrun"]), str(spec["entry"])
+
+
 def run(out: Path, nproc: int, steps: int, extra: list[str]) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GRPO_DEVICE="cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.toml"),
+    torchrun, entry = launcher()
+    cmd = [*torchrun, "--standalone", f"--nproc_per_node={nproc}",
+           entry, "--config", str(ROOT / "configs" / "tiny.toml"),
            f"--run.out_dir={out}", f"--run.steps={steps}", "--run.keep_last=0",
            '--reward.functions=[{name="target_fraction", weight=1.0}]', *extra]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.util import ROOT, env
+from tests.util import ROOT, env, torchrun_cmd
 
 BENCH = ROOT / "bench"
 # script -> where its smoke test is
@@ -23,9 +23,9 @@ SMOKED = {"sync.py": "here", "step.py": "here", "e2e.py": "here", "verifier.py":
           "device_check.sh": "tests/test_device_check.py"}
 
 
-def run(*args: str, timeout: float = 300) -> dict:
-    p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=timeout)
+def run(*args: str, timeout: float = 300, e: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=e or env(),
+                       capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -70,10 +70,24 @@ def test_sync():  # launches itself under torchrun: 1 trainer + 1 engine
 
 
 @pytest.mark.slow
-def test_e2e():  # one synchronous and one overlapped torchrun run of 2 steps (1 pooled)
+def test_e2e():
+    """One synchronous and one overlapped torchrun run of 2 steps (1 pooled), launched through
+    the tests' warm launcher (GRPO_BENCH_LAUNCH: the same torchrun and train.py, forked from the
+    warm server instead of importing afresh); the script's default launch command is checked
+    against the real one."""
+    import importlib.util
+    import json
+    e = env(warm=True)
+    warm, cold = torchrun_cmd(2, []), torchrun_cmd(2, [], warm=False)
+    assert warm[-3:-1] == cold[-3:-1] == ["--standalone", "--nproc_per_node=2"]
+    e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": warm[:-3], "entry": warm[-1]})
     r = run(BENCH / "e2e.py", "--steps", "2", "--warmup", "1", "--nproc", "2", "--rounds", "1",
-            timeout=600)
+            timeout=600, e=e)
     assert r["sync_step_s"] > 0 and r["overlap_step_s"] > 0
+    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.launcher() == (cold[:-3], cold[-1])  # without GRPO_BENCH_LAUNCH: the real one
 
 
 @pytest.mark.slow
