@@ -43,7 +43,8 @@ def test_verifier(tmp_path):
     assert r["verifier"] == "project" and r["cases"] == 3 and r["killed"] == 0
 
 
-def test_sync_memory():  # the meta device: shapes only (about 4 s)
+@pytest.mark.slow  # a fresh interpreter (about 4 s): the full tier, as the other scripts
+def test_sync_memory():  # the meta device: shapes only
     r = run(BENCH / "sync_memory.py", "--bucket-mb", "64")
     assert r["buckets"] > 0 and 0 < r["peak_received_mib"] < r["model_mib"], r
 
