@@ -4,8 +4,8 @@ vLLM runs in processes of its own (engine core; on CPU also a separate worker); 
 torchrun rank with torch.distributed initialised) only sends them requests. The engine core is
 SPAWNED: it starts with fresh interpreter state, so vLLM builds a private one-rank world in its
 worker and never sees the torchrun world (the workers are spawned from the engine core too, or
-forked from it on CPU: device.Device.vllm_workers). Weights reach vLLM's worker over a communicator of
-their own (`sync.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on Ascend); only metadata
+forked from it on CPU: device.Device.vllm_workers). Weights reach vLLM's worker over a
+communicator of their own (`sync.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on Ascend); only metadata
 crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no vLLM installed.
 """
 from __future__ import annotations
