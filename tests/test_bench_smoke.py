@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.util import ROOT, env, torchrun_cmd
+from tests.util import ROOT, env, torchrun_parts
 
 BENCH = ROOT / "bench"
 # script -> where its smoke test is
@@ -79,16 +79,15 @@ def test_e2e():
     import importlib.util
     import json
     e = env(warm=True)
-    warm, cold = torchrun_cmd(2, []), torchrun_cmd(2, [], warm=False)
-    assert warm[-3:-1] == cold[-3:-1] == ["--standalone", "--nproc_per_node=2"]
-    e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": warm[:-3], "entry": warm[-1]})
+    torchrun, entry = torchrun_parts(warm=True)
+    e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": torchrun, "entry": entry})
     r = run(BENCH / "e2e.py", "--steps", "2", "--warmup", "1", "--nproc", "2", "--rounds", "1",
             timeout=600, e=e)
     assert r["sync_step_s"] > 0 and r["overlap_step_s"] > 0
     spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "e2e.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.launcher() == (cold[:-3], cold[-1])  # without GRPO_BENCH_LAUNCH: the real one
+    assert bench.launcher() == torchrun_parts(warm=False)  # without GRPO_BENCH_LAUNCH: the real one
 
 
 @pytest.mark.slow

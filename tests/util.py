@@ -32,16 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None,
-                 warm: bool = True) -> list[str]:
-    """`torchrun --standalone --nproc_per_node=N` (or `launcher`'s flags) of train.py ARGS.
-    `warm`: torchrun and each worker forked from the warm server through tests/warm_rank.py
-    (run it with env(warm=True)); not warm: torchrun and train.py themselves, imports and all."""
+def torchrun_parts(warm: bool = True) -> tuple[list[str], str]:
+    """(the command that starts torchrun, the script its workers run). `warm`: torchrun and each
+    worker forked from the warm server through tests/warm_rank.py (run it with env(warm=True));
+    not warm: torchrun and train.py themselves, imports and all."""
     client = str(ROOT / "tests" / "warm_rank.py")
     agent, entry = (([sys.executable, client], client) if warm else
                     ([sys.executable], str(ROOT / "train.py")))
-    return [*agent, "-m", "torch.distributed.run",
-            *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), entry, *args]
+    return [*agent, "-m", "torch.distributed.run"], entry
+
+
+def torchrun_cmd(nproc: int, args: list[str], launcher: list[str] | None = None,
+                 warm: bool = True) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N` (or `launcher`'s flags) of train.py ARGS,
+    warm or not (:func:`torchrun_parts`)."""
+    torchrun, entry = torchrun_parts(warm)
+    return [*torchrun, *(launcher or ["--standalone", f"--nproc_per_node={nproc}"]), entry, *args]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 300, check: bool = True,
