@@ -213,7 +213,10 @@ def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
     """SIGTERM or Ctrl-C to torchrun (it forwards the signal to every rank): one line per rank
     naming the signal, step and phase; no "died", no "stuck", no KeyboardInterrupt traceback;
     every rank gone within seconds. Ctrl-C with the ranks train.py itself (torchrun signals
-    each worker's process group), SIGTERM with warm ranks (tests/warm_rank.py forwards it)."""
+    each worker's process group), SIGTERM with warm ranks (tests/warm_rank.py forwards it).
+    The Ctrl-C launch's console (what the imports print included, a step done) also shows the
+    library warnings cut: no FSDP view-tensor warning (trainer.quiet_view_warning), no per-rank
+    weight-loading bars, the rank plan once."""
     warm = sig == signal.SIGTERM
     e = env(warm)
     cmd = torchrun_cmd(3, [*TINY, f"--run.out_dir={tmp_path}", "--run.keep_last=0",
@@ -225,8 +228,13 @@ def test_user_stop_prints_one_line_per_rank_and_nothing_else(tmp_path, sig):
         time.sleep(0.2)
     t0 = time.monotonic()
     p.send_signal(sig)
-    _, err = p.communicate(timeout=120)
+    out, err = p.communicate(timeout=120)
     assert time.monotonic() - t0 < 15
+    if not warm:
+        both = out + err
+        assert both.count("returned a view tensor") == 0, both[-3000:]
+        assert "Loading weights" not in both
+        assert both.count("== 3 rank(s) on cpu: ranks 0-1 trainer; rank 2 generation") == 1, both[-3000:]
     ours = _ours(err)
     name = signal.Signals(sig).name
     assert len(ours) == 3, err[-3000:]

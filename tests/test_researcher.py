@@ -3,7 +3,8 @@ trackers fed from the loop, evaluation for any task, any dataset schema, resume 
 LR schedules, the console, full rollout dumps and the plot. A cosine schedule continuing exactly
 on resume after a kill is checked in the 3-rank exact-resume run (tests/test_checkpoint.py::
 test_exact_resume_after_a_kill_equals_the_uninterrupted_run), the library warnings of a 3-rank
-launch printed once in tests/test_e2e.py::test_three_ranks_print_library_warnings_once."""
+launch of train.py itself cut in tests/test_failures.py::
+test_user_stop_prints_one_line_per_rank_and_nothing_else (its Ctrl-C case)."""
 from __future__ import annotations
 
 import json
