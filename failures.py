@@ -17,7 +17,7 @@
 - :func:`world_failed`: the world's set-up failed (an unreachable master), before any of the
   above exists: one line naming the address, the port and the timeout, exit code 4.
 - :func:`start_barrier`: every rank waits for the engines' start-up under a deadline of its own
-  (`rollout.start_timeout_s`), not under the collective timeout.
+  (`rollout.start_timeout_s`), not under the collective timeout (a count in the store).
 - :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
   ``GRPO_FAULT=<point>[@<step>][:<rank>]`` (several: comma-separated) is set.
 """
@@ -97,18 +97,22 @@ def inject_start(timeout_s: float) -> None:
         time.sleep(1.5 * timeout_s)
 
 
-def start_barrier(group, timeout_s: float, key: str) -> None:
-    """Every rank of `group` meets here within `timeout_s` (config `key`), a deadline of its own:
-    the engines' start-up takes longer than any collective should (cluster.timeout_s). Past it,
-    a RuntimeError saying so (the diagnosis then names the rank still starting)."""
-    import torch.distributed as dist
-    try:
-        dist.barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        if "timed out" not in str(e).lower():
-            raise
-        raise RuntimeError(f"start-up timed out: not every rank was ready within {key} = "
-                           f"{timeout_s:g} s") from e
+def start_barrier(live: "Liveness", timeout_s: float, key: str, name: str = "start") -> None:
+    """Every rank meets here within `timeout_s` (config `key`), a deadline of its own: the
+    engines' start-up takes longer than any collective should (cluster.timeout_s). Past it, a
+    RuntimeError saying so (the diagnosis then names the rank still starting).
+
+    A count in the launcher's store, not a collective: `dist.barrier` has no `timeout` before
+    torch 2.13 (the hardware runs 2.10 / 2.11), and a gloo group's own timeout would bind the
+    ranks that arrive early to cluster.timeout_s while the last one is still loading."""
+    store, ns = live.store, f"{live.ns}/meet/{name}"
+    store.add(ns, 1)
+    deadline = time.monotonic() + timeout_s
+    while (arrived := store.add(ns, 0)) < live.world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"start-up timed out: {arrived} of {live.world} ranks were ready "
+                               f"within {key} = {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def inject(step: int, live: "Liveness") -> None:

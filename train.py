@@ -124,6 +124,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     try:
         world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout,
                         claim_engine_devices=check)
+    except C.ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
+        raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
         return failures.world_failed(e, cfg.cluster.timeout_s)
     tracking.quiet_other_ranks(world.rank)
@@ -255,7 +257,7 @@ def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.dev
                                 timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose,
                                 max_images=max((len(p.images) for p in problems), default=0))
     live.phase(None, "start: waiting for every engine to start")
-    failures.start_barrier(world.ctrl, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
+    failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
     live.phase(None, "start-up")
     return engine
 
@@ -285,6 +287,9 @@ def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         rec.say(tracking.startup_summary(cfg, roles, D.detect().kind, T.parameter_counts(s.trainer),
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
+        note = R.engine_class(cfg.rollout.engine).start_note(cfg.rollout, M.load_config(s.model_path))
+        if note:
+            rec.say(f"   {note}")
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
     return s, progress, rec

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import failures
 import rewards
 from tests.util import ROOT, TINY, env, free_port, metrics, torchrun_cmd, train_py
 
@@ -335,3 +336,29 @@ def test_a_signal_after_a_death_is_the_launcher_not_a_cause():
         live.close()
     finally:
         dist.destroy_process_group()
+
+
+class _Store:
+    """The launcher's store as start_barrier sees it (add, counted per key)."""
+    def __init__(self):
+        self.n = {}
+
+    def add(self, key, v):
+        self.n[key] = self.n.get(key, 0) + v
+        return self.n[key]
+
+
+def test_start_barrier_is_a_count_in_the_store_with_its_own_deadline():
+    """No collective (dist.barrier has no timeout argument in torch 2.10 / 2.11): every rank adds
+    itself and waits, under rollout.start_timeout_s, for the world's count."""
+    from types import SimpleNamespace
+    live = SimpleNamespace(store=_Store(), ns="grpo/0", world=3)
+    live.store.n["grpo/0/meet/start"] = 2  # two ranks are there already
+    failures.start_barrier(live, 1.0, "rollout.start_timeout_s")  # the third arrives: passes
+    late = SimpleNamespace(store=_Store(), ns="grpo/0", world=3)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"start-up timed out: 1 of 3 ranks were ready within "
+                                           r"rollout.start_timeout_s = 0.3 s") as e:
+        failures.start_barrier(late, 0.3, "rollout.start_timeout_s")
+    assert 0.3 <= time.monotonic() - t < 2.0
+    assert failures.is_communication_error(e.value)  # so the diagnosis names the late rank
