@@ -237,3 +237,28 @@ def test_setup_on_npu_gives_the_groups_a_timeout_torch_npu_reads_as_set(monkeypa
     assert got["timeout"] == datetime.timedelta(seconds=1799)
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1619"
     assert "torch-npu's 'unset' value" in capsys.readouterr().out
+
+
+def test_too_few_devices_on_a_node_is_one_config_error_line_and_exit_2(monkeypatch, capsys):
+    """The device-count refusal raised inside world.setup reaches failures.exit_bad_input (one
+    `config error:` line from the node's first rank, exit 2), not the world-failed path (a
+    traceback and "could not set up the world", exit 4)."""
+    import torch.distributed as dist
+
+    import device as D
+    monkeypatch.setattr(D, "detect", lambda: D.TABLE["cuda"])
+    monkeypatch.setattr(D, "device_count", lambda dev: 8)
+    monkeypatch.setattr(D, "torch_device", lambda dev, i: pytest.fail("claimed a device"))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: pytest.fail("started the group"))
+    for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(RANK=0, WORLD_SIZE=8, LOCAL_RANK=0, LOCAL_WORLD_SIZE=8, GROUP_RANK=0).items():
+        monkeypatch.setenv(k, str(v))
+    code = train.main([*TINY, "--cluster.gen_ranks=4", "--rollout.engine=vllm",
+                       "--rollout.tensor_parallel_size=2"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: node 0 (ranks 0-7) needs 12 "), err
+    assert "cluster.gen_ranks" in lines[0] and "rollout.tensor_parallel_size=2" in lines[0], err
+    assert "Traceback" not in err and "could not set up the world" not in err
