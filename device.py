@@ -42,13 +42,26 @@ class Device:
     # vLLM still compiles with inductor (a C++ build) in every engine's warm-up: ~2 s a start
     # here, more on a fresh machine's cold cache. GPU/NPU keep vLLM's compiled helpers.
     vllm_eager_helpers: bool = False
+    # vLLM 0.23's CPU MoE fallback builds a CustomOp outside vLLM's config and fails; its
+    # processes replace that activation with its native formula (vllm_engine._cpu_moe_activation).
+    vllm_cpu_moe_fix: bool = False
+    # transformers' `experts_implementation` for MoE layers (trainer and HF engine; None: its
+    # default, "grouped_mm": torch's grouped GEMM, with kernels on CUDA, transformers' own loop
+    # on CPU). NPU: "eager". torch-npu 2.10 has no kernel for torch's grouped_mm, so the
+    # default there runs through an unsupported-op fallback; "eager" is transformers' plain loop
+    # over the experts that received tokens (the alternative, "batched_mm", copies each token's
+    # expert weights: gigabytes per layer at training lengths). Not yet run on an NPU; torch-npu's
+    # own grouped matmul (npu_grouped_matmul) behind transformers' experts interface is the next
+    # step.
+    experts: str | None = None
 
 
 TABLE = {
     "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
-                  vllm_eager_helpers=True),
+                  vllm_eager_helpers=True, vllm_cpu_moe_fix=True),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl"),
-    "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl"),
+    "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
+                  experts="eager"),
 }
 
 
@@ -128,13 +141,21 @@ def group_timeout(kind: str, timeout_s: float) -> tuple[float, str]:
     return timeout_s, ""
 
 
+@contextlib.contextmanager
 def fork_rng(device: torch.device):
     """`with fork_rng(device):` seeding inside leaves the CPU's and `device`'s generators as they
-    were. The device type is passed explicitly: torch.random.fork_rng's default is the current
-    accelerator in torch 2.13, "cuda" in earlier releases (on an NPU: "Torch not compiled with
-    CUDA enabled")."""
-    return torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                 device_type=device.type)
+    were. Not torch.random.fork_rng: its default device type is the current accelerator in torch
+    2.13 but "cuda" before (on an NPU: "Torch not compiled with CUDA enabled"), and torch 2.10
+    parses the type through torch.device() and looks up `torch.<type>` itself."""
+    cpu_state = torch.get_rng_state()
+    mod = None if device.type == "cpu" else torch.get_device_module(device.type)
+    dev_state = mod.get_rng_state(device) if mod is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if mod is not None:
+            mod.set_rng_state(dev_state, device)
 
 
 def torch_device(dev: Device, local_rank: int) -> torch.device:

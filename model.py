@@ -202,12 +202,30 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def has_linear_attention(config) -> bool:
+    """Whether some text layer is not full attention (Qwen3.5's Gated DeltaNet layers): such a
+    layer carries a recurrent state over the whole row and takes no 4D mask."""
+    kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"]
+    return any(k != "full_attention" for k in kinds)
+
+
 def packs_exactly(config) -> bool:
     """One packed row per prompt (train.share_prompt) equals one row per episode only when every
-    text layer is full attention: a linear-attention layer (Qwen3.5's Gated DeltaNet) runs over
-    the whole row and takes no 4D mask, so a response would see the responses before it."""
-    kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"]
-    return all(k == "full_attention" for k in kinds)
+    text layer is full attention: a linear-attention layer runs over the whole row, so a
+    response would see the responses before it."""
+    return not has_linear_attention(config)
+
+
+def peek_config(path: str):
+    """The config of `path` without building or downloading anything: a local folder's, a tiny
+    family's (`tiny-<model_type>`, ids of no consequence), else None (a hub id: read at start)."""
+    kind = F.tiny_type(path)
+    if kind is not None:
+        if kind not in F.FAMILIES:
+            return None
+        ids = dict(vocab=300, pad=0, eos=1, image_pad=2, video_pad=3, vision_start=4, vision_end=5)
+        return F.tiny_config(kind, ids)
+    return load_config(path) if (Path(path) / "config.json").is_file() else None
 
 
 def _auto_class(config):
@@ -720,7 +738,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     try:
         model, info = _auto_class(config).from_pretrained(path, dtype=dtype,
                                                           attn_implementation="sdpa",
-                                                          output_loading_info=True)
+                                                          output_loading_info=True,
+                                                          **_kernels(torch.device(device).type))
     except (RuntimeError, ValueError) as e:  # size mismatches and the like
         raise ModelError(f"model.path={path}: the weights do not fit {config.model_type}'s "
                          f"architecture ({_one_line(e)})") from None
@@ -734,12 +753,23 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     return model.to(device)
 
 
-def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool = False):
-    """The architecture of `path` with random (or, `meta`, no) weights: no weight file is read."""
+def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool = False,
+                      device_type: str = "cpu"):
+    """The architecture of `path` with random (or, `meta`, no) weights: no weight file is read.
+    `device_type`: where it will run ("cpu", "cuda", "npu"; its kernels: device.Device.experts)."""
     config = load_config(path)
     refuse_dropout(config, path)
     with torch.device("meta") if meta else torch.device("cpu"):
-        return _auto_class(config).from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return _auto_class(config).from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                               **_kernels(device_type))
+
+
+def _kernels(device_type: str) -> dict:
+    """transformers' implementation choices for a model that runs on `device_type`: the MoE
+    experts' (device.Device.experts; a dense model ignores it), where the device row names one."""
+    import device as D
+    row = D.TABLE.get(device_type)
+    return {"experts_implementation": row.experts} if row is not None and row.experts else {}
 
 
 def refuse_dropout(config, path: str) -> None:
@@ -823,7 +853,7 @@ def shard_from_rank0(path: str, full, mesh, device: torch.device, group, *,
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    model = model_from_config(path, meta=True)
+    model = model_from_config(path, meta=True, device_type=device.type)
     if lora_mc is not None:
         import lora
         model = lora.add_lora(model, lora_mc, seed)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -12,9 +13,10 @@ from tests.util import ROOT
 
 def test_table_rows():
     assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
-                                      vllm_eager_helpers=True)
+                                      vllm_eager_helpers=True, vllm_cpu_moe_fix=True)
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl")
-    assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl")
+    assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
+                                      experts="eager")
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 
@@ -147,7 +149,7 @@ def test_accelerator_packages_are_not_imported_at_module_level():
             "failures, vllm_engine, synthetic, checkpoint; "
             "bad = [m for m in ('vllm', 'vllm_ascend', 'torch_npu') if m in sys.modules]; "
             "assert not bad, bad")
-    subprocess.run(["python", "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 def test_every_collective_names_its_group():
@@ -231,3 +233,19 @@ def test_world_with_gloo_only_engine_ranks_is_legal(tmp_path):
     assert rows[2]["built"] == [] and rows[2]["backend"] == "cpu:gloo,cuda:gloo"
     assert rows[0]["built"] == rows[1]["built"] and len(rows[0]["built"]) == 2  # world + trainers
     assert "fakeacc" in rows[0]["backend"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3"])
+def test_experts_implementation_follows_the_device_row(tmp_path, model_type):
+    """NPU runs transformers' "eager" experts loop (device.Device.experts: torch-npu has no
+    grouped_mm kernel); CPU and CUDA keep transformers' default. A dense model takes the
+    argument and ignores it. Built on the meta device: the row is asked by device type only."""
+    import model as M
+    path = str(M.build_tiny(tmp_path / model_type, model_type=model_type))
+    npu = M.model_from_config(path, meta=True, device_type="npu")
+    cpu = M.model_from_config(path, meta=True)
+    assert M._kernels("npu") == {"experts_implementation": "eager"}
+    assert M._kernels("cuda") == {} == M._kernels("cpu")
+    if model_type.endswith("moe"):
+        assert npu.config._experts_implementation == "eager"
+        assert cpu.config._experts_implementation != "eager"
