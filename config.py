@@ -23,6 +23,7 @@ from data import DEFAULT_TEMPLATE
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+PREFIX_CACHING = ("auto", "on", "off")
 TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
 
 
@@ -154,6 +155,10 @@ class RolloutConfig:
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
+    # vllm: share a prompt's KV among its G samples. "auto": on, except for a model with
+    # linear-attention layers (Qwen3.5), where vLLM 0.23 caches the recurrent state only through
+    # its experimental mamba "align" mode (vllm_engine.prefix_caching says which, once at start).
+    prefix_caching: str = "auto"             # auto | on | off
     # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
     # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
     start_timeout_s: float = num(900.0, "> 0")
@@ -378,6 +383,8 @@ def validate(cfg: Config) -> None:
              "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
         need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
              "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
+    need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
+         f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     need(cfg.train.lr_schedule in LR_SCHEDULES,
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")

@@ -93,6 +93,11 @@ class Engine(Protocol):
     def shutdown(self) -> None:
         """Release the engine's processes and memory."""
 
+    @classmethod
+    def start_note(cls, rc, config) -> str:
+        """What the engine decided from `[rollout]` (rc) and the model's config (None: not known
+        yet, a dry run), said once at start and in the dry run; "" for nothing."""
+
 
 ENGINES = {"hf": "rollout.HFEngine", "vllm": "vllm_engine.VLLMEngine"}
 
@@ -122,6 +127,10 @@ class HFEngine:
     def __init__(self, path: str, dtype: torch.dtype, procs: M.Processors, device: torch.device):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.procs, self.tokens, self.device = procs, procs.tokens, device
+
+    @classmethod
+    def start_note(cls, rc, config) -> str:
+        return ""  # no prefix cache, nothing decided
 
     @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,

@@ -146,17 +146,35 @@ def checked_processor(load, **kwargs):
     return proc
 
 
+def prefix_caching(setting: str, config) -> tuple[bool, str]:
+    """`rollout.prefix_caching` -> (on, why). The G samples of a prompt share its KV when on;
+    "auto" leaves it off for a model with linear-attention layers (model.has_linear_attention),
+    whose recurrent state vLLM 0.23 caches only through its experimental mamba "align" mode,
+    never run here. `config`: the model's (None: not known yet, a dry run of a hub id)."""
+    if setting != "auto":
+        return setting == "on", f"rollout.prefix_caching = {setting}"
+    if config is None:
+        return True, "auto: on unless the model's config has linear-attention layers (read at start)"
+    if M.has_linear_attention(config):
+        return False, ("auto: the model has linear-attention layers, whose recurrent state vLLM "
+                       "0.23 prefix-caches only in its experimental mamba 'align' mode; "
+                       "--rollout.prefix_caching=on to use it")
+    return True, "auto: every text layer is full attention"
+
+
 def _vllm_process_hook() -> "_VLLMProcessHook":
     _engine_workers_start()
     _eager_helpers()
     _image_only_processor()
-    _cpu_moe_activation()
+    if os.environ.get(CPU_MOE_ENV) == "1":  # device.Device.vllm_cpu_moe_fix: CPU only
+        _cpu_moe_activation()
     return _VLLMProcessHook()
 
 
 WORKERS_ENV = "GRPO_VLLM_WORKERS"      # device.Device.vllm_workers, for vLLM's engine process
 EAGER_ENV = "GRPO_VLLM_EAGER_HELPERS"  # "1": device.Device.vllm_eager_helpers and enforce_eager
 FRONT_END_ENV = "GRPO_VLLM_FRONT_END"  # the pid of the rank that builds the LLM
+CPU_MOE_ENV = "GRPO_VLLM_CPU_MOE"      # "1": device.Device.vllm_cpu_moe_fix (_cpu_moe_activation)
 
 
 def _in_vllm_process() -> bool:
@@ -186,7 +204,8 @@ def _cpu_moe_activation() -> None:
     an AMX CPU and of shapes its grouped GEMM does not take) builds a `SiluAndMul` CustomOp inside
     the forward, outside vLLM's config context, and fails ("Current vLLM config is not set").
     Here the same activation, silu(gate) * up, is its native formula (what that op's
-    `forward_native` computes). CPU processes only; GPU/NPU MoE never take this path."""
+    `forward_native` computes). Only where the rank's device row asks (CPU): GPU/NPU MoE never
+    take this path, and their processes do not even import the CPU MoE module."""
     try:
         from vllm.model_executor.layers.fused_moe import cpu_fused_moe
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -216,7 +235,8 @@ class _VLLMProcessHook:
 
 
 def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
-                   workers: str = "spawn", eager_helpers: bool = False) -> None:
+                   workers: str = "spawn", eager_helpers: bool = False,
+                   cpu_moe_fix: bool = False) -> None:
     """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
     before this process imports vLLM's engine client, which reads its start-up deadline once).
     `workers`: how the engine process starts vLLM's workers (device.Device.vllm_workers);
@@ -231,6 +251,7 @@ def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
         raise ValueError(f"vLLM workers start by 'spawn' or 'fork', not {workers!r}")
     os.environ[WORKERS_ENV], os.environ[FRONT_END_ENV] = workers, str(os.getpid())
     os.environ[EAGER_ENV] = "1" if eager_helpers else "0"
+    os.environ[CPU_MOE_ENV] = "1" if cpu_moe_fix else "0"
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
     # store of its own and waits forever for torchrun's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -268,6 +289,11 @@ class VLLMEngine:
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over sync.open_channel
 
     @classmethod
+    def start_note(cls, rc, config) -> str:
+        on, why = prefix_caching(rc.prefix_caching, config)
+        return f"vLLM prefix caching {'on' if on else 'off'} ({why})"
+
+    @classmethod
     def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int, timeout_s: float,
                     max_images: int = 1, verbose: bool = False) -> "VLLMEngine":
@@ -295,7 +321,8 @@ class VLLMEngine:
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         dev = D.TABLE[device_kind] if device_kind else D.detect()
         _prepare_spawn(rollout_cfg.start_timeout_s, verbose, dev.vllm_workers,
-                       eager_helpers=dev.vllm_eager_helpers and rollout_cfg.enforce_eager)
+                       eager_helpers=dev.vllm_eager_helpers and rollout_cfg.enforce_eager,
+                       cpu_moe_fix=dev.vllm_cpu_moe_fix)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 
@@ -316,7 +343,7 @@ class VLLMEngine:
                 tensor_parallel_size=rc.tensor_parallel_size,
                 gpu_memory_utilization=rc.gpu_memory_utilization,
                 max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,
-                enable_prefix_caching=True,  # the G samples of a prompt share its KV
+                enable_prefix_caching=prefix_caching(rc.prefix_caching, M.peek_config(path))[0],
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
                 # Off on every device: vLLM turns it on by default on GPU/NPU, but its CPU build
                 # forces it off, so generate -> reset_prefix_cache -> reload only ever ran
@@ -418,7 +445,9 @@ class PartialReload(logging.Filter):
     output head, configs/tiny.toml)."""
 
     LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.gpu_model_runner")
-    PADDED = ("ParallelLMHead", "VocabParallelEmbedding")  # vLLM's vocabulary layers
+    # vLLM's vocabulary layers, matched as name suffixes: vllm-ascend builds its own subclasses
+    # (AscendParallelLMHead, AscendVocabParallelEmbedding)
+    PADDED = ("ParallelLMHead", "VocabParallelEmbedding")
 
     def __init__(self, active: bool):
         super().__init__()
@@ -427,7 +456,7 @@ class PartialReload(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        if "Delayed processing" in msg and msg.split(":")[0] not in self.PADDED:
+        if "Delayed processing" in msg and not msg.split(":")[0].endswith(self.PADDED):
             self.partly.append(msg.split(":")[0])
         return record.levelno >= logging.ERROR
 

@@ -148,13 +148,17 @@ def test_engine_core_starts_its_workers_and_compiles_as_the_device_says(monkeypa
         monkeypatch.setenv(key, "")  # given back after the test
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
     monkeypatch.setattr(V, "_image_only_processor", lambda: None)  # the hook's vLLM patches
-    monkeypatch.setattr(V, "_cpu_moe_activation", lambda: None)
+    moe_fixes = []
+    monkeypatch.setattr(V, "_cpu_moe_activation", lambda: moe_fixes.append(1))
+    monkeypatch.setenv(V.CPU_MOE_ENV, "")
     for kind in D.TABLE:
         for eager in (True, False):  # rollout.enforce_eager
             torch._dynamo.config.disable = False
             dev = D.TABLE[kind]
+            moe_fixes.clear()
             V._prepare_spawn(workers=dev.vllm_workers,
-                             eager_helpers=dev.vllm_eager_helpers and eager)
+                             eager_helpers=dev.vllm_eager_helpers and eager,
+                             cpu_moe_fix=dev.vllm_cpu_moe_fix)
             V._vllm_process_hook()                      # in the rank: nothing changes
             assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
             assert torch._dynamo.config.disable is False
@@ -163,6 +167,8 @@ def test_engine_core_starts_its_workers_and_compiles_as_the_device_says(monkeypa
             assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == dev.vllm_workers, kind
             # vLLM's compiled helpers run eagerly on CPU under enforce_eager only
             assert torch._dynamo.config.disable is (kind == "cpu" and eager), (kind, eager)
+            # the CPU MoE workaround: CPU processes only (GPU/NPU never import its module)
+            assert bool(moe_fixes) is (kind == "cpu"), (kind, moe_fixes)
     with pytest.raises(ValueError, match="'forkserver'"):
         V._prepare_spawn(workers="forkserver")
 
@@ -541,3 +547,60 @@ def test_use_fast_false_gives_the_pil_class_where_torchvision_is_installed(tmp_p
     proc = V.checked_processor(lambda **kw: cls.from_pretrained(path, **kw),
                                min_pixels=56 * 56, max_pixels=112 * 112)
     assert type(proc.image_processor) is M.image_processor_cls()
+
+
+# --------------------------------------------------------------------------- prefix caching
+def test_prefix_caching_auto_is_off_for_linear_attention_models():
+    """rollout.prefix_caching = "auto": off for a model with linear-attention layers (Qwen3.5's
+    Gated DeltaNet: vLLM 0.23's mamba prefix caching is experimental), on otherwise; "on" /
+    "off" as said; the engine passes the decision to vLLM."""
+    q35, vl = M.peek_config("tiny-qwen3_5"), M.peek_config("tiny")
+    on, why = V.prefix_caching("auto", q35)
+    assert not on and "linear-attention layers" in why and "--rollout.prefix_caching=on" in why
+    assert V.prefix_caching("auto", vl) == (True, "auto: every text layer is full attention")
+    assert V.prefix_caching("on", q35)[0] and not V.prefix_caching("off", vl)[0]
+    assert V.prefix_caching("auto", None)[0]  # a hub id in a dry run: decided at start
+    assert M.peek_config("Qwen/Qwen2.5-VL-3B-Instruct") is None  # nothing downloaded
+    assert V.VLLMEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35).startswith(
+        "vLLM prefix caching off (auto: ")
+    assert R.HFEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35) == ""
+
+
+def test_engine_passes_the_prefix_caching_decision(monkeypatch, tmp_path):
+    import config as C
+    captured: dict = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            captured.update(kw)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(V, "_image_only_processor", lambda: None)
+    monkeypatch.setattr(V, "_prepare_spawn", lambda *a, **kw: None)
+    for setting, want in (("auto", True), ("off", False), ("on", True)):
+        V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm", prefix_caching=setting),
+                     1, 2, seed=0)
+        assert captured["enable_prefix_caching"] is want, setting
+
+
+def test_dry_run_of_a_qwen3_5_config_says_prefix_caching_is_off_and_why(capsys, monkeypatch):
+    import train
+    monkeypatch.setenv("GRPO_DEVICE", "cpu")
+    args = ["--config", str(Path(V.__file__).parent / "configs" / "tiny.toml"),
+            "--model.path=tiny-qwen3_5", "--rollout.engine=vllm", "--dry-run"]
+    assert train.main(args) == 0
+    assert ("vLLM prefix caching off (auto: the model has linear-attention layers"
+            in capsys.readouterr().out)
+    assert train.main(args + ["--rollout.prefix_caching=on"]) == 0
+    assert "vLLM prefix caching on (rollout.prefix_caching = on)" in capsys.readouterr().out
+
+
+def test_partial_reload_exempts_every_vocabulary_layer_by_suffix():
+    """vLLM's padded vocabulary layers load "in part" by design; vllm-ascend's subclasses
+    (AscendParallelLMHead, AscendVocabParallelEmbedding) are the same layers."""
+    import logging
+    f = V.PartialReload(active=True)
+    for name in ("ParallelLMHead", "VocabParallelEmbedding", "AscendParallelLMHead",
+                 "AscendVocabParallelEmbedding", "QKVParallelLinear"):
+        f.filter(logging.LogRecord("x", logging.DEBUG, "", 0, "%s: Delayed processing",
+                                   (name,), None))
+    assert f.partly == ["QKVParallelLinear"]
