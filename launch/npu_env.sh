@@ -48,6 +48,12 @@ export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}
 # Multi-node only (set per node, see launch/multinode.sh): HCCL_IF_IP=<this node's address>,
 # HCCL_SOCKET_IFNAME=<interface>; HCCL_BUFFSIZE (the per-communicator buffer, 200 MB by
 # default) for larger transfers. ROLL.
+# HCCL_BUFFSIZE costs device memory: every HCCL communicator holds 2 x HCCL_BUFFSIZE MB (its
+# input and output buffers; CANN's HCCL environment variables), outside vLLM's
+# gpu_memory_utilization budget on an engine's NPU: its weight channel's communicator is 400 MB
+# at the default (more with tensor_parallel_size > 1: vLLM's own groups), and a trainer NPU
+# holds one per HCCL group it joins (the world and the trainer group: 800 MB). Raising it for
+# speed raises these figures with it.
 
 # --- memory ---------------------------------------------------------------------------------
 # Expandable segments in torch_npu's caching allocator: less fragmentation, fewer OOMs in FSDP
