@@ -22,7 +22,7 @@ import train
 from tests.util import ROOT
 
 START = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:torchrun\s+-|python3?\s+train\.py\b|bash\s+launch/"
-                   r"(?!install_cpu\.sh)\S+\.sh\b)")  # the installer launches no training
+                   r"(?!install_cpu\.sh|compat_check\.sh)\S+\.sh\b)")  # these launch no training
 
 
 def _joined(lines: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import torch
 
 import lora
 import sync as S
+from tests.util import skip_without_vllm_under_compat_pins
 
 
 def _tensors():
@@ -289,6 +290,7 @@ def test_listen_on_a_given_or_any_port():
 def test_engine_channel_on_a_configured_port_world_of_one(tmp_path, monkeypatch):
     """Trainer rank 0 listens on sync.channel_port and announces it; the engine (a thread, as in
     a world of one) joins the real gloo channel there and receives a broadcast."""
+    skip_without_vllm_under_compat_pins()  # the channel is vLLM's StatelessProcessGroup
     import socket
     from types import SimpleNamespace
 

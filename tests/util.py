@@ -143,3 +143,14 @@ def use_vllm_cpu_build() -> None:
     loaded = getattr(sys.modules.get("sitecustomize"), "__file__", "") or ""
     if not loaded.startswith(shim):  # PYTHONPATH did not carry it into this interpreter
         runpy.run_path(str(Path(shim) / "sitecustomize.py"))
+
+
+def skip_without_vllm_under_compat_pins() -> None:
+    """Under launch/compat_check.sh's pin sets (GRPO_COMPAT_PINS) no vLLM is installed: a test
+    that needs it skips saying so. Elsewhere nothing is skipped (where the CPU build sits beside
+    the repository, a vLLM that does not import fails the test)."""
+    import importlib.util
+    pins = os.environ.get("GRPO_COMPAT_PINS")
+    if pins and importlib.util.find_spec("vllm") is None:
+        import pytest
+        pytest.skip(f"no vLLM under the compat pin set {pins!r} (launch/compat.py installs none)")
