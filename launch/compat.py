@@ -194,8 +194,10 @@ def demo(name: str, python: Path, base: Path, log) -> dict:
     res = {"demo_lpdiff_max": lpdiff, "demo_s": round(time.monotonic() - t, 1),
            "demo_ok": out.returncode == 0 and lpdiff is not None and lpdiff <= LPDIFF_BOUND}
     if not res["demo_ok"]:
-        lines = [ln for ln in (out.stderr + out.stdout).splitlines() if "rror" in ln]
-        res["demo_error"] = (lines or [f"exit {out.returncode}, logprob_diff/max {lpdiff}"])[-1][:400]
+        # the project's own culprit line ("error: rank 0 (trainer) failed ..."), else an error
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error: rank")] or [
+            ln for ln in out.stderr.splitlines() if re.search(r"\w+Error\b", ln)]
+        res["demo_error"] = (lines or [f"exit {out.returncode}, logprob_diff/max {lpdiff}"])[0][:400]
     return res
 
 
@@ -215,7 +217,8 @@ def check(name: str, base: Path) -> dict:
             return {**row, "ok": False}
         row.update(fast_tier(name, python, base, log))
         row.update(demo(name, python, base, log))
-    row["ok"] = row.pop("fast_tier_ok") and row.pop("demo_ok")
+    fast_ok, demo_ok = row.pop("fast_tier_ok"), row.pop("demo_ok")
+    row["ok"] = fast_ok and demo_ok
     row["log"] = str(base / f"{name}.log")
     return row
 
@@ -239,6 +242,8 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"compat: NOT ok under pin set(s) {', '.join(bad)} (see each line above)",
               file=sys.stderr)
+    if not dry:  # the plain closing count, one per pin set
+        print(f"compat: {len(names) - len(bad)} passed, {len(bad)} failed", flush=True)
     return 1 if bad else 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_syntax():
 @pytest.mark.slow
 def test_cpu_mode_prints_one_json_object(tmp_path):
     e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), DEMO_STEPS="4",
-             OMP_NUM_THREADS="1")
+             OMP_NUM_THREADS="1", PYTHON=sys.executable)
     p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -39,7 +40,7 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
 def test_missing_module_is_named(tmp_path):
     """An image without a module the steps need stops at step 0 with its name."""
     (tmp_path / "PIL.py").write_text("raise ImportError('not in this image')\n")
-    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"),
+    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
              PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
                        text=True, timeout=120)

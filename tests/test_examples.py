@@ -169,7 +169,7 @@ def test_multinode_node_1_says_what_it_waits_for_and_gives_up_at_the_timeout(tmp
     port = free_port()
     e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="1",
              NPROC_PER_NODE="1", RDZV_TIMEOUT="3", GRPO_DEVICE="cpu", OMP_NUM_THREADS="1",
-             CONFIG=str(ROOT / "configs" / "tiny.toml"), HOME=str(tmp_path))
+             CONFIG=str(ROOT / "configs" / "tiny.toml"), HOME=str(tmp_path), PYTHON=sys.executable)
     t0 = time.monotonic()
     p = subprocess.run(["bash", str(ROOT / "launch" / "multinode.sh")], cwd=tmp_path, env=e,
                        capture_output=True, text=True, timeout=120)
