@@ -244,10 +244,6 @@ class Liveness:
         line = "; ".join(who) + "; last phases: " + " | ".join(f"{r}:{p}" for r, p in enumerate(phases))
         return Diagnosis(dead, failed, signalled, stuck, line)
 
-    def report(self) -> str:
-        """One line: who is dead, and where every rank was."""
-        return self.diagnose().line
-
 
 _COMM = re.compile(r"gloo|nccl|hccl|connection (closed|reset|refused)|timed out|broken pipe|"
                    r"socket|by peer", re.IGNORECASE)

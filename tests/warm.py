@@ -43,6 +43,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOCKET_ENV = "GRPO_TEST_WARM_SOCKET"  # the server's socket, for tests/warm_rank.py
+SWITCH_ENV = "GRPO_TEST_WARM"          # "0": no server; every launch is a real train.py
+
+
+def enabled() -> bool:
+    """Whether the tests fork their train.py processes from the warm server (GRPO_TEST_WARM=0
+    turns it off: each launch then starts train.py and torchrun themselves, imports and all)."""
+    return os.environ.get(SWITCH_ENV, "1") != "0"
 
 
 # ----------------------------------------------------------------------------- the server
@@ -220,7 +227,7 @@ def start_server(share: bool = False) -> None:
     starts it as the session starts: it imports on the other core meanwhile). `share`: the
     processes this one starts afterwards (pytest-xdist's workers) use it too (SHARED_ENV)."""
     global _server, _dir, _ready
-    if _server is not None and _server.poll() is None:
+    if not enabled() or (_server is not None and _server.poll() is None):
         return
     import atexit
     _dir, _ready = tempfile.mkdtemp(prefix="warm-train-"), False
@@ -303,6 +310,8 @@ def train_py(args: list[str], env: dict, timeout: float, cwd: Path | str = ROOT
     subprocess.run(..., capture_output=True, text=True) returns, and subprocess.TimeoutExpired
     past `timeout` (the run's process group killed)."""
     cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args)]
+    if not enabled():
+        return _cold_train_py(cmd, env, timeout, cwd)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             open(os.devnull, "rb") as null:
         conn, pid = start([str(a) for a in args], env, str(cwd),
@@ -318,3 +327,19 @@ def train_py(args: list[str], env: dict, timeout: float, cwd: Path | str = ROOT
                 _recv(conn, 60)
                 raise subprocess.TimeoutExpired(cmd, timeout, output=text(out), stderr=text(err))
         return subprocess.CompletedProcess(cmd, done["rc"], text(out), text(err))
+
+
+def _cold_train_py(cmd: list[str], env: dict, timeout: float, cwd: Path | str
+                   ) -> subprocess.CompletedProcess:
+    """What train_py does with the server switched off: the real process, in a session of its
+    own as a fork would be (its process group killed past `timeout`)."""
+    p = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(p.pid)
+        out, err = p.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -1,0 +1,60 @@
+"""evaluation.py: its decoding from [eval] over [rollout], what an eval row records, and the
+metrics (pass@1 over every sample, pass@n over problems) on hand-made episodes, with the
+generation ranks' gather done in-process."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import config as C
+import evaluation as E
+import rollout as R
+
+
+def _ep(index, accuracy, n_tokens=3):
+    return R.Episode(index=index, group=0, prompt_ids=[1], response_ids=[7] * n_tokens,
+                     logprobs=[-1.0] * n_tokens, reward=accuracy, parts={"accuracy": accuracy,
+                     "errors": 0.0}, version=4, truncated=False, text="x")
+
+
+def test_sampling_is_greedy_at_n_1_and_overrides_only_what_is_set():
+    ro = C.RolloutConfig(max_new_tokens=16, top_p=0.9, top_k=5, temperature=0.7)
+    assert E.sampling(C.EvalConfig(), ro) == R.Sampling(n=1, greedy=True, max_new_tokens=16)
+    sp = E.sampling(C.EvalConfig(n=4, temperature=0.6, max_new_tokens=32), ro)
+    assert sp == R.Sampling(n=4, temperature=0.6, top_p=0.9, top_k=5, max_new_tokens=32)
+    assert E.sampling(C.EvalConfig(n=4, top_p=0.5), ro).top_p == 0.5
+    assert E.settings(C.EvalConfig(), ro) == {"split": "validation", "n": 1, "temperature": 0.0,
+                                              "top_p": 1.0, "max_new_tokens": 16}
+
+
+@pytest.mark.parametrize("gens", [(0,), (1, 2)])
+def test_pass_at_1_and_pass_at_n_on_hand_made_episodes(monkeypatch, gens):
+    """3 problems x 2 samples; accuracy 1/0, 0/0, 1/1: pass@1 = 3/6, pass@2 = 2/3. With two
+    generation ranks each gets every other problem and the gather puts them back in order."""
+    import torch.distributed as dist
+    acc = {0: [1.0, 0.0], 1: [0.0, 0.0], 2: [1.0, 1.0]}
+    problems = [SimpleNamespace(index=i, problem=f"p{i}", answer=str(i)) for i in range(3)]
+
+    def rollout(engine, probs, procs, sp, template, scorer, version, group_offset, seed):
+        assert sp.n == 2 and not sp.greedy and version == 4
+        return [_ep(p.index, a) for p in probs for a in acc[p.index]], {}
+    monkeypatch.setattr(R, "rollout", rollout)
+    cfg = SimpleNamespace(eval=C.EvalConfig(n=2), rollout=C.RolloutConfig(), data=C.DataConfig())
+    # every generation rank's share, as all_gather_object would return them
+    shares = [rollout(None, problems[i::len(gens)], None, E.sampling(cfg.eval, cfg.rollout),
+                      "", None, 4, 0, 0) for i in range(len(gens))]
+
+    def gather(out, obj, group=None):
+        out[:] = shares + [([], {})] * (len(out) - len(shares))
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    world = SimpleNamespace(is_gen=True, gens=gens, gen_index=0, size=len(gens) + 1, ctrl=None)
+    out, eps = E.evaluate(world, None, None, problems, None, cfg, version=4, seed=0)
+    assert out["eval/accuracy"] == pytest.approx(0.5) == out["eval/reward"]
+    assert out["eval/accuracy/pass@2"] == pytest.approx(2 / 3)
+    assert "eval/errors" not in out
+    assert (out["eval/n"], out["eval/samples"], out["eval/response_len"]) == (3, 6, 3.0)
+    assert [e.index for e in eps] == [0, 0, 1, 1, 2, 2]
+    rows = E.eval_rows(eps, problems)
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert rows[5]["gold"] == "2" and rows[0]["problem"] == "p0" and rows[0]["version"] == 4
