@@ -241,14 +241,9 @@ def test_process_hook_is_identity_and_unpickles_through_the_patch():
     assert hook.__reduce__() == (V._vllm_process_hook, ())
 
 
-def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch):
-    """vLLM 0.23 turns async scheduling on by default on GPU/NPU, while its CPU build forces it
-    off: the engine turns it off itself, so what runs here (generate, reset_prefix_cache, the
-    weight reload) is what runs on every device; the name is a field of vLLM's EngineArgs."""
-    import importlib.util
-    import sys
-
-    import config as C
+@pytest.fixture
+def fake_llm(monkeypatch) -> dict:
+    """vllm.LLM replaced by a stand-in that records its arguments (nothing starts)."""
     captured: dict = {}
 
     class FakeLLM:
@@ -257,8 +252,19 @@ def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
     monkeypatch.setattr(V, "_image_only_processor", lambda: None)
     monkeypatch.setattr(V, "_prepare_spawn", lambda *a, **kw: None)
+    return captured
+
+
+def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch, fake_llm):
+    """vLLM 0.23 turns async scheduling on by default on GPU/NPU, while its CPU build forces it
+    off: the engine turns it off itself, so what runs here (generate, reset_prefix_cache, the
+    weight reload) is what runs on every device; the name is a field of vLLM's EngineArgs."""
+    import importlib.util
+    import sys
+
+    import config as C
     V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm"), 1, 2, seed=0)
-    assert captured["async_scheduling"] is False
+    assert fake_llm["async_scheduling"] is False
     monkeypatch.delitem(sys.modules, "vllm")
     spec = importlib.util.find_spec("vllm")
     if spec is None:
@@ -566,16 +572,9 @@ def test_prefix_caching_auto_is_off_for_linear_attention_models():
     assert R.HFEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35) == ""
 
 
-def test_engine_passes_the_prefix_caching_decision(monkeypatch, tmp_path):
+def test_engine_passes_the_prefix_caching_decision(fake_llm):
     import config as C
-    captured: dict = {}
-
-    class FakeLLM:
-        def __init__(self, **kw):
-            captured.update(kw)
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
-    monkeypatch.setattr(V, "_image_only_processor", lambda: None)
-    monkeypatch.setattr(V, "_prepare_spawn", lambda *a, **kw: None)
+    captured = fake_llm
     for setting, want in (("auto", True), ("off", False), ("on", True)):
         V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm", prefix_caching=setting),
                      1, 2, seed=0)
