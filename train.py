@@ -105,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(a)
         cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
-            return W.dry_run(cfg)
+            code = W.dry_run(cfg)
+            note = R.engine_class(cfg.rollout.engine).start_note(cfg.rollout,
+                                                                 M.peek_config(cfg.model.path))
+            if note:  # what the engine decides from the model (vLLM: prefix caching)
+                print(note)
+            return code
         if flags.get("--eval-only") and not flags.get("--checkpoint"):
             raise C.ConfigError("--eval-only needs --checkpoint DIR")
         sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")

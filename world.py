@@ -288,8 +288,4 @@ def dry_run(cfg) -> int:
     for row in plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
                          cfg.rollout.tensor_parallel_size, engine_class(cfg.rollout.engine).OWN_CHANNEL):
         print(json.dumps(row))
-    import model as M
-    note = engine_class(cfg.rollout.engine).start_note(cfg.rollout, M.peek_config(cfg.model.path))
-    if note:
-        print(note)
     return 0
