@@ -58,7 +58,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from failures import Fatal, StartError, causes, fault_active, one_line
+import config as C
+import device as D
+import lora
+import model as M
+from errors import ConfigError, StartError, causes, one_line
+from failures import Fatal, fault_active
 
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -164,8 +169,6 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
     """The training loop's save: every `run.save_every` steps and at the end, trainer `tr`'s
     state at `progress` (collective over the trainer ranks; a no-op elsewhere); `source` is the
     model folder the run started from (its generation config goes into the export)."""
-    import config as C
-    import device as D
     r, done = cfg.run, progress.step
     due = (r.save_every and done % r.save_every == 0) or done == r.steps
     if r.keep_last <= 0 or not due or tr is None:
@@ -283,8 +286,6 @@ def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dty
     `out` in PEFT's format) written in the checkpoint layout (model.write_weights), the config,
     the source folder's generation config (its stop ids), the tokenizer, the chat template the
     run used, the image processor with the run's pixel bounds."""
-    import lora
-    import model as M
     out.mkdir(parents=True, exist_ok=True)
     M.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
     if lora.has_lora(model):
@@ -322,7 +323,6 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     run.steps when a decaying schedule is stretched or shortened by it. Every other key that
     differs is in "other_changes" (the start-up summary lists them in one line).
     """
-    import config as C
     plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
             "optimizer_changes": [], "other_changes": [], "error": None}
     if picked is None:
@@ -357,13 +357,12 @@ def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
     `--resume`; :func:`pick`), its config compared with this one (:func:`resume_plan`, rank 0),
     every rank learns it, with its :class:`Progress` under "progress". A refused resume is a
     config error on every rank. Collective over the world."""
-    import config as C
     picked = pick(out_dir, named, ctrl=world.ctrl, train_group=world.train_group,
                   is_root=world.is_root, is_trainer=world.is_trainer)
     p = _bcast(resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None,
                world.ctrl)
     if p["error"]:
-        raise C.ConfigError(p["error"])
+        raise ConfigError(p["error"])
     m = p.pop("meta")
     p["progress"] = Progress(**m, resumed_from=p["path"]) if m else Progress()
     if m and world.is_root and not p["finished"]:

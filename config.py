@@ -20,20 +20,12 @@ from typing import Any
 import data
 import loss
 from data import DEFAULT_TEMPLATE
+from errors import ConfigError, NodeConfigError  # noqa: F401  (config.ConfigError for callers)
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 PREFIX_CACHING = ("auto", "on", "off")
 TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message is one line and names the key."""
-
-
-class NodeConfigError(ConfigError):
-    """A launch error only the ranks of one node find (its device count): that node's first rank
-    prints it, not only rank 0 (failures.exit_bad_input)."""
 
 
 def num(default: int | float, rule: str) -> Any:

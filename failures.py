@@ -34,22 +34,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-import config as C
+from errors import ConfigError, NodeConfigError, StartError, causes, one_line  # noqa: F401  (re-exported)
 
 
 class Fatal(RuntimeError):
     """An error whose one line says everything (a full disk while saving): :func:`guarded`
     prints it without a traceback and without diagnosing the other ranks."""
-
-
-class StartError(C.ConfigError):
-    """Bad input found at start-up, the same on every rank (a run folder locked by another job
-    or not writable, a missing or damaged checkpoint): printed once as ``<prefix>: <message>``,
-    exit code 2 on every rank (:func:`exit_bad_input`)."""
-
-    def __init__(self, message: str, prefix: str = "error"):
-        super().__init__(message)
-        self.prefix = prefix
 
 
 def say(line: str) -> None:
@@ -257,31 +247,6 @@ def is_communication_error(e: BaseException) -> bool:
     return (isinstance(e, dist_error) if dist_error else False) or bool(_COMM.search(str(e)))
 
 
-def causes(e: BaseException, depth: int = 0) -> list[BaseException]:
-    """`e` and what is inside it: causes, contexts, and the per-rank failures of torch's
-    CheckpointException (whose own message is a multi-line traceback)."""
-    if depth > 8:
-        return [e]
-    out = [e]
-    for inner in [e.__cause__, e.__context__] + [
-            f[0] for f in (getattr(e, "failures", None) or {}).values() if isinstance(f, tuple)]:
-        if isinstance(inner, BaseException) and inner is not e:
-            out += causes(inner, depth + 1)
-    return out
-
-
-def one_line(e: BaseException) -> str:
-    """`Type: message`, first line, at most 300 characters; a CheckpointException is described
-    by the first rank's error inside it."""
-    if getattr(e, "failures", None) and len(causes(e)) > 1:
-        inner = [c for c in causes(e)[1:] if not getattr(c, "failures", None)]
-        if inner:
-            e = inner[0]
-    lines = str(e).strip().splitlines()
-    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def on_signals(live: Liveness | None) -> None:
     """SIGINT and SIGTERM end this rank with one line and exit code 128 + signal.
 
@@ -347,7 +312,7 @@ def on_signals(live: Liveness | None) -> None:
 _EARLY = threading.Lock()
 
 
-def exit_bad_input(e: C.ConfigError) -> int:
+def exit_bad_input(e: ConfigError) -> int:
     """A config or start-up error that every rank finds alike: ONE line (rank 0 prints it) and
     exit code 2 on every rank. One only a node's ranks find (config.NodeConfigError: its
     devices) is printed by that node's first rank.
@@ -357,7 +322,7 @@ def exit_bad_input(e: C.ConfigError) -> int:
     rank stopped that way meanwhile still exits 2 without a word. A plain process returns 2.
     """
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 or (isinstance(e, C.NodeConfigError) and os.environ.get("LOCAL_RANK") == "0"):
+    if rank == 0 or (isinstance(e, NodeConfigError) and os.environ.get("LOCAL_RANK") == "0"):
         say(f"{getattr(e, 'prefix', 'config error')}: {e}")
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         import torch.distributed as dist
@@ -411,7 +376,7 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
         code = job()
         live.close()
         return code
-    except C.ConfigError:
+    except ConfigError:
         raise
     except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         if isinstance(e, (SystemExit, KeyboardInterrupt)):

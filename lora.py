@@ -22,7 +22,7 @@ import torch
 
 import device as D
 
-from config import ConfigError
+from errors import ConfigError
 from families import is_vlm
 
 ALL_LINEAR = "all-linear"   # `[model] lora_target_modules`: every linear layer of the language model

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import families as F
-from config import ConfigError
+from errors import ModelError, one_line
 
 IMAGE_MARKER = "<image>"  # in a problem or template: where an image goes (else images come first)
 TINY = F.TINY  # `[model] path = "tiny"` builds the random tiny Qwen2.5-VL in the run folder;
@@ -52,12 +52,6 @@ _TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-class ModelError(ConfigError):
-    """A model folder that cannot be used as configured; one line naming `model.path` (a config
-    error: printed once, exit 2 on every rank, when every rank finds it alike)."""
-
-
-# ----------------------------------------------------------------------------- tiny models
 def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
                model_type: str = F.DEFAULT_TINY) -> Path:
     """Write a random tiny model of `model_type`, its tokenizer, chat template and (VLMs) image
@@ -184,7 +178,7 @@ def load_config(path: str):
         kind = F.model_type_of(path)
         if kind and kind not in F.FAMILIES:
             raise ModelError(_unsupported(path, kind)) from None
-        raise ModelError(f"model.path={path}: cannot read its config ({_one_line(e)})") from None
+        raise ModelError(f"model.path={path}: cannot read its config ({one_line(e, 240, typed=False)})") from None
     if config.model_type not in F.FAMILIES:
         raise ModelError(_unsupported(path, config.model_type))
     return config
@@ -316,7 +310,7 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
         prompt_ids(procs, "1 + 1 = ?", 1 if procs.vision else 0)
     except Exception as e:  # noqa: BLE001 - Jinja raises many types
         raise ModelError(f"model.path={path}: its chat template fails to render a prompt "
-                         f"({_one_line(e)}); check data.system_prompt / data.enable_thinking") from None
+                         f"({one_line(e, 240, typed=False)}); check data.system_prompt / data.enable_thinking") from None
     return procs
 
 
@@ -742,7 +736,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
                                                           **_kernels(torch.device(device).type))
     except (RuntimeError, ValueError) as e:  # size mismatches and the like
         raise ModelError(f"model.path={path}: the weights do not fit {config.model_type}'s "
-                         f"architecture ({_one_line(e)})") from None
+                         f"architecture ({one_line(e, 240, typed=False)})") from None
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
         if keys:
@@ -898,8 +892,3 @@ class CheckpointCounter:
 
     def reset(self) -> None:
         self.calls = self.runs = 0
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 240 else text[:237] + "..."

@@ -22,6 +22,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+import data
 import device as D
 import loss as L
 import model as M
@@ -220,9 +221,8 @@ def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, t
             seed: int) -> tuple[list[Episode], dict[str, float]]:
     """Generate sp.n responses for each problem and score them all at once with `scorer` (the
     reward functions; it lives across steps). Returns (episodes, timings)."""
-    from data import user_text
     tokenizer = procs.tokenizer
-    prompts = [(M.prompt_ids(procs, user_text(p, template), len(p.images)), p.images)
+    prompts = [(M.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
                for p in problems]
     t0 = time.perf_counter()
     completions = engine.generate(prompts, sp, seed) if prompts else []

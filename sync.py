@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import device as D
+from errors import ConfigError
 from lora import engine_tensors, full_tensor  # noqa: F401  (full_tensor: trainer.py's too)
 from model import DTYPES, checkpoint_pieces
 
@@ -606,25 +607,24 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
                          deadline_s=timeout_s) if world.is_root else None)
 
 
-def check_channel(world, dev: D.Device, own_channel: bool, sc, timeout_s: float | None = None) -> int:
+def check_channel(world, dev: D.Device, sc, timeout_s: float | None = None) -> int:
     """`train.py --check-channel`: the weight channel alone, before a long run. Trainer rank 0
     broadcasts one bucket of `bucket_mb` (`[sync]` sc) to every generation rank twice (the first
     includes the device library's own connection set-up) and rank 0 prints one JSON line;
     every receiver checks the bytes. Returns the exit code (0: every generation rank got them).
 
-    With `own_channel` (vLLM) it is the engines' communicator (gloo / PyNccl / PyHccl, by
+    With `world.own_channel` (vLLM) it is the engines' communicator (gloo / PyNccl / PyHccl, by
     device) opened as vLLM's workers open it, on `channel_port` of MASTER_ADDR, but from each
     generation rank itself on its engine's first device (world.setup(claim_engine_devices=True)),
     so no engine starts; otherwise the torch sync group the HF engines receive over. Collective
     over the world; destroys the process group at the end.
     """
     if world.size == 1:
-        import config as C
-        raise C.ConfigError("--check-channel needs generation ranks besides trainer rank 0 (2+ ranks)")
+        raise ConfigError("--check-channel needs generation ranks besides trainer rank 0 (2+ ranks)")
     device = D.current_device(dev)
     member = world.is_root or world.is_gen
     t0 = time.monotonic()
-    if own_channel:
+    if world.own_channel:
         sock = listen(sc.channel_port) if world.is_root else None
         addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]]
                 if world.is_root else [None, None])

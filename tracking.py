@@ -36,6 +36,10 @@ import time
 import warnings
 from pathlib import Path
 
+import config as C
+from errors import one_line
+from failures import Fatal
+
 DEFAULT_PROJECT = "grpo"  # W&B / SwanLab project unless the caller or the environment names one
 
 
@@ -62,11 +66,10 @@ class Trackers:
         events at or after it. `verbose` (run.verbose): W&B prints its end-of-run history and
         summary block (off: only the run's link). Raises TrackerError naming the first tracker
         that fails; the ones already started are closed first."""
-        from config import TRACKERS  # the names live with the config key (config.py is lower)
         for i, name in enumerate(names):
-            if name not in TRACKERS:
+            if name not in C.TRACKERS:
                 raise TrackerError(f"run.report_to: unknown tracker {name!r} "
-                                   f"(choose from {', '.join(TRACKERS)})")
+                                   f"(choose from {', '.join(C.TRACKERS)})")
             if name in names[:i]:
                 raise TrackerError(f"run.report_to: {name} is listed twice")
         out_dir, config = Path(out_dir), _plain(config)
@@ -81,7 +84,7 @@ class Trackers:
                         b.close(failed=True)
                     except Exception:  # noqa: BLE001 - the first error is the one to show
                         pass
-                raise TrackerError(f"run.report_to: {name}: {_one_line(e)}") from e
+                raise TrackerError(f"run.report_to: {name}: {one_line(e, typed=False)}") from e
         return cls(opened)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -112,7 +115,7 @@ class Trackers:
                 self._live.remove(b)
                 where = f"step {step}" if step is not None else "close"
                 print(f"warning: tracker {b.name} failed at {where} ({method}): "
-                      f"{type(e).__name__}: {_one_line(e)}; no further calls to it",
+                      f"{one_line(e)}; no further calls to it",
                       file=sys.stderr, flush=True)
 
 
@@ -133,7 +136,6 @@ class Recorder:
     def open(cls, cfg, out_dir: Path, start: int) -> "Recorder":
         """Rank 0, once the run is known to start: config.toml (what runs now), the trackers (one
         that cannot start stops the run here, before anything is built), the run's files."""
-        import config as C
         out_dir.mkdir(parents=True, exist_ok=True)
         with _writing(out_dir / "config.toml"):
             (out_dir / "config.toml").write_text(C.dump_toml(cfg))
@@ -311,7 +313,6 @@ def resume_records(out_dir: Path, start: int) -> None:
     kill) is dropped, said in one line naming the file. Every file is read and checked before
     anything is moved: a line that is no record of this run stops the start (:class:`Fatal`,
     naming the file and line) with every file as it was."""
-    from failures import Fatal  # here: importing tracking loads no torch
     plans = []
     for name in RECORDS:
         path = out_dir / name
@@ -355,7 +356,6 @@ def _writing(path: Path):
     try:
         yield
     except OSError as e:
-        from failures import Fatal
         why = e.strerror or str(e)
         if e.errno == errno.ENOSPC:
             try:
@@ -403,7 +403,7 @@ class _TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
         except ImportError as e:
-            raise RuntimeError(f"package not installed ({_one_line(e)}); "
+            raise RuntimeError(f"package not installed ({one_line(e, typed=False)}); "
                                "pip install tensorboard") from e
         # flush_secs: the default 120 s makes a live dashboard lag two minutes behind.
         self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard"), flush_secs=10,
@@ -433,7 +433,7 @@ class _WandB:
         try:
             import wandb
         except ImportError as e:
-            raise RuntimeError(f"package not installed ({_one_line(e)}); pip install wandb") from e
+            raise RuntimeError(f"package not installed ({one_line(e, typed=False)}); pip install wandb") from e
         self.wandb = wandb
         try:
             mode = os.environ.get("WANDB_MODE", "online")
@@ -480,7 +480,7 @@ class _SwanLab:
                 from swanlab.error import KeyFileError
                 from swanlab.package import get_key
             except ImportError as e:
-                raise RuntimeError(f"package not installed ({_one_line(e)}); "
+                raise RuntimeError(f"package not installed ({one_line(e, typed=False)}); "
                                    "pip install swanlab") from e
         mode = os.environ.get("SWANLAB_MODE", "cloud")
         if mode == "cloud":  # swanlab would otherwise ask on the terminal (and hang under torchrun)
@@ -513,10 +513,6 @@ _BACKENDS = {"tensorboard": _TensorBoard, "wandb": _WandB, "swanlab": _SwanLab}
 
 
 # ----------------------------------------------------------------------------- helpers
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def _plain(x):
     """The config as JSON types only (paths, tuples, enums become str / list)."""
     if isinstance(x, dict):

@@ -54,6 +54,7 @@ import data
 import device as D
 import evaluation as E
 import failures
+from errors import ConfigError
 import model as M
 import rewards
 import rollout as R
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             if key in ("--config", "--resume", "--checkpoint"):  # --config: repeatable
                 val = val if eq else next(it, "")
                 if not val or val.startswith("--"):
-                    raise C.ConfigError(f"{key} needs a value (see --help)")
+                    raise ConfigError(f"{key} needs a value (see --help)")
                 flags[key] = val
                 configs += [val] if key == "--config" else []
             elif a in ("--dry-run", "--eval-only", "--check-channel"):
@@ -105,19 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                 overrides.append(a)
         cfg = C.load(configs, overrides)
         if flags.get("--dry-run"):
-            code = W.dry_run(cfg)
-            note = R.engine_class(cfg.rollout.engine).start_note(cfg.rollout,
+            engine = R.engine_class(cfg.rollout.engine)
+            code = W.dry_run(cfg, engine.OWN_CHANNEL)
+            note = engine.start_note(cfg.rollout,
                                                                  M.peek_config(cfg.model.path))
             if note:  # what the engine decides from the model (vLLM: prefix caching)
                 print(note)
             return code
         if flags.get("--eval-only") and not flags.get("--checkpoint"):
-            raise C.ConfigError("--eval-only needs --checkpoint DIR")
+            raise ConfigError("--eval-only needs --checkpoint DIR")
         sources = " + ".join(configs) + (f" + {len(overrides)} override(s)" if overrides else "")
         return run(cfg, resume=flags.get("--resume"), eval_checkpoint=flags.get("--checkpoint")
                    if flags.get("--eval-only") else None, sources=sources or "defaults",
                    check=flags.get("--check-channel", False))
-    except C.ConfigError as e:  # also the start-up checks: once (rank 0), exit 2 on every rank
+    except ConfigError as e:  # also the start-up checks: once (rank 0), exit 2 on every rank
         return failures.exit_bad_input(e)
 
 
@@ -127,9 +129,11 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     dev = D.detect()
     W.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
     try:
-        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev, cfg.rollout,
+        own = R.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
+        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
+                        cfg.rollout.tensor_parallel_size if own else None,
                         claim_engine_devices=check)
-    except C.ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
+    except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
         return failures.world_failed(e, cfg.cluster.timeout_s)
@@ -137,8 +141,8 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
     if check:  # --check-channel: the weight channel alone, then exit (sync.check_channel)
-        return failures.guarded(live, lambda: S.check_channel(world, dev, R.engine_class(
-            cfg.rollout.engine).OWN_CHANNEL, cfg.sync, cfg.cluster.timeout_s))
+        return failures.guarded(live, lambda: S.check_channel(world, dev, cfg.sync,
+                                                                 cfg.cluster.timeout_s))
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,
@@ -149,8 +153,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
 # ----------------------------------------------------------------------------- set-up
 def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
-    own = R.engine_class(cfg.rollout.engine).OWN_CHANNEL
-    if own and world.is_gen and not world.is_trainer:
+    if world.own_channel and world.is_gen and not world.is_trainer:
         return torch.device("cpu")
     return D.torch_device(dev, world.local_rank)
 
@@ -174,7 +177,7 @@ def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list,
             columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
             prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
-        raise C.ConfigError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict) -> None:
@@ -229,7 +232,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
-    if R.engine_class(ro.engine).OWN_CHANNEL and cfg.sync.enabled:
+    if world.own_channel and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
         channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                         port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,

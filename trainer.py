@@ -44,6 +44,7 @@ import torch.distributed as dist
 import loss as L
 import model as M
 import sync as S
+from errors import ModelError
 from failures import fault_active
 
 # Means over the KEPT response tokens (policy_loss's own means, weighted by its "tokens"): an
@@ -115,12 +116,12 @@ def load_checked(world, model_path: str, mc=None):
             if mc is not None and mc.lora_rank:
                 import lora
                 lora.lora_targets(full, mc)
-        except M.ModelError as e:
+        except ModelError as e:
             problem = str(e)
     box = [problem]
     dist.broadcast_object_list(box, 0, group=world.ctrl)
     if box[0]:
-        raise M.ModelError(box[0])
+        raise ModelError(box[0])
     return full
 
 

@@ -12,10 +12,17 @@ in the same order (a group created on some ranks only makes the next `new_group`
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
+
+import config as C
+import device as D
+from errors import ConfigError, NodeConfigError
 
 
 def split_roles(world_size: int, gen_ranks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -47,6 +54,7 @@ class World:
     ctrl: Any = None         # gloo group of every rank: episodes, metrics, control objects
     train_group: Any = None  # the trainer ranks: the FSDP2 mesh and the loss reductions
     sync_group: Any = None   # trainer rank 0 + every generation rank (None in a world of one)
+    own_channel: bool = False  # the engines receive weights over a channel of their own (vLLM)
 
     @property
     def is_root(self) -> bool:
@@ -113,8 +121,8 @@ def check_node_devices(node: int, first_rank: int, n_local: int, n_trainers: int
         f"processes per node (torchrun --nproc_per_node; cluster.nproc_per_node in a dry run)")
 
 
-def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
-          claim_engine_devices: bool = False) -> World:
+def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
+          engine_devices: int | None = None, claim_engine_devices: bool = False) -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
     With an accelerator `dev` (device.Device), each rank first checks that its node has the
@@ -122,8 +130,8 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
     before any NCCL/HCCL state exists (otherwise a communicator or barrier can land on device 0,
     trainer 0's): a rank that computes in this process (trainers; generation ranks of an
     in-process engine) makes its device current and joins the world with `backend`; a
-    generation rank whose engine runs in processes of its own (vLLM, `[rollout]` rc:
-    tensor_parallel_size devices) only narrows the visible devices those processes inherit,
+    generation rank whose engine runs in processes of its own (vLLM: `engine_devices` devices,
+    rollout.tensor_parallel_size; None for an engine in this process) only narrows the visible devices those processes inherit,
     never touches the accelerator itself, and joins with gloo alone (device.world_backend); the
     sync group, which then carries only control messages, is gloo on every member. NPU:
     HCCL_EXEC_TIMEOUT is derived from `timeout_s` when unset (device.hccl_env), and a timeout
@@ -131,16 +139,6 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
     `claim_engine_devices` (`train.py --check-channel`, no engine starts): such a generation
     rank claims its engine's first device itself, to join the weight channel from there.
     """
-    import torch.distributed as dist
-
-    import config as C
-    import device as D
-    from rollout import engine_class
-
-    engine_devices = None  # devices of a generation rank's engine outside this process
-    if rc is not None and engine_class(rc.engine).OWN_CHANNEL:
-        engine_devices = rc.tensor_parallel_size
-
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -162,7 +160,7 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
                                engine_devices if engine_devices and size > 1 else 1,
                                D.device_count(dev), f"{kind} devices visible here")
         except ValueError as e:
-            raise C.NodeConfigError(str(e)) from None
+            raise NodeConfigError(str(e)) from None
         mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices or 1)
         if own:
             D.narrow_visible(dev, mine)
@@ -178,7 +176,8 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None, rc=None,
     sync_group = (dist.new_group([0, *gens], timeout=timeout,
                                  backend="gloo" if engine_devices is not None else None)
                   if size > 1 else None)
-    return World(dist.get_rank(), size, local_rank, trainers, gens, ctrl, train_group, sync_group)
+    return World(dist.get_rank(), size, local_rank, trainers, gens, ctrl, train_group, sync_group,
+                 own_channel=engine_devices is not None)
 
 
 def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int,
@@ -232,7 +231,6 @@ def validate_world(cfg, world_size: int, device: str | None = None,
     GRPO_DEVICE; None: not checked). `dry_run`: every node of the plan (cluster.nnodes x
     cluster.nproc_per_node) must fit in cluster.devices_per_node devices; a run checks each node
     against its own device count instead (world.setup)."""
-    from config import ConfigError
     c, ro = cfg.cluster, cfg.rollout
     try:
         trainers, gens = split_roles(world_size, c.gen_ranks)
@@ -255,7 +253,6 @@ def validate_world(cfg, world_size: int, device: str | None = None,
             except ValueError as e:
                 raise ConfigError(str(e)) from None
     if device == "npu":
-        import device as D
         try:
             D.hccl_env(c.timeout_s)
         except ValueError as e:
@@ -274,18 +271,14 @@ def validate_world(cfg, world_size: int, device: str | None = None,
                           f"({n} % ({n_train} x {mb}) != 0)")
 
 
-def dry_run(cfg) -> int:
+def dry_run(cfg, own_channel: bool) -> int:
     """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
-    group's members; nothing is initialised."""
-    import json
-
-    import config as C
-    import device as D
-    from rollout import engine_class
+    group's members (`own_channel`: the engine's, rollout.Engine.OWN_CHANNEL); nothing is
+    initialised."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
     validate_world(cfg, n, D.planned_kind(), dry_run=True)
     for row in plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
-                         cfg.rollout.tensor_parallel_size, engine_class(cfg.rollout.engine).OWN_CHANNEL):
+                         cfg.rollout.tensor_parallel_size, own_channel):
         print(json.dumps(row))
     return 0

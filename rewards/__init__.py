@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from errors import one_line
+
 log = logging.getLogger("rewards")
 
 RewardFn = Callable[..., dict[str, float]]
@@ -288,7 +290,7 @@ class RewardRunner:
             judged.append(None)
             if not f.failure_logged:
                 f.failure_logged = True
-                log.warning(f"reward {f.name!r} failed ({_where(sample)}): {_one_line(error)} "
+                log.warning(f"reward {f.name!r} failed ({_where(sample)}): {one_line(error)} "
                             "(first failure, logged once per function; each one scores 0 and "
                             "counts in reward/errors)")
         return judged
@@ -326,11 +328,6 @@ def _number(key: Any, v: Any) -> float:
 
 def _where(sample: dict[str, Any]) -> str:
     return f"dataset index {sample['index']}" if "index" in sample else "a sample without index"
-
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".replace("\r", "").replace("\n", "\\n")
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 _RUNNERS: dict[tuple[str, float], RewardRunner] = {}

@@ -191,7 +191,7 @@ dist.Backend.register_backend("fakeacc", creator, extended_api=True, devices=["c
 dev = D.Device("cuda", "cpu:gloo,cuda:fakeacc", "CUDA_VISIBLE_DEVICES", "pynccl")
 D.torch_device = lambda dev, i: None          # no device to claim here
 D.device_count = lambda dev: 8
-world = W.setup(1, 60, dev.backend, dev, SimpleNamespace(engine="vllm", tensor_parallel_size=1))
+world = W.setup(1, 60, dev.backend, dev, engine_devices=1)
 got = [None] * world.size
 dist.all_gather_object(got, world.rank, group=world.ctrl)
 ctrl = torch.tensor([7 if world.is_root else 0])

@@ -150,7 +150,7 @@ def test_setup_claims_devices_before_the_process_group(monkeypatch, rank, engine
         calls.append(("init_process_group", kw["backend"]))
         raise Stop
     monkeypatch.setattr(dist, "init_process_group", init)
-    rc = SimpleNamespace(engine=engine, tensor_parallel_size=2 if engine == "vllm" else 1)
+    rc = 2 if engine == "vllm" else None  # engine_devices: a vLLM engine's own processes span 2
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "30")
     for k, v in dict(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=4).items():
         monkeypatch.setenv(k, str(v))
@@ -177,7 +177,7 @@ def test_setup_refuses_more_devices_than_the_node_has(monkeypatch):
     monkeypatch.setattr(D, "narrow_visible", lambda dev, ids: calls.append(("narrow", ids)))
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append("init"))
     monkeypatch.setattr(D, "device_count", lambda dev: 8)
-    rc = SimpleNamespace(engine="vllm", tensor_parallel_size=2)
+    rc = 2  # engine_devices: vLLM engines of tensor_parallel_size 2
     for rank in (0, 7):  # a trainer and the engine that would overflow
         for k, v in dict(RANK=rank, WORLD_SIZE=8, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=8,
                          GROUP_RANK=0).items():
@@ -233,7 +233,7 @@ def test_setup_on_npu_gives_the_groups_a_timeout_torch_npu_reads_as_set(monkeypa
     for k, v in dict(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2).items():
         monkeypatch.setenv(k, str(v))
     with pytest.raises(Stop):
-        W.setup(1, 1800.0, "cpu:gloo,npu:hccl", D.TABLE["npu"], SimpleNamespace(engine="hf", tensor_parallel_size=1))
+        W.setup(1, 1800.0, "cpu:gloo,npu:hccl", D.TABLE["npu"], None)
     assert got["timeout"] == datetime.timedelta(seconds=1799)
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1619"
     assert "torch-npu's 'unset' value" in capsys.readouterr().out
