@@ -80,7 +80,7 @@ class WeightSource(Protocol):
 class Engine(Protocol):
     """What the loop and the sync code need from an inference engine; nothing else is called."""
     OWN_CHANNEL: bool  # True: bucket data reaches the engine's own processes over
-    #                    sync.open_channel (joined once with `join_weight_channel`); False: it
+    #                    channel.open_channel (joined once with `join_weight_channel`); False: it
     #                    arrives in this process over the torch sync group, and the engine also
     #                    has `load_weights(named, adopt=False)` for a world of one (the sender
     #                    hands it each bucket directly)

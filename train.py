@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import channel as CH
 import checkpoint as ckpt
 import config as C
 import data
@@ -140,9 +141,9 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     tracking.quiet_other_ranks(world.rank)
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
-    if check:  # --check-channel: the weight channel alone, then exit (sync.check_channel)
-        return failures.guarded(live, lambda: S.check_channel(world, dev, cfg.sync,
-                                                                 cfg.cluster.timeout_s))
+    if check:  # --check-channel: the weight channel alone, then exit (channel.check_channel)
+        return failures.guarded(live, lambda: CH.check_channel(world, dev, cfg.sync,
+                                                                  cfg.cluster.timeout_s))
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
         return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,
@@ -234,9 +235,9 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     channel = None
     if world.own_channel and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
-        channel = S.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
-                                        port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
-                                        verbose=cfg.run.verbose)
+        channel = CH.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
+                                         port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
+                                         verbose=cfg.run.verbose)
     tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
                   cfg.run.steps, channel, full, seed=cfg.run.seed) if world.is_trainer else None)
     del full  # the trainers hold their shards now

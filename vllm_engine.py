@@ -5,8 +5,9 @@ torchrun rank with torch.distributed initialised) only sends them requests. The 
 SPAWNED: it starts with fresh interpreter state, so vLLM builds a private one-rank world in its
 worker and never sees the torchrun world (the workers are spawned from the engine core too, or
 forked from it on CPU: device.Device.vllm_workers). Weights reach vLLM's worker over a
-communicator of their own (`sync.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on Ascend); only metadata
-crosses `collective_rpc`. vLLM is imported lazily: the pure helpers here need no vLLM installed.
+communicator of their own (`channel.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on
+Ascend); only metadata crosses `collective_rpc`. vLLM is imported lazily: the pure helpers
+here need no vLLM installed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+import channel as CH
 import device as D
 import model as M
 import sync
@@ -244,7 +246,7 @@ def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
     with rollout.enforce_eager)."""
     if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
-    sync.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
+    CH.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
     # fork would copy this rank's threads, process groups and accelerator state.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if workers not in ("spawn", "fork"):
@@ -281,12 +283,12 @@ class VLLMEngine:
 
     The engine (and its worker) run in processes vLLM spawns; this rank never touches the
     accelerator itself (world.setup narrowed the visible devices to the engine's own).
-    Weights arrive straight in the worker over a communicator of their own (sync.open_channel):
+    Weights arrive straight in the worker over a communicator of their own (channel.open_channel):
     `join_weight_channel` once, then `receive_weights` per sync; only metadata crosses
     `collective_rpc`, each call with a deadline of this rank's own (:meth:`_rpc`). The engine
     interface of rollout.py (`generate`, `receive_weights`, `shutdown`), like HFEngine.
     """
-    OWN_CHANNEL = True  # weight data goes to vLLM's worker over sync.open_channel
+    OWN_CHANNEL = True  # weight data goes to vLLM's worker over channel.open_channel
 
     @classmethod
     def start_note(cls, rc, config) -> str:
@@ -394,7 +396,7 @@ class VLLMEngine:
     def join_weight_channel(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the weight channel that trainer rank 0 opens at host:port as its rank 0.
 
-        Blocks until every member joined (trainer rank 0 calls sync.open_channel concurrently).
+        Blocks until every member joined (trainer rank 0 calls channel.open_channel concurrently).
         This engine's workers take ranks rank_offset + (0 .. tensor_parallel_size-1);
         world_size = 1 + (number of engines) * tensor_parallel_size. Call once.
         """
@@ -494,8 +496,8 @@ class VLLMWorkerExtension:
         self.refuse_unloadable()
         # the communicator of this worker's device kind, as trainer rank 0 picks by its own
         comm = D.TABLE[self.device.type].comm
-        self.weight_channel = sync.open_channel(comm, host, port, rank_offset + self.rank,
-                                                world_size, self.device, deadline_s=deadline_s)
+        self.weight_channel = CH.open_channel(comm, host, port, rank_offset + self.rank,
+                                              world_size, self.device, deadline_s=deadline_s)
 
     def refuse_unloadable(self) -> None:
         """Weights the trainer's bf16/fp32 HF tensors cannot update: a quantized model, or
@@ -563,7 +565,7 @@ class VLLMWorkerExtension:
             buf = (ring[slot[i]][:n] if i in slot else
                    live.track(torch.empty(n, dtype=torch.uint8, device=self.device)))
             # the broadcast waits for this thread's earlier work (the copies out of the same
-            # ring buffer two buckets ago): sync.CommChannel.broadcast
+            # ring buffer two buckets ago): channel.CommChannel.broadcast
             return buf, self.weight_channel.broadcast(buf)
 
         pending = receive(0) if buckets else None

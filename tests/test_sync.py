@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import channel as CH
 import lora
 import sync as S
 from tests.util import skip_without_vllm_under_compat_pins
@@ -206,8 +207,8 @@ def test_channel_broadcasts_on_its_stream_after_the_current_one(monkeypatch):
     recorded on that same stream object; wait() synchronizes that event."""
     log: list = []
     cur, side = _FakeStream("current", log), _FakeStream("side", log)
-    monkeypatch.setattr(S.D, "current_stream", lambda device: cur)
-    chan = S.CommChannel(None, _FakeComm(log), side)
+    monkeypatch.setattr(CH.D, "current_stream", lambda device: cur)
+    chan = CH.CommChannel(None, _FakeComm(log), side)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     sender = S.Sender(model, "float32", bucket_mb=256 / 2**20, channel=chan)
     sender.send(1)
@@ -225,7 +226,7 @@ def test_channel_wait_with_a_deadline_raises_instead_of_hanging():
     log: list = []
     stream = _FakeStream("side", log)
     stream.record_event = lambda: _FakeEvent(log, "side", done=False)  # a peer never joins
-    work = S.CommChannel(None, _FakeComm(log), stream, deadline_s=0.2).broadcast(
+    work = CH.CommChannel(None, _FakeComm(log), stream, deadline_s=0.2).broadcast(
         torch.zeros(4, dtype=torch.uint8))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="did not complete within 0 s|within 0 s"):
@@ -254,16 +255,16 @@ def test_open_channel_builds_the_communicator_inside_its_stream_context(monkeypa
         def __init__(self, group, device):
             super().__init__(log)
             log.append(("comm", group, current[0]))
-    monkeypatch.setattr(S, "_stateless_group", lambda host, port, rank, size, sock: "group")
-    monkeypatch.setattr(S, "_communicator_class", lambda comm: Comm)
-    monkeypatch.setattr(S.D, "new_stream", lambda device: side)
-    monkeypatch.setattr(S.D, "stream_context", ctx)
-    chan = S.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"), deadline_s=7.0)
+    monkeypatch.setattr(CH, "_stateless_group", lambda host, port, rank, size, sock: "group")
+    monkeypatch.setattr(CH, "_communicator_class", lambda comm: Comm)
+    monkeypatch.setattr(CH.D, "new_stream", lambda device: side)
+    monkeypatch.setattr(CH.D, "stream_context", ctx)
+    chan = CH.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"), deadline_s=7.0)
     assert log == [("enter", "side"), ("comm", "group", "side"), ("exit", "side")]
     assert current == ["default"] and chan.stream is side and chan.deadline_s == 7.0
     Comm.disabled = True
     with pytest.raises(RuntimeError, match="pynccl is unavailable"):
-        S.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"))
+        CH.open_channel("pynccl", "h", 1, 0, 2, torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ the engines' channel: port
@@ -272,15 +273,15 @@ def test_listen_on_a_given_or_any_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
-    sock = S.listen(port)  # a chosen port: it is the one listening
+    sock = CH.listen(port)  # a chosen port: it is the one listening
     try:
         assert sock.getsockname()[1] == port
         with pytest.raises(RuntimeError) as e:  # taken: one line naming the key
-            S.listen(port)
+            CH.listen(port)
         assert "sync.channel_port=" in str(e.value) and "\n" not in str(e.value)
     finally:
         sock.close()
-    any_port = S.listen(0)
+    any_port = CH.listen(0)
     try:
         assert any_port.getsockname()[1] > 0
     finally:
@@ -311,11 +312,11 @@ def test_engine_channel_on_a_configured_port_world_of_one(tmp_path, monkeypatch)
         class Engine:
             def join_weight_channel(self, host, p, rank, size):
                 joined.update(host=host, port=p)
-                joined["chan"] = S.open_channel("gloo", host, p, rank, size, torch.device("cpu"))
+                joined["chan"] = CH.open_channel("gloo", host, p, rank, size, torch.device("cpu"))
 
         world = SimpleNamespace(size=1, is_root=True, is_gen=True, gens=(0,), gen_index=0,
                                 ctrl=dist.group.WORLD)
-        chan = S.open_engine_channel(world, "gloo", Engine(), 1, torch.device("cpu"), port=port)
+        chan = CH.open_engine_channel(world, "gloo", Engine(), 1, torch.device("cpu"), port=port)
         assert joined["host"] == "127.0.0.1" and joined["port"] == port
         got = torch.zeros(16, dtype=torch.uint8)
         import threading

@@ -40,6 +40,7 @@ def cpu_build():
         import vllm  # noqa: F401
         yield
 
+import channel as CH  # noqa: E402
 import config as C  # noqa: E402
 import data  # noqa: E402
 import synthetic  # noqa: E402
@@ -218,7 +219,7 @@ def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkey
     engine.generate(prompts, sp, seed=1)  # these images' features are now in the encoder cache
 
     port = free_port()
-    opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+    opened = _thread(CH.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
     engine.join_weight_channel("127.0.0.1", port, 1, 2)
     sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
     assert len(sender.plan) > 3  # several buckets; layers span bucket boundaries
@@ -287,7 +288,7 @@ def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tin
                     p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
     port = free_port()
-    opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+    opened = _thread(CH.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
     engine.join_weight_channel("127.0.0.1", port, 1, 2)
     channel = opened()
 
@@ -365,7 +366,7 @@ def test_stuck_worker_call_fails_within_the_deadline_and_stops_the_engine(engine
     try:
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
         port = free_port()
-        opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
+        opened = _thread(CH.open_channel, "gloo", "127.0.0.1", port, 0, 2, CPU)
         engine.timeout_s = 120
         engine.join_weight_channel("127.0.0.1", port, 1, 2)
         policy = torch.nn.Linear(4, 4)

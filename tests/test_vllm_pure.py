@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import channel as CH
 import model as M
 import rollout as R
 import sync as S
@@ -224,14 +225,14 @@ def test_environ_restored_undoes_edits(monkeypatch):
 
 def test_rendezvous_hides_torchrun_agent_store(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    with S._without_agent_store():
+    with CH._without_agent_store():
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
 
 
 def test_unknown_communicator_is_refused_before_any_rendezvous():
     with pytest.raises(ValueError, match="unknown communicator"):
-        S.open_channel("mpi", "127.0.0.1", 1, 0, 2, torch.device("cpu"))
+        CH.open_channel("mpi", "127.0.0.1", 1, 0, 2, torch.device("cpu"))
 
 
 def test_process_hook_is_identity_and_unpickles_through_the_patch():

@@ -15,6 +15,7 @@ from tests.test_vllm import (CPU, MAX_PX, MIN_PX, _max_diff, _perturb,  # noqa: 
                              _problems, _prompts, _thread, tiny, world)
 from tests.util import free_port  # noqa: E402
 
+import channel as CH  # noqa: E402
 import config as C  # noqa: E402
 import model as M  # noqa: E402
 import rollout as R  # noqa: E402
@@ -57,8 +58,8 @@ def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, mon
     assert _max_diff(original, tiny, problems, prompts, out, 1.0) <= 1e-4
 
     port = free_port()
-    size = 1 + 1 * 2  # trainer rank 0 + one engine of two workers (sync.open_engine_channel)
-    opened = _thread(S.open_channel, "gloo", "127.0.0.1", port, 0, size, CPU)
+    size = 1 + 1 * 2  # trainer rank 0 + one engine of two workers (channel.open_engine_channel)
+    opened = _thread(CH.open_channel, "gloo", "127.0.0.1", port, 0, size, CPU)
     tp_engine.join_weight_channel("127.0.0.1", port, 1, size)
     sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=opened())
     assert len(sender.plan) > 3  # layers span buckets: the reload buffers them across buckets

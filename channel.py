@@ -1,0 +1,246 @@
+"""The engines' own weight channel: trainer rank 0 and every vLLM worker join a communicator
+outside torch's global world (the trainers' torch.distributed holds the torchrun world), gloo /
+PyNccl / PyHccl by `device.Device.comm`, opened once at start-up (:func:`open_engine_channel`).
+The bucket protocol that runs over it is sync.py's; :func:`check_channel` is `--check-channel`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import device as D
+from errors import ConfigError
+from sync import TorchChannel, fan_out
+
+
+class _StreamWork:
+    """`.wait()` for a collective enqueued on `stream`: its completion event is recorded on that
+    same stream object (not on whatever stream is current in the calling thread).
+
+    `deadline_s`: PyNccl / PyHccl have no watchdog, so a peer that never joins a broadcast would
+    block `wait()` forever; with a deadline it raises instead (the run's failure path then stops
+    every rank)."""
+
+    def __init__(self, stream, deadline_s: float | None = None):
+        self.event = stream.record_event()
+        self.deadline_s = deadline_s
+
+    def wait(self) -> None:
+        if self.deadline_s is None:
+            self.event.synchronize()
+            return
+        end = time.monotonic() + self.deadline_s
+        while not self.event.query():
+            if time.monotonic() > end:
+                raise RuntimeError(f"weight channel: a broadcast did not complete within "
+                                   f"{self.deadline_s:.0f} s (a peer is stuck or dead)")
+            time.sleep(0.0002)
+
+
+class CommChannel:
+    """Broadcast from this channel's rank 0 (trainer rank 0) to every vLLM worker.
+
+    The same object on both sides: `broadcast(buf)` sends `buf` on rank 0 and receives into it
+    elsewhere; every member calls it for every bucket, in the same order. With a PyNccl/PyHccl
+    communicator the broadcasts run on the channel's own side stream, passed explicitly (their
+    default is each library's own notion of the current stream, which need not be torch's), so
+    the broadcast of one bucket overlaps the packing or loading of the next.
+    """
+
+    def __init__(self, group, comm=None, stream=None, deadline_s: float | None = None):
+        self.group, self.comm = group, comm  # comm: PyNccl/PyHccl communicator; None: gloo group
+        self.stream, self.deadline_s = stream, deadline_s
+
+    def broadcast(self, buf: torch.Tensor):
+        if self.comm is None:
+            return fan_out(self.group, buf)     # gloo; root = rank 0 within this group
+        # `buf` was just written (sender: pack) or its previous contents read (receiver: the
+        # loader) on this thread's current stream: the side stream waits for that work first.
+        self.stream.wait_stream(D.current_stream(buf.device))
+        self.comm.broadcast(buf, src=0, stream=self.stream)
+        return _StreamWork(self.stream, self.deadline_s)
+
+
+@contextlib.contextmanager
+def _without_agent_store():
+    # torchrun sets TORCHELASTIC_USE_AGENT_STORE=True; torch's tcp:// rendezvous then makes
+    # every rank a client of a store torchrun's agent hosts at that address: nobody serves it.
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
+def _stateless_group(host: str, port: int, rank: int, world_size: int, listen_socket=None):
+    from vllm.distributed.utils import StatelessProcessGroup
+    return StatelessProcessGroup.create(host, port, rank, world_size, listen_socket=listen_socket)
+
+
+def _stateless_gloo(host: str, port: int, rank: int, world_size: int, listen_socket=None):
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, "gloo",
+                                                          listen_socket=listen_socket)
+
+
+def _communicator_class(comm: str):
+    if comm == "pynccl":
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        return PyNcclCommunicator
+    from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator
+    return PyHcclCommunicator
+
+
+def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
+                 device: torch.device, *, listen_socket=None,
+                 deadline_s: float | None = None) -> CommChannel:
+    """Join the weight channel: `comm` "gloo" (CPU), "pynccl" (CUDA) or "pyhccl" (Ascend).
+
+    Rank 0 (trainer rank 0) hosts the rendezvous at host:port, on `listen_socket` when given
+    (already bound and listening: see :func:`listen`); all `world_size` members must call this
+    concurrently (it blocks until they have). Nothing in torch's global state changes: the
+    communicator is built inside a stream context on the channel's side stream, so PyNccl's
+    constructor does not make a new stream this thread's current one. `deadline_s` bounds every
+    broadcast's wait (see _StreamWork).
+    """
+    if comm not in ("gloo", "pynccl", "pyhccl"):
+        raise ValueError(f"weight channel: unknown communicator {comm!r} (gloo | pynccl | pyhccl)")
+    with _without_agent_store():
+        if comm == "gloo":
+            return CommChannel(_stateless_gloo(host, port, rank, world_size, listen_socket))
+        group = _stateless_group(host, port, rank, world_size, listen_socket)
+    stream = D.new_stream(device)
+    with D.stream_context(stream):
+        communicator = _communicator_class(comm)(group, device=device)
+    if communicator.disabled:  # its broadcast would then return without moving a byte
+        raise RuntimeError(f"weight channel: {comm} is unavailable (world_size={world_size}, "
+                           "or the NCCL/HCCL library was not found)")
+    return CommChannel(group, communicator, stream, deadline_s)
+
+
+def listen(port: int) -> socket.socket:
+    """Trainer rank 0's listening socket for the weight channel's rendezvous, on every interface,
+    at `port` (`[sync] channel_port`; 0: one the OS picks). Bound here and handed to vLLM's
+    helpers, so the port announced is the one that listens (no probe-then-bind race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("", port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"sync.channel_port={port}: cannot listen on it ({e.strerror}); "
+                           "pick a free port or 0") from None
+    sock.listen()
+    return sock
+
+
+def vllm_log_level(verbose: bool) -> None:
+    """vLLM's log level for this process and the ones it starts, read when vLLM is first
+    imported: warnings only unless `verbose` (run.verbose; INFO is 75 of the 104 lines of the CPU
+    vLLM demo). A level the user set (VLLM_LOGGING_LEVEL) stays."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+
+
+def open_engine_channel(world, comm: str, engine, members_per_engine: int,
+                        device: torch.device, *, port: int = 0, timeout_s: float | None = None,
+                        verbose: bool = False) -> CommChannel | None:
+    """Trainer rank 0 and the workers of every engine whose `OWN_CHANNEL` is set join one
+    communicator (`comm`: gloo / pynccl / pyhccl, by device), once, at start-up. Collective over
+    the world. Trainer rank 0 listens on `port` (0: any free one) and announces MASTER_ADDR and
+    the port to the others over the world's gloo group: every generation node must reach
+    MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns trainer
+    rank 0's end (None elsewhere); engines keep theirs. `verbose`: vLLM's INFO lines on trainer
+    rank 0 too (its end of the channel imports vLLM)."""
+    vllm_log_level(verbose)
+    size = 1 + len(world.gens) * members_per_engine
+    sock = listen(port) if world.is_root else None
+    addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]] if world.is_root
+            else [None, None])
+    dist.broadcast_object_list(addr, 0, group=world.ctrl)
+    host, port = addr
+    if world.size == 1:  # both ends in this process: the engine joins from a thread
+        t = threading.Thread(target=engine.join_weight_channel, args=(host, port, 1, size))
+        t.start()
+        chan = open_channel(comm, host, port, 0, size, device, listen_socket=sock,
+                            deadline_s=timeout_s)
+        t.join()
+        return chan
+    if world.is_gen:
+        engine.join_weight_channel(host, port, 1 + world.gen_index * members_per_engine, size)
+        return None
+    return (open_channel(comm, host, port, 0, size, device, listen_socket=sock,
+                         deadline_s=timeout_s) if world.is_root else None)
+
+
+def check_channel(world, dev: D.Device, sc, timeout_s: float | None = None) -> int:
+    """`train.py --check-channel`: the weight channel alone, before a long run. Trainer rank 0
+    broadcasts one bucket of `bucket_mb` (`[sync]` sc) to every generation rank twice (the first
+    includes the device library's own connection set-up) and rank 0 prints one JSON line;
+    every receiver checks the bytes. Returns the exit code (0: every generation rank got them).
+
+    With `world.own_channel` (vLLM) it is the engines' communicator (gloo / PyNccl / PyHccl, by
+    device) opened as vLLM's workers open it, on `channel_port` of MASTER_ADDR, but from each
+    generation rank itself on its engine's first device (world.setup(claim_engine_devices=True)),
+    so no engine starts; otherwise the torch sync group the HF engines receive over. Collective
+    over the world; destroys the process group at the end.
+    """
+    if world.size == 1:
+        raise ConfigError("--check-channel needs generation ranks besides trainer rank 0 (2+ ranks)")
+    device = D.current_device(dev)
+    member = world.is_root or world.is_gen
+    t0 = time.monotonic()
+    if world.own_channel:
+        sock = listen(sc.channel_port) if world.is_root else None
+        addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]]
+                if world.is_root else [None, None])
+        dist.broadcast_object_list(addr, 0, group=world.ctrl)
+        channel = (open_channel(dev.comm, addr[0], addr[1], 1 + world.gen_index if world.is_gen else 0,
+                                1 + len(world.gens), device, listen_socket=sock, deadline_s=timeout_s)
+                   if member else None)
+        what = f"{dev.comm} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+    else:
+        channel = TorchChannel(world.sync_group, 0) if member else None
+        what = "the torch sync group (the hf engines' channel)"
+    mine = None
+    n = max(8, int(sc.bucket_mb * 2**20) // 8 * 8)
+    if member:
+        expect = torch.arange(n // 8, dtype=torch.int64, device=device).view(torch.uint8)
+        buf = expect.clone() if world.is_root else torch.zeros(n, dtype=torch.uint8, device=device)
+        mine = {"rank": world.rank, "open_s": time.monotonic() - t0}
+    for key in ("first_s", "broadcast_s"):
+        dist.barrier(group=world.ctrl)  # every member starts together
+        if member:
+            if not world.is_root:
+                buf.zero_()
+            t = time.monotonic()
+            channel.broadcast(buf).wait()
+            D.synchronize(dev)  # an NCCL/HCCL work's wait() only orders the current stream
+            mine[key] = time.monotonic() - t
+            mine["ok"] = mine.get("ok", True) and bool(torch.equal(buf, expect))
+    got: list = [None] * world.size
+    dist.all_gather_object(got, mine, group=world.ctrl)
+    rows = [g for g in got if g is not None]
+    bad = [r["rank"] for r in rows if not r["ok"]]
+    if world.is_root:
+        slow = max(r["broadcast_s"] for r in rows)
+        print(json.dumps({"check": "weight channel", "ok": not bad, "channel": what,
+                          "from": "trainer rank 0", "to": list(world.gens), "bytes": n,
+                          "open_s": round(max(r["open_s"] for r in rows), 3),
+                          "first_s": round(max(r["first_s"] for r in rows), 4),
+                          "broadcast_s": round(slow, 4), "gb_per_s": round(n / slow / 1e9, 3),
+                          "per_rank": [{k: round(v, 4) if isinstance(v, float) else v
+                                        for k, v in r.items()} for r in rows]}), flush=True)
+        if bad:
+            print(f"error: weight channel check: rank(s) {bad} received other bytes than trainer "
+                  f"rank 0 sent", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    return 1 if bad else 0
