@@ -17,13 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import data
-import loss
-from data import DEFAULT_TEMPLATE
-from errors import ConfigError, NodeConfigError  # noqa: F401  (config.ConfigError for callers)
+from errors import ConfigError
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.aggregate
+KL_ESTIMATORS = ("k1", "k2", "k3")   # loss.kl_penalty
+ADVANTAGES = ("grpo", "rloo")        # loss.group_advantages
+ENGINES = ("hf", "vllm")             # rollout.engine_class
+DEFAULT_TEMPLATE = (
+    "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
+    "the final answer in <answer> </answer> tags."
+)
 PREFIX_CACHING = ("auto", "on", "off")
 TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
 
@@ -55,6 +60,15 @@ def check_ranges(cfg: "Config") -> None:
             value = getattr(sub, f.name)
             if rule is not None and not in_range(value, rule):
                 raise ConfigError(f"{sec.name}.{f.name} must be {_describe(rule)}, got {value!r}")
+
+
+def check_value(key: str, value: Any, default: Any, rule: str | None = None) -> Any:
+    """A key declared outside this tree (an objective's or filter's, registry.Key): `value` of
+    the type of `default` and within `rule`, or a one-line ConfigError naming `key`."""
+    value = _check_type(key, value, type(default))
+    if rule is not None and not in_range(value, rule):
+        raise ConfigError(f"{key} must be {_describe(rule)}, got {value!r}")
+    return value
 
 
 def _describe(rule: str) -> str:
@@ -89,7 +103,7 @@ class ClusterConfig:
 @dataclass
 class ModelConfig:
     # HF folder or hub id of any family in families.py (config.json's model_type); "tiny" builds a
-    # random tiny Qwen2.5-VL in the run folder, "tiny-<model_type>" one of that family
+    # random tiny model of families.DEFAULT_TINY in the run folder, "tiny-<model_type>" one of that family
     path: str = "tiny"
     dtype: str = "float32"                   # the engines' weights and the sync transport: float32 | bfloat16
     min_pixels: int = num(56 * 56, ">= 1")   # image pixel bounds, shared by the trainer's processor and every engine
@@ -120,8 +134,8 @@ class DataConfig:
     image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
     template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers)
     # The prompt is rendered by the model's own chat template (tokenizer / processor): an empty
-    # system_prompt keeps the template's own behaviour (Qwen2-VL / Qwen2.5 add a default system
-    # turn, Qwen3 ones none); enable_thinking is passed to templates that read it (Qwen3), unset =
+    # system_prompt keeps the template's own behaviour (some families' templates add a default
+    # system turn, others none); enable_thinking is passed to templates that read it, unset =
     # the template's default.
     system_prompt: str = ""
     enable_thinking: bool | None = None
@@ -148,7 +162,7 @@ class RolloutConfig:
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
     # vllm: share a prompt's KV among its G samples. "auto": on, except for a model with
-    # linear-attention layers (Qwen3.5), where vLLM 0.23 caches the recurrent state only through
+    # linear-attention layers (families.py), where vLLM 0.23 caches the recurrent state only through
     # its experimental mamba "align" mode (vllm_engine.prefix_caching says which, once at start).
     prefix_caching: str = "auto"             # auto | on | off
     # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
@@ -193,12 +207,14 @@ class TrainConfig:
 
 @dataclass
 class LossConfig:
-    clip_low: float = num(0.2, ">= 0")       # PPO clip: rho >= 1 - clip_low
-    clip_high: float = num(0.28, ">= 0")     # rho <= 1 + clip_high (DAPO's clip-higher)
+    # The objective's and the response filters' own keys (clip_low, clip_high, clip_dual, ...)
+    # are declared beside their functions (loss.py, or a module of loss.plugins) and written in
+    # [loss] like these; they are kept in `params`, read as attributes, and checked against their
+    # owner once (registry.check, from train.py).
     aggregation: str = "token-mean"          # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     scale_by_std: bool = True                # False: Dr. GRPO advantages r - mean (advantage = "grpo" only)
     advantage: str = "grpo"                  # grpo | rloo (r_i - mean of the other G-1; never std-scaled)
-    objective: str = "ppo"                   # ppo (token clip) | gspo (sequence ratio) | cispo (clipped IS weight)
+    objective: str = "ppo"                   # ppo (token clip) | gspo (sequence ratio) | cispo (clipped IS weight) | a plugin's
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
@@ -210,11 +226,19 @@ class LossConfig:
     # KL per token, over a horizon counted in responses; kl_target 0: fixed coefficient.
     kl_target: float = num(0.0, ">= 0")
     kl_horizon: int = num(10000, ">= 1")     # verl and OpenRLHF default 10000
-    clip_dual: float = num(0.0, ">= 0")      # ppo: dual-clip cap c > 1 for A < 0 (verl clip_ratio_c: 3); 0 off
     entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= coef x aggregated entropy (verl entropy_coeff)
     tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
+    filters: list = field(default_factory=list)  # response filters by name, in order (registry.response_filter)
+    plugins: list = field(default_factory=list)  # modules (names or .py paths) with more objectives / filters
+    params: dict = field(default_factory=dict)   # the parts' own keys, as [loss] keys (see above)
+
+    def __getattr__(self, key: str) -> Any:  # only for names that are not fields: a part's key
+        params = self.__dict__.get("params", {})
+        if key in params:
+            return params[key]
+        raise AttributeError(f"[loss] has no key {key!r}")
 
 
 @dataclass
@@ -285,6 +309,10 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
         raise ConfigError(f"unknown config section [{section}] (known: "
                           f"{', '.join(f.name for f in dataclasses.fields(Config))})")
     hints = typing.get_type_hints(type(sub))
+    hints.pop("params", None)
+    if key not in hints and isinstance(sub, LossConfig):  # a part's key: registry.check owns it
+        sub.params[key] = value
+        return
     if key not in hints:
         raise ConfigError(f"unknown config key {section}.{key}")
     setattr(sub, key, _check_type(f"{section}.{key}", value, hints[key]))
@@ -342,23 +370,17 @@ def validate(cfg: Config) -> None:
     need(cfg.model.min_pixels <= cfg.model.max_pixels,
          f"model.min_pixels ({cfg.model.min_pixels}) must be <= model.max_pixels "
          f"({cfg.model.max_pixels})")
-    need(ro.engine in ("hf", "vllm"), f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
+    need(ro.engine in ENGINES, f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
     check_lora(cfg.model)
-    need(lo.aggregation in loss.AGGREGATIONS,
-         f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(loss.AGGREGATIONS)})")
-    need(lo.kl_estimator in loss.KL_ESTIMATORS,
-         f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(loss.KL_ESTIMATORS)})")
-    need(lo.objective in loss.OBJECTIVES,
-         f"loss.objective: unknown {lo.objective!r} (known: {', '.join(loss.OBJECTIVES)})")
-    need(lo.advantage in loss.ADVANTAGES,
-         f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(loss.ADVANTAGES)})")
+    need(lo.aggregation in AGGREGATIONS,
+         f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(AGGREGATIONS)})")
+    need(lo.kl_estimator in KL_ESTIMATORS,
+         f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
+    need(lo.advantage in ADVANTAGES,
+         f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(ADVANTAGES)})")
     need(not (cfg.model.lora_rank and cfg.train.ref_update_every),
          "train.ref_update_every: with LoRA (model.lora_rank > 0) the reference is the frozen base "
          "(the policy with its adapters off), which cannot move; use 0 or train every parameter")
-    need(lo.clip_dual == 0 or lo.clip_dual > 1,
-         f"loss.clip_dual must be > 1 (the dual-clip cap, verl's clip_ratio_c; 0 = off), got {lo.clip_dual}")
-    need(lo.clip_dual == 0 or lo.objective not in ("gspo", "cispo"),
-         f"loss.clip_dual: objective {lo.objective!r} has no dual clip (dual clip belongs to objective 'ppo')")
     for key, on in (("loss.kl_in_reward", lo.kl_in_reward), ("loss.kl_target", lo.kl_target > 0),
                     ("train.ref_update_every", cfg.train.ref_update_every > 0)):
         need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
@@ -393,15 +415,9 @@ def validate(cfg: Config) -> None:
         for i, spec in enumerate(specs):
             need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
                  f"{key}[{i}]: expected a table with a 'name', got {spec!r}")
-            import rewards
-            need(spec["name"] in rewards.names(),
-                 f"{key}[{i}].name: unknown reward {spec['name']!r} (known: {rewards.names()})")
             w = spec.get("weight", 1.0)  # a nan or inf weight would make every reward non-finite
             need(type(w) in (int, float) and math.isfinite(w),
                  f"{key}[{i}].weight must be a finite number, got {w!r}")
-    check_model_path(cfg.model.path)
-    need(not data.source_problem(cfg.data.source),
-         f"data.source: {data.source_problem(cfg.data.source)}")
 
 
 def check_lora(mc: ModelConfig) -> None:
@@ -419,26 +435,11 @@ def check_lora(mc: ModelConfig) -> None:
                           "ratio and logprob_diff/max compare them); keep it 0")
 
 
-def check_model_path(path: str) -> None:
-    """`model.path` names a family of the table: a tiny one ("tiny-<model_type>"), or a local
-    folder whose config.json says its model_type (a hub id is checked once downloaded)."""
-    import families as F
-    kind = F.tiny_type(path)
-    if kind is not None:
-        if kind not in F.FAMILIES:
-            raise ConfigError(f"model.path={path}: no tiny model of {kind!r} (known: tiny, "
-                              f"{', '.join('tiny-' + t for t in F.supported())})")
-        return
-    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
-        raise ConfigError(f"model.path: no such folder {path}")
-    kind = F.model_type_of(Path(path).expanduser())
-    if kind and kind not in F.FAMILIES:
-        raise ConfigError(f"model.path={path}: model_type {kind!r} is not a supported family "
-                          f"(supported: {', '.join(F.supported())})")
-
-
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The tree as plain data, a part's `[loss]` keys beside the section's own."""
+    out = dataclasses.asdict(cfg)
+    out["loss"].update(out["loss"].pop("params"))
+    return out
 
 
 def dump_toml(cfg: Config) -> str:
@@ -492,9 +493,9 @@ def lookup(tree: dict, dotted: str, default: Any = None) -> Any:
     return tree.get(section, {}).get(key, default)
 
 
-def all_keys() -> tuple[str, ...]:
-    """Every `section.key` of the config tree."""
-    return tuple(f"{s}.{k}" for s, table in to_dict(Config()).items() for k in table)
+def all_keys(cfg: Config | None = None) -> tuple[str, ...]:
+    """Every `section.key` of the config tree (`cfg`'s: with its parts' keys)."""
+    return tuple(f"{s}.{k}" for s, table in to_dict(cfg or Config()).items() for k in table)
 
 
 def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
@@ -503,9 +504,10 @@ def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[st
     now, defaults = to_dict(new), to_dict(Config())
     out = []
     for k in keys:
-        if lookup(defaults, k, KeyError) is KeyError:  # not a key of this version
+        if lookup(now, k, KeyError) is KeyError:  # not a key of this version (or of its parts)
             continue
-        before, after = lookup(old, k, lookup(defaults, k)), lookup(now, k)
+        after = lookup(now, k)
+        before = lookup(old, k, lookup(defaults, k, after))
         if before != after:
             out.append((k, before, after))
     return out

@@ -27,13 +27,11 @@ masked responses in its sequence counts; here a dropped response never dilutes t
 The convention holds for every objective: GSPO's sequence ratio of an excluded response is
 never formed from its tokens (its mask is zero), and it adds nothing to any denominator.
 
-A new objective is one function registered with ``@objective("name")`` (as reward functions
-are with ``rewards.register``): ``fn(logprobs, old_logprobs, advantages, mask, lc) -> Term``, where
-``lc`` is the ``[loss]`` section (``config.LossConfig``, or a subclass carrying the objective's own
-keys), read as the function likes. :func:`policy_loss` passes the section through unchanged and
-composes the term with TIS, :func:`kl_penalty`, the entropy bonus and :func:`aggregate`, so a new
-objective with a new key is one function plus one config field, with no edit to
-:func:`policy_loss` or to the trainer's call.
+A new objective is one function registered with its own keys beside it,
+``@registry.objective("name", keys={...})`` (here or in a module of ``loss.plugins``):
+``fn(logprobs, old_logprobs, advantages, mask, p) -> Term`` with ``p`` its keys.
+:func:`policy_loss` composes the term with TIS, :func:`kl_penalty`, the entropy bonus and
+:func:`aggregate`; the trainer logs the term's metrics as they come (``train/<name>``).
 
 Built in on top of the clipped surrogate: dual-clip PPO (``clip_dual``, verl's ``clip_ratio_c``,
 EasyR1's ``clip_ratio_dual``; off by default here, where verl and EasyR1 default to 3) and an
@@ -49,15 +47,16 @@ independent implementation matches to rounding). The KL clamp is opt-in (``kl_cl
 """
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGES = ("grpo", "rloo")
+import config as C
+from config import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
+from registry import OBJECTIVES, Key, objective
 
 
 # --------------------------------------------------------------------------- advantages
@@ -170,48 +169,41 @@ def tis_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> 
 
 # --------------------------------------------------------------------------- objectives
 class Term(NamedTuple):
-    """What an objective returns. The flags feed ``train/clip_frac_low`` / ``_high`` /
-    ``_dual``: the share of (kept) response tokens where that bound changes the gradient."""
-    loss: Tensor                     # [B, T] per-token loss, before TIS, KL and entropy terms
-    ratio: Tensor                    # [B, T] the ratio it clips (train/ratio_mean)
-    clip_low: Tensor                 # bool [B, T]: the lower bound is active
-    clip_high: Tensor                # bool [B, T]: the upper bound is active
-    clip_dual: Tensor | None = None  # bool [B, T]: dual-clip's cap is active (None: no such bound)
+    """What an objective returns: the per-token loss ``[B, T]`` (before TIS, KL and entropy), the
+    ratio it clips ``[B, T]`` (train/ratio_mean), and per-token metrics ``{name: [B, T]}`` whose
+    mean over the kept tokens is logged as ``train/<name>`` (the built-ins: the clip flags, the
+    share of tokens where a bound changes the gradient)."""
+    loss: Tensor
+    ratio: Tensor
+    metrics: dict = {}
 
 
-Objective = Callable[[Tensor, Tensor, Tensor, Tensor, Any], Term]
-OBJECTIVES: dict[str, Objective] = {}
+CLIP = {"clip_low": Key(0.2, ">= 0"),     # rho >= 1 - clip_low
+        "clip_high": Key(0.28, ">= 0")}   # rho <= 1 + clip_high (DAPO's clip-higher)
 
 
-def objective(name: str) -> Callable[[Objective], Objective]:
-    """Register ``fn(logprobs, old_logprobs, advantages, mask, lc) -> Term`` as ``loss.objective
-    = name``. ``lc`` is the ``[loss]`` section as :func:`policy_loss` received it (with any
-    keyword overrides); the function reads its own keys from it. A fork adds an objective with a
-    key of its own by this function plus the key's field in ``config.LossConfig`` (or a
-    subclass of it); nothing else changes."""
-    def register(fn: Objective) -> Objective:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} registered twice")
-        OBJECTIVES[name] = fn
-        return fn
-    return register
+def _dual_rule(p) -> str | None:
+    c = p.clip_dual
+    return (None if c == 0 or c > 1 else
+            f"clip_dual must be > 1 (the dual-clip cap, verl's clip_ratio_c; 0 = off), got {c}")
 
 
-def _clip_bounds(lc) -> tuple[float, float]:
-    if lc.clip_low < 0 or lc.clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {lc.clip_low}, {lc.clip_high}")
-    return lc.clip_low, lc.clip_high
+def _clip_bounds(p) -> tuple[float, float]:
+    if p.clip_low < 0 or p.clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {p.clip_low}, {p.clip_high}")
+    return p.clip_low, p.clip_high
 
 
 def _signed_clips(ratio: Tensor, advantages: Tensor, clip_low: float,
-                  clip_high: float) -> tuple[Tensor, Tensor]:
+                  clip_high: float) -> dict[str, Tensor]:
     a = advantages.unsqueeze(-1)
-    return (a < 0) & (ratio < 1.0 - clip_low), (a > 0) & (ratio > 1.0 + clip_high)
+    return {"clip_frac_low": (a < 0) & (ratio < 1.0 - clip_low),
+            "clip_frac_high": (a > 0) & (ratio > 1.0 + clip_high)}
 
 
-@objective("ppo")
+@objective("ppo", keys={**CLIP, "clip_dual": Key(0.0, ">= 0")}, check=_dual_rule)
 def ppo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-             lc) -> Term:
+             p) -> Term:
     """Objective "ppo": :func:`clipped_pg`, the token-level clipped surrogate (PPO, GRPO, DAPO),
     with dual clip when ``lc.clip_dual > 1``. Keys: ``clip_low``, ``clip_high``, ``clip_dual``.
 
@@ -220,22 +212,22 @@ def ppo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
     where ``A < 0`` and the cap ``-A * c`` is below the clipped loss (verl's
     ``pg_clipfrac_lower``). ``mask`` is unused (the term is per token).
     """
-    clip_low, clip_high = _clip_bounds(lc)
-    c = lc.clip_dual
-    if c < 0 or 0 < c <= 1:
-        raise ValueError(f"clip_dual must be > 1 (verl's clip_ratio_c; 0 = off), got {c}")
+    clip_low, clip_high = _clip_bounds(p)
+    c = p.clip_dual
+    if c < 0 or _dual_rule(p):
+        raise ValueError(_dual_rule(p) or f"clip_dual must be >= 0, got {c}")
     loss, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high, c)
-    dual = None
-    if c:
+    flags = _signed_clips(ratio, advantages, clip_low, clip_high)
+    if c:  # dual clip's cap is active (reported only when it is on)
         a = advantages.unsqueeze(-1)
         clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        dual = (a < 0) & (-torch.minimum(ratio * a, clipped * a) > -a * c)
-    return Term(loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high), dual)
+        flags["clip_frac_dual"] = (a < 0) & (-torch.minimum(ratio * a, clipped * a) > -a * c)
+    return Term(loss, ratio, flags)
 
 
-@objective("gspo")
+@objective("gspo", keys=CLIP)
 def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-              lc) -> Term:
+              p) -> Term:
     """Objective "gspo" (Zheng et al. 2025, Group Sequence Policy Optimization). Keys:
     ``clip_low``, ``clip_high``.
 
@@ -257,7 +249,7 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     response, so ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence
     (verl counts per token like this; TRL counts sequences).
     """
-    clip_low, clip_high = _clip_bounds(lc)
+    clip_low, clip_high = _clip_bounds(p)
     m = mask.to(logprobs.dtype)
     diff = torch.where(m > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
     seq_ratio = torch.exp(diff.sum(-1) / m.sum(-1).clamp(min=1.0))        # [B]
@@ -265,12 +257,12 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     per_seq = -torch.minimum(seq_ratio * advantages, clipped * advantages)  # [B]
     ratio = seq_ratio.unsqueeze(-1).expand_as(logprobs)                   # [B, T]
     loss = per_seq.unsqueeze(-1).expand_as(logprobs)
-    return Term(loss, ratio, *_signed_clips(ratio, advantages, clip_low, clip_high))
+    return Term(loss, ratio, _signed_clips(ratio, advantages, clip_low, clip_high))
 
 
-@objective("cispo")
+@objective("cispo", keys=CLIP)
 def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-               lc) -> Term:
+               p) -> Term:
     """Objective "cispo" (MiniMax-M1, Clipped IS-weight Policy Optimization). Keys:
     ``clip_low``, ``clip_high``.
 
@@ -288,11 +280,12 @@ def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
     gradient of both signs): low ``rho < 1 - clip_low``, high ``rho > 1 + clip_high``. (TRL
     counts only ``A > 0`` above its cap; verl counts both bounds together.)
     """
-    clip_low, clip_high = _clip_bounds(lc)
+    clip_low, clip_high = _clip_bounds(p)
     ratio = torch.exp(logprobs - old_logprobs)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
     loss = -weight * advantages.unsqueeze(-1) * logprobs
-    return Term(loss, ratio, ratio < 1.0 - clip_low, ratio > 1.0 + clip_high)
+    return Term(loss, ratio, {"clip_frac_low": ratio < 1.0 - clip_low,
+                              "clip_frac_high": ratio > 1.0 + clip_high})
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
@@ -441,33 +434,38 @@ def _check_aggregation(aggregation: str, max_response_len: int | None) -> None:
 
 
 # --------------------------------------------------------------------------- the loss
-# The [loss] keys policy_loss and the built-in objectives read, with config.LossConfig's
-# defaults (a test keeps the two equal): used when no section is passed (tests, scripts).
-DEFAULTS = {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": 0.0, "aggregation": "token-mean",
-            "objective": "ppo", "kl_coef": 0.0, "kl_estimator": "k3", "kl_clamp": 0.0,
-            "tis_cap": 0.0, "entropy_coef": 0.0}
-
-
-class _Overridden:
-    """A section with some keys replaced (policy_loss's keyword knobs), read like the section."""
-
-    def __init__(self, base: Any, over: dict[str, Any]):
-        self._base, self._over = base, over
-
-    def __getattr__(self, key: str) -> Any:
-        over = self.__dict__["_over"]
-        return over[key] if key in over else getattr(self.__dict__["_base"], key)
-
-
-def section(lc: Any = None, **knobs: Any) -> Any:
-    """The ``[loss]`` section ``lc`` (None: :data:`DEFAULTS`) with ``knobs`` replacing its keys.
-    A knob that is not a key of the section is a TypeError naming it (a misspelt key never
-    passes silently)."""
-    base = SimpleNamespace(**DEFAULTS) if lc is None else lc
-    unknown = sorted(k for k in knobs if not hasattr(base, k))
+def resolve(lc: Any = None, **knobs: Any) -> tuple[Any, Any]:
+    """(the ``[loss]`` section with ``knobs`` replacing its own keys, the objective's keys with
+    ``knobs`` replacing them). ``lc`` None: ``config.LossConfig()``'s defaults. A knob that is a
+    key of neither is a TypeError naming it (a misspelt key never passes silently)."""
+    lc = C.LossConfig() if lc is None else lc
+    part = OBJECTIVES.get(lc.objective if "objective" not in knobs else knobs["objective"])
+    if part is None:
+        raise ValueError(f"unknown objective {knobs.get('objective', lc.objective)!r}; "
+                         f"expected one of {tuple(OBJECTIVES)}")
+    own = {f.name for f in dataclasses.fields(lc)} - {"params"}
+    unknown = sorted(k for k in knobs if k not in own and k not in part.keys)
     if unknown:
-        raise TypeError(f"unknown [loss] key(s) {unknown}: not keys of {type(base).__name__}")
-    return _Overridden(base, knobs) if knobs else base
+        raise TypeError(f"unknown [loss] key(s) {unknown}: not keys of {type(lc).__name__} "
+                        f"nor of objective {part.name!r}")
+    general = SimpleNamespace(**{k: knobs.get(k, getattr(lc, k)) for k in own})
+    return general, part.params(lc, {k: v for k, v in knobs.items() if k in part.keys})
+
+
+def _check_knobs(k: Any, ref_logprobs: Tensor | None, behaviour_logprobs: Tensor | None,
+                 entropy: Tensor | None) -> None:
+    if k.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {k.kl_estimator!r}; "
+                         f"expected one of {KL_ESTIMATORS}")
+    for key in ("kl_coef", "kl_clamp", "entropy_coef", "tis_cap"):
+        if (getattr(k, key) or 0.0) < 0:
+            raise ValueError(f"{key} must be >= 0, got {getattr(k, key)}")
+    if k.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
+    if k.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy (each token's entropy, with its gradient)")
+    if k.tis_cap and behaviour_logprobs is None:
+        raise ValueError("tis_cap needs behaviour_logprobs (the engine's logprobs)")
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -477,11 +475,10 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                 **knobs: Any) -> tuple[Tensor, dict[str, float]]:
     """GRPO / Dr. GRPO / DAPO / GSPO / CISPO policy loss and its metrics.
 
-    Knobs: ``lc`` is the ``[loss]`` section (``config.LossConfig`` or a subclass; None: the
-    defaults, :data:`DEFAULTS`); keyword ``knobs`` replace its keys for this call (the trainer
-    passes the step's KL coefficient as ``kl_coef``; tests write ``clip_low=0.1``). The objective
-    ``objective`` (:data:`OBJECTIVES`) receives the section with the replacements and reads its
-    own keys from it.
+    Knobs: ``lc`` is the ``[loss]`` section (``config.LossConfig``; None: its defaults); keyword
+    ``knobs`` replace its keys or the objective's for this call (the trainer passes the step's
+    KL coefficient as ``kl_coef``; tests write ``clip_low=0.1``); :func:`resolve`. The objective
+    (``registry.OBJECTIVES``) receives its own keys.
 
     Per token: ``l = term.loss * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
     kl_clamp) - entropy_coef * entropy``, where ``term`` is the objective's (:func:`ppo_term`,
@@ -505,41 +502,22 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL
     is only measured. ``behaviour_logprobs`` without ``tis_cap`` is ignored.
 
-    Metrics (floats, over this call's masked tokens, no grad): ``clip_frac_low``,
-    ``clip_frac_high`` and ``clip_frac_dual`` (share of tokens where the objective's low / high
-    clip, or dual-clip's cap, is active; see each term: for "ppo" A < 0 and rho < 1 - clip_low,
-    A > 0 and rho > 1 + clip_high), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from
+    Metrics (floats, over this call's masked tokens, no grad): the term's own (the built-ins:
+    ``clip_frac_low``, ``clip_frac_high``, and ``clip_frac_dual`` when dual clip is on: the share
+    of tokens where that bound is active, see each term), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from
     pi_old: ``rho - 1 - log rho``, per token for every objective), ``ratio_mean`` (the ratio the
     objective clips: per token, or GSPO's ``S_i`` on each of its tokens), ``tis_weight_mean``
     (1.0 when TIS is off), ``kl`` (mean ``kl_penalty`` to the reference as in the loss, clamp
     included; 0.0 without one), ``tokens`` (mask sum).
     """
-    k = section(lc, **knobs)
+    k, own = resolve(lc, **knobs)
     _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs, behaviour_logprobs,
                   entropy)
     _check_aggregation(k.aggregation, max_response_len)
-    if k.objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {k.objective!r}; expected one of {tuple(OBJECTIVES)}")
-    if k.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {k.kl_estimator!r}; "
-                         f"expected one of {KL_ESTIMATORS}")
-    if k.kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {k.kl_coef}")
-    if k.kl_clamp < 0:
-        raise ValueError(f"kl_clamp must be >= 0 (0 = off), got {k.kl_clamp}")
-    if k.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
-    if k.entropy_coef < 0:
-        raise ValueError(f"entropy_coef must be >= 0, got {k.entropy_coef}")
-    if k.entropy_coef > 0 and entropy is None:
-        raise ValueError("entropy_coef > 0 needs entropy (each token's entropy, with its gradient)")
+    _check_knobs(k, ref_logprobs, behaviour_logprobs, entropy)
     tis_cap = k.tis_cap or 0.0
-    if tis_cap < 0:
-        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
-    if tis_cap and behaviour_logprobs is None:
-        raise ValueError("tis_cap needs behaviour_logprobs (the engine's logprobs)")
 
-    term = Term(*OBJECTIVES[k.objective](logprobs, old_logprobs, advantages, mask, k))
+    term = Term(*OBJECTIVES[k.objective].fn(logprobs, old_logprobs, advantages, mask, own))
     per_token = term.loss
     weight = None
     if tis_cap:
@@ -561,11 +539,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         def mean(x: Tensor) -> float:
             return float((x * m).sum() / n) if n > 0 else 0.0
 
-        metrics = {
-            "clip_frac_low": mean(term.clip_low.to(m.dtype)),
-            "clip_frac_high": mean(term.clip_high.to(m.dtype)),
-            "clip_frac_dual": (mean(term.clip_dual.to(m.dtype)) if term.clip_dual is not None
-                               else 0.0),
+        metrics = {name: mean(x.to(m.dtype)) for name, x in term.metrics.items()}
+        metrics |= {
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
             "ratio_mean": mean(term.ratio),
             "tis_weight_mean": mean(weight) if weight is not None else 1.0,
@@ -573,6 +548,12 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             "tokens": float(n),
         }
     return loss, metrics
+
+
+def log_name(metric: str) -> str:
+    """The metrics.jsonl key of a :func:`policy_loss` metric: ``kl`` as it is, the others (every
+    term's own included) ``train/<name>``."""
+    return metric if metric == "kl" else f"train/{metric}"
 
 
 def _check_shapes(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,

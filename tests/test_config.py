@@ -6,6 +6,7 @@ import tomllib
 import pytest
 
 import config as C
+from train import load_config  # config.load + the checks of the modules config.py does not import
 import world as W
 from tests.util import ROOT
 
@@ -13,18 +14,18 @@ TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 def test_defaults_toml_and_overrides_precedence(tmp_path):
-    cfg = C.load(TINY)
+    cfg = load_config(TINY)
     assert cfg.rollout.group_size == 4 and cfg.run.out_dir == "runs/tiny"
-    cfg = C.load(TINY, ["--rollout.group_size=8", "--run.out_dir=/x/y", "--train.lr=1",
+    cfg = load_config(TINY, ["--rollout.group_size=8", "--run.out_dir=/x/y", "--train.lr=1",
                         "--sync.enabled=false", "--model.path=tiny"])
     assert cfg.rollout.group_size == 8 and cfg.run.out_dir == "/x/y"
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # int accepted for float
     assert cfg.sync.enabled is False
-    assert C.load(None).loss.clip_high == 0.28  # dataclass defaults without a file
+    assert load_config(None).loss.clip_high == 0.28  # dataclass defaults without a file
 
 
 def test_list_of_tables_override():
-    cfg = C.load(TINY, ['--reward.functions=[{name="target_fraction", weight=2.0}]'])
+    cfg = load_config(TINY, ['--reward.functions=[{name="target_fraction", weight=2.0}]'])
     assert cfg.reward.functions == [{"name": "target_fraction", "weight": 2.0}]
 
 
@@ -48,7 +49,7 @@ def test_list_of_tables_override():
 ])
 def test_bad_values_are_one_line_errors_naming_the_key(override, key):
     with pytest.raises(C.ConfigError) as e:
-        C.load(TINY, override)
+        load_config(TINY, override)
     msg = str(e.value)
     assert key in msg and "\n" not in msg
 
@@ -57,10 +58,10 @@ def test_unknown_key_in_toml(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[train]\nlearning_rate = 0.1\n")
     with pytest.raises(C.ConfigError, match="train.learning_rate"):
-        C.load(str(p))
+        load_config(str(p))
     p.write_text("[train\n")
     with pytest.raises(C.ConfigError, match="invalid TOML"):
-        C.load(str(p))
+        load_config(str(p))
 
 
 @pytest.mark.parametrize("world, over, key", [
@@ -69,22 +70,22 @@ def test_unknown_key_in_toml(tmp_path):
     (4, ["--cluster.gen_ranks=1"], "rollout.prompts_per_step * rollout.group_size"),  # 16 over 3
 ])
 def test_world_rules(world, over, key):
-    cfg = C.load(TINY, over)
+    cfg = load_config(TINY, over)
     with pytest.raises(C.ConfigError, match=key.replace("*", r"\*")):
         W.validate_world(cfg, world)
 
 
 def test_world_of_one_is_valid_whatever_gen_ranks():
-    W.validate_world(C.load(TINY, ["--cluster.gen_ranks=5"]), 1)
+    W.validate_world(load_config(TINY, ["--cluster.gen_ranks=5"]), 1)
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = C.load(TINY, ["--run.steps=7", '--data.template=Q: {problem} "quoted" \\boxed{}'])
+    cfg = load_config(TINY, ["--run.steps=7", '--data.template=Q: {problem} "quoted" \\boxed{}'])
     text = C.dump_toml(cfg)
     tomllib.loads(text)  # valid TOML
     p = tmp_path / "resolved.toml"
     p.write_text(text)
-    assert C.to_dict(C.load(str(p))) == C.to_dict(cfg)
+    assert C.to_dict(load_config(str(p))) == C.to_dict(cfg)
 
 
 def test_every_numeric_key_declares_its_range():
@@ -109,7 +110,7 @@ def test_every_numeric_key_declares_its_range():
 ])
 def test_numeric_ranges_are_checked_at_load(override, msg):
     with pytest.raises(C.ConfigError) as e:
-        C.load(TINY, [override])
+        load_config(TINY, [override])
     assert str(e.value) == msg or str(e.value).startswith(msg)
 
 
@@ -120,16 +121,16 @@ def test_in_range_rules():
 
 
 def test_device_aware_world_rules(monkeypatch):
-    vllm = C.load(TINY, ["--rollout.engine=vllm"])
+    vllm = load_config(TINY, ["--rollout.engine=vllm"])
     for kind in ("cuda", "npu", "cuda|npu"):
         with pytest.raises(C.ConfigError, match=f"rollout.engine='vllm' in a world of 1 on {kind}"):
             W.validate_world(vllm, 1, kind)
     W.validate_world(vllm, 1, "cpu")   # CPU keeps it (tests, the demo)
     W.validate_world(vllm, 3, "cuda")
-    W.validate_world(C.load(TINY), 1, "cuda")  # the hf engine shares the device in-process
+    W.validate_world(load_config(TINY), 1, "cuda")  # the hf engine shares the device in-process
     with pytest.raises(C.ConfigError, match="rollout.tensor_parallel_size > 1 needs"):
-        C.load(TINY, ["--rollout.tensor_parallel_size=2"])
-    C.load(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=vllm"])
+        load_config(TINY, ["--rollout.tensor_parallel_size=2"])
+    load_config(TINY, ["--rollout.tensor_parallel_size=2", "--rollout.engine=vllm"])
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")  # NPU: checked against cluster.timeout_s
     with pytest.raises(C.ConfigError, match="HCCL_EXEC_TIMEOUT=3600 must be in"):
         W.validate_world(vllm, 3, "npu")
