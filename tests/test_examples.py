@@ -1,12 +1,14 @@
-"""Every example command in README.md and in the launch scripts' comments passes `--dry-run`.
+"""Every example command in README.md, in docs/*.md and in the launch scripts' comments passes
+`--dry-run`; the README stays a short page that links every docs page, and the links resolve.
 
-Commands are found, not listed here: README lines (code blocks and inline `code`) that start with
-`torchrun`, `python train.py`, `bash launch/...`, optionally after VAR=value assignments, and the
-same in the comment lines of launch/*.sh. A launch script runs for real with DRY_RUN=1 and a
-stand-in interpreter that records the train.py arguments and the environment it would get; the
-arguments then go through train.main(... --dry-run) in this process (the config, the device-aware
-checks and the rank plan), so a documented layout that does not divide (e.g. 128 episodes over 3
-trainers) fails here. The slow test runs each script's dry run with the real interpreter.
+Commands are found, not listed here: README and docs/*.md lines (code blocks and inline `code`)
+that start with `torchrun`, `python train.py`, `bash launch/...`, optionally after VAR=value
+assignments, and the same in the comment lines of launch/*.sh. A launch script runs for real
+with DRY_RUN=1 and a stand-in interpreter that records the train.py arguments and the environment
+it would get; the arguments then go through train.main(... --dry-run) in this process (the
+config, the device-aware checks and the rank plan), so a documented layout that does not divide
+(e.g. 128 episodes over 3 trainers) fails here. The slow test runs each script's dry run with
+the real interpreter.
 """
 from __future__ import annotations
 
@@ -36,14 +38,18 @@ def _joined(lines: list[str]) -> list[str]:
     return out
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def doc_commands(path=None) -> list[str]:
+    """The commands of one page, or of README.md and every docs/*.md page."""
     found = []
-    for line in _joined(text.splitlines()):
-        s = line.strip().removeprefix("$ ")
-        if START.match(s):
-            found.append(s)
-        found += [m for m in re.findall(r"`([^`]+)`", line) if START.match(m.strip())]
+    for page in [path] if path else [ROOT / "README.md", *DOCS]:
+        for line in _joined(page.read_text().splitlines()):
+            s = line.strip().removeprefix("$ ")
+            if START.match(s):
+                found.append(s)
+            found += [m for m in re.findall(r"`([^`]+)`", line) if START.match(m.strip())]
     return found
 
 
@@ -60,7 +66,7 @@ def script_commands() -> list[str]:
     return found
 
 
-COMMANDS = sorted(set(readme_commands() + script_commands()))
+COMMANDS = sorted(set(doc_commands() + script_commands()))
 
 
 def test_the_commands_are_found():
@@ -70,9 +76,11 @@ def test_the_commands_are_found():
                    "NPROC_PER_NODE=4 GEN_RANKS=2 bash launch/gpu_1node.sh",
                    "NPROC_PER_NODE=16 GEN_RANKS=8 bash launch/npu_1node.sh",
                    "NODE_RANK=1 bash launch/multinode.sh", "bash launch/cpu_demo.sh --run.steps=5",
-                   "GRPO_DEVICE=cuda python train.py --config configs/vl3b.toml --dry-run"):
+                   "GRPO_DEVICE=cuda python train.py --config configs/vl3b.toml --dry-run",
+                   "configs/tiny.toml --model.lora_rank=8 --run.out_dir=runs/tiny_lora"):
         assert needle in have, needle
     assert len(COMMANDS) >= 15, COMMANDS
+    assert DOCS and doc_commands(ROOT / "docs" / "gpu-npu.md"), "docs/*.md are read too"
 
 
 def _split(cmd: str) -> tuple[dict, list[str]]:
@@ -209,3 +217,41 @@ def test_installer_says_each_stage_and_its_time(tmp_path):
     assert lines[-1].startswith("install: all done (")
     assert (site / "grpo_vllm_cpu_shim.pth").read_text().strip() == str(vllm / "shim")
     assert "-m pip install -q torch==2.13.0" in (tmp_path / "calls").read_text()
+
+
+README_MAX_LINES = 450  # a newcomer's page; the reference material is in docs/
+
+
+def test_readme_is_short_and_links_every_docs_page():
+    """The README is a newcomer's page: at most README_MAX_LINES lines, and a link to each page of
+    docs/ (where the reference material went), so none is orphaned."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, len(text.splitlines())
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+)", text))
+    assert len(DOCS) >= 5
+    for page in DOCS:
+        assert f"docs/{page.name}" in linked, f"README.md does not link docs/{page.name}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but - and _ dropped, spaces -> -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_links_between_pages_resolve(page):
+    """Every relative link of the README and the docs pages names a file that exists, and an
+    `#anchor` a heading of that file (a section moved to docs/ leaves no dead `(#...)` link)."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"^[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (page.parent / file).resolve() if file else page
+        assert dest.exists(), f"{page.name}: ({target}): no such file"
+        if anchor:
+            assert anchor in _anchors(dest), f"{page.name}: ({target}): no such heading there"
