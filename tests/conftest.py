@@ -20,7 +20,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_configure(config):
-    # `python -m pytest -q -m "not slow" tests` is the fast tier (about 2 minutes on 2 cores):
+    # `python -m pytest -q -m "not slow" tests` is the fast tier (measured times: docs/testing.md):
     # torchrun launches, the vLLM engine and anything long are marked slow.
     config.addinivalue_line("markers", "slow: torchrun launches, vLLM, long runs (skipped by -m 'not slow')")
     if getattr(config.option, "numprocesses", None):
@@ -31,7 +31,7 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-# The longest modules of the full suite (measured: 76 s to 10 s of test time each under -n 2);
+# The longest modules of the full suite, longest first (their measured times: docs/testing.md);
 # started first, they do not leave one worker running alone at the end.
 LONGEST_FIRST = ["test_failures", "test_e2e", "test_family_runs", "test_checkpoint",
                  "test_bench_smoke", "test_vllm_e2e", "test_vllm", "test_examples", "test_vllm_tp",
