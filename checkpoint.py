@@ -60,8 +60,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import config as C
 import device as D
+import families as F
 import lora
-import model as M
 from errors import ConfigError, StartError, causes, one_line
 from failures import Fatal, fault_active
 
@@ -283,11 +283,11 @@ def _trained_state(policy, opt) -> tuple[dict, dict]:
 def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
     """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names;
     with LoRA merged, lora.merged_state_dict, and the adapters written to `adapter/` beside
-    `out` in PEFT's format) written in the checkpoint layout (model.write_weights), the config,
+    `out` in PEFT's format) written in the checkpoint layout (families.write_weights), the config,
     the source folder's generation config (its stop ids), the tokenizer, the chat template the
     run used, the image processor with the run's pixel bounds."""
     out.mkdir(parents=True, exist_ok=True)
-    M.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
+    F.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
     if lora.has_lora(model):
         lora.write_adapter(out.parent / "adapter", model, full, source)
     model.config.save_pretrained(out)

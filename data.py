@@ -33,6 +33,7 @@ from PIL import Image
 
 # The record and the split names live in synthetic.py, the lower module (imports run one way:
 # data -> synthetic); they are data's names as much as its own.
+from errors import ModelError
 from synthetic import IMAGE_MARKER, SPLITS, SYNTHETIC, Problem, _pyarrow, synthetic_split
 
 log = logging.getLogger("data")
@@ -47,7 +48,7 @@ DEFAULT_TEMPLATE = (
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
     """The user turn: `template` with {problem} filled in (with the problem's `<image>` markers,
-    where it has any: model.prompt_ids puts each image there)."""
+    where it has any: inputs.prompt_ids puts each image there)."""
     if "{problem}" not in template:
         raise ValueError(f"prompt template has no {{problem}} placeholder: {template!r}")
     # replace, not str.format: templates such as "... in \boxed{}" carry literal braces.
@@ -280,6 +281,16 @@ def source_problem(source: str) -> str | None:
         return (f"{source} is not a dataset folder: no such folder{where}; a source is "
                 "\"synthetic\", a local folder, or a hub dataset id owner/name")
     return None
+
+
+def refuse_images(vision: bool, model_path: str, dc) -> None:
+    """A dataset with images (`[data]` dc) for a text-only model (not `vision`): ModelError."""
+    if not vision and (dc.source == "synthetic" or (dc.images_column and
+                                                    dc.source not in SYNTHETIC)):
+        raise ModelError(f"model.path={model_path} is a text-only model: the dataset's images have "
+                         "nowhere to go; use a text-only set (data.images_column = \"\", or "
+                         f"data.source = \"synthetic-text\"), got data.source={dc.source!r}, "
+                         f"data.images_column={dc.images_column!r}")
 
 
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-import model as M
+import inputs as I
 import rollout as R
 
 
-def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: M.Processors,
+def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Processors,
              cfg, version: int, seed: int) -> tuple[dict[str, float], list[R.Episode]]:
     """The evaluation problems on the generation ranks, graded by `[eval] functions`: greedy
     when eval.n = 1 (Geometry3K-style), else n samples at eval.temperature. Metrics: each part's

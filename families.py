@@ -14,13 +14,22 @@ What is truly per family sits in :data:`FAMILIES`, one row each:
   family's published chat template that a prompt uses (a default system turn or none, image
   placeholders, `enable_thinking`); a real model folder's own template is always what is used;
 - `processor`: the transformers processor class vLLM's loader for the family asks for (VLMs), so
-  that the one image-only hook in vllm_engine.py is checked against the table.
+  that the one image-only hook in vllm_engine.py is checked against the table;
+- `linear_attention`: some text layers are linear attention (no packed rows, no prefix caching).
+
+Also here: :data:`IMAGE_PROCESSOR`, the tiny tokenizer's tokens (:data:`TINY_SPECIALS`),
+:func:`build_tiny` (a tiny random model as a Hugging Face folder: the CPU demos and the tests) and
+:func:`write_weights` (the hub checkpoint layout, also the exports'). torch, transformers and
+tokenizers are imported inside functions only: light modules import this one.
 
 Adding a family: one row here plus its tests (tests/test_families.py runs every row).
 """
 from __future__ import annotations
 
+import fcntl
+import importlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -148,10 +157,12 @@ class Family:
     chat_template: str               # the tiny folder's template (see the module docstring)
     processor: str = ""              # vLLM's HF processor class for the family (VLMs)
     notes: str = ""                  # what a user should know (README's families table)
+    linear_attention: bool = False   # some text layers are linear attention (Gated DeltaNet)
 
 
 _QWEN2_VL_SYSTEM = "You are a helpful assistant."
 _QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+_ONE_ROW = "linear-attention layers: one row per episode (train.share_prompt off)"
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("qwen2_vl", _tiny_qwen2_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2VLProcessor"),
@@ -160,10 +171,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("qwen3_vl_moe", lambda i, h, n: _tiny_qwen3_vl(i, h, n, moe=True), _template(),
            "Qwen3VLProcessor"),
     Family("qwen3_5", _tiny_qwen3_5, _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
-           notes="linear-attention layers: one row per episode (train.share_prompt off)"),
+           notes=_ONE_ROW, linear_attention=True),
     Family("qwen3_5_moe", lambda i, h, n: _tiny_qwen3_5(i, h, n, moe=True),
            _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
-           notes="linear-attention layers: one row per episode (train.share_prompt off)"),
+           notes=_ONE_ROW, linear_attention=True),
     Family("qwen2", _tiny_text, _template(_QWEN2_5_SYSTEM)),
     # Qwen3's small dense models tie the LM head to the embeddings: the tiny one does too
     Family("qwen3", lambda i, h, n: _tiny_text(i, h, n, tied=True), _template(thinking=_QWEN3_THINKING)),
@@ -173,6 +184,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
 
 DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
 TINY = "tiny"  # `model.path = "tiny"`: the default family's tiny model; "tiny-<model_type>" any
+# The one image processor class on every device and family, in the trainer and (forced and
+# checked by vllm_engine.checked_processor) in every vLLM process: the torchvision-backed one
+# cannot import beside the CPU torch build, and its pixels differ slightly from the PIL one's.
+# Every VLM family of the table uses it; its patch and merge sizes come from the folder.
+IMAGE_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil"
+# The tiny tokenizer: 256 byte tokens (no merges), these special tokens in this order (keyed by
+# the role the tiny config gives their ids), then these plain ones
+TINY_SPECIALS = {"pad": "<|endoftext|>", "im_start": "<|im_start|>", "eos": "<|im_end|>",
+                 "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
+                 "image_pad": "<|image_pad|>", "video_pad": "<|video_pad|>"}
+TINY_WORDS = ("<think>", "</think>", "<answer>", "</answer>")  # one token each: the answer format
 
 
 def tiny_type(path: str) -> str | None:
@@ -189,6 +211,18 @@ def is_vlm(config) -> bool:
     """A vision-language model: its config has a vision tower (asked of the config, never of
     the family's name)."""
     return getattr(config, "vision_config", None) is not None
+
+
+def auto_class(config):
+    """transformers' Auto class for `config`: image-text-to-text for a VLM, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM
+
+
+def image_processor_cls():
+    """The class :data:`IMAGE_PROCESSOR` names."""
+    module, _, name = IMAGE_PROCESSOR.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def supported() -> list[str]:
@@ -219,3 +253,110 @@ def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):
     tokenizer's vocab size and special token ids)."""
     from transformers import CONFIG_MAPPING
     return CONFIG_MAPPING[model_type](**get(model_type).tiny(ids, hidden, layers))
+
+
+# ----------------------------------------------------------------------------- tiny models
+def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+               model_type: str = DEFAULT_TINY) -> Path:
+    """Write a random tiny model of `model_type`, its tokenizer, chat template and (VLMs) image
+    processor to `out_dir`.
+
+    Deterministic in `seed`. The tokenizer is byte-level (256 byte tokens, no merges) plus the
+    chat / vision special tokens (:data:`TINY_SPECIALS`) and `<think>`, `</think>`, `<answer>`,
+    `</answer>` as single tokens, so a tiny policy can learn the answer format. Returns the
+    folder. Safe to call from several processes at once (a file lock; the folder appears
+    complete or not at all).
+    """
+    get(model_type)
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:  # one builder at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").exists():
+            _build_tiny(out, seed, hidden, layers, model_type)
+    return out
+
+
+def _tiny_tokenizer(model_type: str):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in TINY_SPECIALS.values()])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in TINY_WORDS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=TINY_SPECIALS["eos"],
+                                        pad_token=TINY_SPECIALS["pad"])
+    tokenizer.chat_template = get(model_type).chat_template
+    return tokenizer
+
+
+def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str) -> None:
+    import torch
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer(model_type)
+    tokenizer.save_pretrained(tmp)
+    ids = {"vocab": len(tokenizer)} | {role: tokenizer.convert_tokens_to_ids(t)
+                                       for role, t in TINY_SPECIALS.items()}
+    config = tiny_config(model_type, ids, hidden, layers)
+    torch.manual_seed(seed)
+    model = auto_class(config).from_config(config).to(torch.float32)
+    config.architectures = [type(model).__name__]
+    # transformers' default init (std 0.02) gives a nearly uniform policy; a larger init makes
+    # the tiny random model's samples varied enough for GRPO groups to disagree (the embeddings
+    # too where they are the LM head as well: tied)
+    tied = _ties(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and ("embed" not in name or tied):
+                p.normal_(0.0, 0.08)
+    # Written directly (transformers' save_pretrained silently skips non-zero ranks once
+    # torch.distributed is initialised, and any rank may be the one building), in the checkpoint
+    # layout a hub folder of the family has (MoE experts per expert), as save_pretrained would.
+    write_weights(tmp, model, model.state_dict(), torch.float32)
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    if is_vlm(config):
+        v = config.vision_config
+        image_processor_cls()(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=v.patch_size,
+                              merge_size=v.spatial_merge_size,
+                              temporal_patch_size=v.temporal_patch_size).save_pretrained(tmp)
+    (tmp / "README.md").write_text(f"Random tiny {type(model).__name__} built by families.build_tiny "
+                                   f"(seed {seed}); for tests and the CPU demos only.\n")
+    tmp.rename(out)  # atomic: a half-written folder is never seen as the model
+
+
+def write_weights(folder: Path, model, state: dict, dtype) -> None:
+    """`state` (the model's in-memory names) as `model.safetensors` (of torch `dtype`) in the
+    checkpoint layout of the family's hub folders (transformers' `revert_weight_conversion`, as `save_pretrained`), so
+    transformers and vLLM load it as they load a released model; tied weights are written once.
+
+    One mend: transformers 5.24 reverses a load-time `Transpose(check_dims=True)` (Qwen3-VL-MoE's
+    fused experts: hub [E, H, 2I], memory [E, 2I, H]) by comparing the tensor with the in-memory
+    shape, which always matches, so save_pretrained writes the memory layout; vLLM's loader then
+    transposes it wrongly. Reversed, such an op always transposes here (transformers still loads
+    it: its check sees the hub shape)."""
+    from safetensors.torch import save_file
+    from transformers import core_model_loading as cml
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if _ties(model.config) else set()
+    state = {k: v for k, v in state.items() if k not in tied}  # safetensors refuses shared storage
+    reverse = cml.Transpose.reverse_op
+    cml.Transpose.reverse_op = property(lambda op: cml.Transpose(op.dim1, op.dim0, check_dims=False))
+    try:
+        state = cml.revert_weight_conversion(model, state)
+    finally:
+        cml.Transpose.reverse_op = reverse
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()},
+              str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _ties(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False) or
+                getattr(getattr(config, "text_config", None), "tie_word_embeddings", False))

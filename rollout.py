@@ -24,6 +24,7 @@ import torch
 
 import data
 import device as D
+import inputs as I
 import loss as L
 import model as M
 import rewards
@@ -109,7 +110,7 @@ def engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_engine(rc, mc, path: str, procs: M.Processors, *, dev: D.Device, device: torch.device,
+def build_engine(rc, mc, path: str, procs: I.Processors, *, dev: D.Device, device: torch.device,
                  local_rank: int, seed: int, timeout_s: float, max_images: int = 1,
                  verbose: bool = False) -> Engine:
     """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc); `max_images`:
@@ -125,7 +126,7 @@ class HFEngine:
     """transformers generation on this rank's device, with its own copy of the weights."""
     OWN_CHANNEL = False
 
-    def __init__(self, path: str, dtype: torch.dtype, procs: M.Processors, device: torch.device):
+    def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.procs, self.tokens, self.device = procs, procs.tokens, device
 
@@ -134,7 +135,7 @@ class HFEngine:
         return ""  # no prefix cache, nothing decided
 
     @classmethod
-    def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
+    def from_config(cls, rc, mc, path: str, procs: I.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int, timeout_s: float,
                     max_images: int = 1, verbose: bool = False) -> "HFEngine":
         return cls(path, M.DTYPES[mc.dtype], procs, device)
@@ -147,9 +148,9 @@ class HFEngine:
         counts = iter(())
         if images:
             ip = self.procs.image_processor
-            mm = M.image_inputs(ip, images)
-            counts = iter(M.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
-        rows = [M.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
+            mm = I.image_inputs(ip, images)
+            counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
+        rows = [I.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
         width = max(map(len, rows))
         # Left padding: every row's last prompt token sits at the same column, so generated
         # tokens line up; transformers derives positions (mRoPE) from the attention mask.
@@ -216,13 +217,13 @@ class HFEngine:
         self.model = None
 
 
-def rollout(engine: Engine, problems: list, procs: M.Processors, sp: Sampling, template: str,
+def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, template: str,
             scorer: rewards.RewardRunner, version: int, group_offset: int,
             seed: int) -> tuple[list[Episode], dict[str, float]]:
     """Generate sp.n responses for each problem and score them all at once with `scorer` (the
     reward functions; it lives across steps). Returns (episodes, timings)."""
     tokenizer = procs.tokenizer
-    prompts = [(M.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
+    prompts = [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
                for p in problems]
     t0 = time.perf_counter()
     completions = engine.generate(prompts, sp, seed) if prompts else []
@@ -254,7 +255,7 @@ def refill_problems(pool: list, n: int, seed: int, round: int) -> list:
     return [pool[i] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
 
 
-def rollout_refilled(engine: Engine, problems: list, procs: M.Processors, sp: Sampling,
+def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sampling,
                      template: str, scorer: rewards.RewardRunner, version: int, group_offset: int,
                      seed: int, pool: list, rounds: int) -> tuple[list[Episode], dict[str, float]]:
     """DAPO dynamic sampling: `len(problems)` groups whose rewards are not all equal.

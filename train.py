@@ -56,6 +56,7 @@ import device as D
 import evaluation as E
 import failures
 from errors import ConfigError
+import inputs as I
 import model as M
 import rewards
 import rollout as R
@@ -168,15 +169,16 @@ def prepare_run_dir(cfg: C.Config, world: W.World, out_dir: Path) -> str:
     return M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
-def load_problems(cfg: C.Config, split: str, procs: M.Processors) -> tuple[list, int]:
+def load_problems(cfg: C.Config, split: str, procs: I.Processors) -> tuple[list, int]:
     """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
     d = cfg.data
+    data.refuse_images(procs.vision, cfg.model.path, d)  # images for a text-only model: ModelError
     try:
         return data.load_problems(
             d.source, split, seed=cfg.run.seed, n_synthetic=d.n_synthetic, image_size=d.image_size,
             max_prompt_len=d.max_prompt_len,
             columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
-            prompt_len=lambda p: M.prompt_len(procs, data.user_text(p, d.template), p.images))
+            prompt_len=lambda p: I.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise ConfigError(str(e)) from None
 
@@ -205,7 +207,7 @@ def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict
 @dataclass
 class Setup:
     """What the loop works with, built once by :func:`set_up`; None where a rank has no use."""
-    procs: M.Processors            # tokenizer, token ids, image processor (engines = trainer)
+    procs: I.Processors            # tokenizer, token ids, image processor (engines = trainer)
     problems: list                 # the training split
     images: dict                   # problem index -> image (the trainer's batches)
     n_skipped: int                 # dataset rows skipped
@@ -222,7 +224,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     device, ro = rank_device(cfg, world, dev), cfg.rollout
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
     D.manual_seed_all(cfg.run.seed)
-    procs = M.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    procs = I.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
@@ -252,7 +254,7 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
 
 
 def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.device,
-                 live: failures.Liveness, model_path: str, procs: M.Processors,
+                 live: failures.Liveness, model_path: str, procs: I.Processors,
                  problems: list) -> R.Engine | None:
     """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
     holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
@@ -444,7 +446,7 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: fail
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     D.manual_seed_all(cfg.run.seed)
-    procs = M.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    procs = I.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)

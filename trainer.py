@@ -41,6 +41,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+import inputs as I
 import loss as L
 import model as M
 import sync as S
@@ -130,7 +131,7 @@ def has_reference(tr: Trainer) -> bool:
     return tr.ref is not None or tr.base_ref
 
 
-def reference_logprobs(tr: Trainer, batch: dict, tokens: M.Tokens, temperature: float) -> torch.Tensor:
+def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
     with torch.no_grad():
@@ -252,13 +253,13 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
     return mbs
 
 
-def shares_prompt(tc, procs: M.Processors) -> bool:
+def shares_prompt(tc, procs: I.Processors) -> bool:
     """One packed row per prompt: `train.share_prompt`, where the model's layers allow it
     exactly (model.packs_exactly; else one row per episode, said at start)."""
     return tc.share_prompt and procs.packs_exactly
 
 
-def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: M.Processors,
+def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
                tc, count: int | None = None) -> list[list[int]]:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`).
 
@@ -266,7 +267,7 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
     of one prompt (a packed row: prompt once + every response) so the budget counts what is
     really computed; else each episode is a unit (prompt + response). Fixed-size micro-batches
     take the episodes in order, so G-aligned sizes keep each group in one packed row."""
-    n_img = [M.image_tokens(procs, images[episodes[i].index]) for i in idx]
+    n_img = [I.image_tokens(procs, images[episodes[i].index]) for i in idx]
     if not (shares_prompt(tc, procs) and tc.micro_batch_tokens > 0):
         lengths = [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids) + n
                    for i, n in zip(idx, n_img)]
@@ -285,7 +286,7 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
 
 
 def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, Any],
-                procs: M.Processors, tc, train_group) -> list[list[list[int]]]:
+                procs: I.Processors, tc, train_group) -> list[list[list[int]]]:
     """The micro-batch plan of each mini-batch share (`shares[j]`: this rank's episodes of
     mini-batch j), with the same number of micro-batches per mini-batch on every trainer rank
     (FSDP collectives); one all-reduce for all of them."""
@@ -298,7 +299,7 @@ def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, An
 
 @torch.no_grad()
 def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
-                      images: Mapping[int, Any], *, procs: M.Processors, lc, tc,
+                      images: Mapping[int, Any], *, procs: I.Processors, lc, tc,
                       temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
     when there is one, and the response mask, one `([b, L], [b, L] | None, [b, L])` triple per
@@ -308,7 +309,7 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     out = []
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
-        batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
+        batch = I.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
@@ -364,7 +365,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch.Tensor,
                          keep: torch.Tensor, denom: float, images: Mapping[int, Any], *,
-                         procs: M.Processors, train_group, n_trainers: int, lc, tc,
+                         procs: I.Processors, train_group, n_trainers: int, lc, tc,
                          temperature: float, max_new_tokens: int, step: int | None = None,
                          plan: list[list[int]] | None = None, proximal: list | None = None,
                          kl_coef: float | None = None) -> dict[str, float]:
@@ -388,7 +389,7 @@ def accumulate_gradients(tr: Trainer, episodes: list, idx: list[int], adv: torch
     for k, mb in enumerate(plan):
         chunk = [idx[j] for j in mb]
         eps = [episodes[i] for i in chunk]
-        batch = M.collate(eps, [images[e.index] for e in eps], procs, tr.device,
+        batch = I.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
         mask = batch["response_mask"].float() * keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, temperature, entropy_grad=entropy_grad)
@@ -461,7 +462,7 @@ def needs_proximal(tc, lc) -> bool:
 
 
 def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
-               procs: M.Processors, tc, lc, rc, step: int,
+               procs: I.Processors, tc, lc, rc, step: int,
                seed: int = 0) -> tuple[dict[str, float], list[float]]:
     """`[train] mini_batches x ppo_epochs` optimizer steps on this trainer's share of the step's
     episodes (every trainer rank calls it with the same `episodes`, sorted by group). `[train]`

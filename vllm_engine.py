@@ -22,12 +22,14 @@ import torch
 
 import channel as CH
 import device as D
+import families as F
+import inputs as I
 import model as M
 import sync
 from rollout import Completion, Prompt, Sampling
 
 
-def vllm_sampling_kwargs(sp: Sampling, tokens: M.Tokens, seed: int) -> dict:
+def vllm_sampling_kwargs(sp: Sampling, tokens: I.Tokens, seed: int) -> dict:
     """`vllm.SamplingParams` arguments for one prompt, equal in effect to HFEngine's.
 
     Suppressed ids get a logit bias of -inf, applied before temperature. With
@@ -48,7 +50,7 @@ def vllm_sampling_kwargs(sp: Sampling, tokens: M.Tokens, seed: int) -> dict:
     return kw | dict(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
 
 
-def vllm_prompt(ids: list[int], images: list, tokens: M.Tokens) -> dict:
+def vllm_prompt(ids: list[int], images: list, tokens: I.Tokens) -> dict:
     """vLLM's input for one prompt: ids with ONE unexpanded image placeholder per image.
 
     vLLM expands each placeholder to the image's patch count itself; already expanded ids would
@@ -76,7 +78,7 @@ IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor
 
 def _image_only_processor() -> None:
     """Every vLLM process loads each Qwen VLM family's HF processor with the trainer's image
-    processor class (`model.image_processor_cls`, PIL) and no video processor, on every device.
+    processor class (`families.IMAGE_PROCESSOR`, PIL) and no video processor, on every device.
 
     One hook for every family: `InputProcessingContext.get_hf_processor` is the one place every
     family's `...ProcessingInfo.get_hf_processor` goes through (a patch of one family's info class
@@ -138,7 +140,7 @@ def checked_processor(load, **kwargs):
     logs the class once per process."""
     kwargs["use_fast"] = False  # transformers: the PIL backend of AutoImageProcessor
     proc = load(**kwargs)
-    want, got = M.image_processor_cls(), type(proc.image_processor)
+    want, got = F.image_processor_cls(), type(proc.image_processor)
     if got is not want:
         raise RuntimeError(f"vLLM loaded the image processor {got.__name__}; the trainer uses "
                            f"{want.__name__} (pixels would differ)")
@@ -296,7 +298,7 @@ class VLLMEngine:
         return f"vLLM prefix caching {'on' if on else 'off'} ({why})"
 
     @classmethod
-    def from_config(cls, rc, mc, path: str, procs: M.Processors, *, dev: D.Device,
+    def from_config(cls, rc, mc, path: str, procs: I.Processors, *, dev: D.Device,
                     device: torch.device, local_rank: int, seed: int, timeout_s: float,
                     max_images: int = 1, verbose: bool = False) -> "VLLMEngine":
         # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
@@ -310,7 +312,7 @@ class VLLMEngine:
                    timeout_s=timeout_s, max_images=max_images if procs.vision else None,
                    verbose=verbose, device_kind=dev.kind)
 
-    def __init__(self, path: str, dtype, tokens: M.Tokens, rollout_cfg, min_pixels: int,
+    def __init__(self, path: str, dtype, tokens: I.Tokens, rollout_cfg, min_pixels: int,
                  max_pixels: int, seed: int, timeout_s: float | None = None,
                  llm_kwargs: dict | None = None, max_images: int | None = 1,
                  verbose: bool = False, device_kind: str | None = None):

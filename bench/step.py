@@ -124,9 +124,12 @@ def run_one(a, lora_rank: int) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     import device as D
+    import families as F
+    import inputs as I
     import loss as L
     import model as M
     import world as W
+    from tests.util import CheckpointCounter
 
     dev = D.detect()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -136,17 +139,17 @@ def run_one(a, lora_rank: int) -> None:
     dist.init_process_group(dev.backend, rank=0, world_size=1)
     device = D.torch_device(dev, 0)
     if a.model == "tiny":
-        path = str(M.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny"))
+        path = str(F.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny"))
         model = M.load_model(path, device=device)
-        ip = M.load_image_processor(path, 56 * 56, a.image_px ** 2)
+        ip = I.load_image_processor(path, 56 * 56, a.image_px ** 2)
     else:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
         cfg = Qwen2_5_VLConfig(**QWEN25_VL_3B)
         with torch.device(device):
             model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
-        ip = M.image_processor_cls()(min_pixels=56 * 56, max_pixels=a.image_px ** 2)
+        ip = F.image_processor_cls()(min_pixels=56 * 56, max_pixels=a.image_px ** 2)
     tc = model.config
-    tokens = M.Tokens(image_pad=tc.image_token_id, vision_start=tc.vision_start_token_id,
+    tokens = I.Tokens(image_pad=tc.image_token_id, vision_start=tc.vision_start_token_id,
                       vision_end=tc.vision_end_token_id, eos=1, pad=0,
                       vocab_size=tc.text_config.vocab_size, suppressed=())
     n_text, n_vis = count_params(model)
@@ -158,13 +161,13 @@ def run_one(a, lora_rank: int) -> None:
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
     M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
-    count = M.CheckpointCounter(model)
+    count = CheckpointCounter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-6)
 
     img = Image.new("RGB", (a.image_px, a.image_px), (200, 100, 50))
-    mm = M.image_inputs(ip, [img] * a.batch)
-    n_img = M.n_image_tokens(mm["image_grid_thw"])[0]
+    mm = I.image_inputs(ip, [img] * a.batch)
+    n_img = I.n_image_tokens(mm["image_grid_thw"])[0]
     n_patches = int(mm["image_grid_thw"][0].prod())
     T = a.seq_len
     if T <= n_img + 8:

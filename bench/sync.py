@@ -73,8 +73,9 @@ def build(args):
         params[f"synthetic.{i}"] = torch.randn(per, generator=g)
     if not args.no_tiny:
         import tempfile
+        import families as F
         import model as M
-        path = M.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny", seed=0)
+        path = F.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny", seed=0)
         for k, v in M.load_model(str(path)).named_parameters():
             params[f"tiny.{k}"] = v.detach()
     m = torch.nn.Module()
@@ -147,9 +148,10 @@ def build_lora(args, rank: int):
 
     import torch
     import config as C
+    import families as F
     import lora
     import model as M
-    path = M.build_tiny(Path(tempfile.gettempdir()) / f"grpo-bench-sync-{args.hidden}x{args.layers}",
+    path = F.build_tiny(Path(tempfile.gettempdir()) / f"grpo-bench-sync-{args.hidden}x{args.layers}",
                         seed=0, hidden=args.hidden, layers=args.layers)
     plain = M.load_model(str(path)).requires_grad_(False)
     if rank:

@@ -6,7 +6,7 @@
 
 The work (one optimizer step = one batch): a random tiny Qwen2.5-VL built ONCE here (text hidden
 128, 2 layers, 4 heads / 2 KV heads, MLP 256; vision depth 2, hidden 64, 2 heads, MLP 128; the
-byte-level tokenizer and Qwen special tokens of model.build_tiny; fp32), 4 prompts x G = 4 samples
+byte-level tokenizer and Qwen special tokens of families.build_tiny; fp32), 4 prompts x G = 4 samples
 per step, at most 16 new tokens, temperature 1, 56 x 56 diagrams (4 image tokens), lr 2e-3, reward
 = share of response tokens equal to "a" (rewards/toy.py `target_fraction`, called by both sides),
 one thread per process (OMP_NUM_THREADS=1). The data folder holds exactly 4 problems, so every
@@ -46,7 +46,7 @@ grpo_trainer.py of the installed trl 1.16.0):
 - logging_strategy="no", report_to="none", disable_tqdm=True, save_strategy="no",
   eval_strategy="no", log_completions=False, and the PrinterCallback/ProgressCallback removed:
   no per-step logging work (the project writes one metrics line per step, outside its step time);
-- generation_kwargs={"suppress_tokens": the project's `model.Tokens.suppressed`}: TRL itself
+- generation_kwargs={"suppress_tokens": the project's `inputs.Tokens.suppressed`}: TRL itself
   suppresses only the image-pad token when the processing class is a processor
   (trl 1.16.0 trainer/grpo_trainer.py line 1170, in `__init__`'s non-vLLM branch:
   `if isinstance(processing_class, ProcessorMixin): generation_kwargs["suppress_tokens"] =
@@ -100,12 +100,12 @@ PROMPTS, GROUP, NEW_TOKENS, IMAGE_PX, LR = 4, 4, 16, 56, 2e-3
 PIXELS = IMAGE_PX * IMAGE_PX                     # min = max pixels: 56 x 56 -> 2 x 2 merged patches
 TARGET = "a"
 SIDES = ("trl", "ours_world1", "ours_3rank_overlap")
-# The bench's model: model.build_tiny's tokenizer and text tower at hidden 128, with a wider
+# The bench's model: families.build_tiny's tokenizer and text tower at hidden 128, with a wider
 # vision tower than build_tiny's (hidden 32 is hard-coded there).
 TEXT_HIDDEN, TEXT_LAYERS = 128, 2
 VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2)  # head dim 32
 # Qwen2-VL's published chat template (the one Qwen2.5-VL-*-Instruct ship): TRL renders prompts
-# with it; it yields exactly model.prompt_ids' tokens (checked in trl_worker and the test).
+# with it; it yields exactly inputs.prompt_ids' tokens (checked in trl_worker and the test).
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -130,17 +130,18 @@ def build_model(out: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    import model as M
+    import families as F
+    import inputs as I
     if (out / "model.safetensors").exists():
         return out
-    base = M.build_tiny(out.with_name(out.name + ".base"), seed=seed, hidden=TEXT_HIDDEN,
+    base = F.build_tiny(out.with_name(out.name + ".base"), seed=seed, hidden=TEXT_HIDDEN,
                         layers=TEXT_LAYERS)
     cfg = Qwen2_5_VLConfig.from_pretrained(base)
     for k, v in VISION.items():
         setattr(cfg.vision_config, k, v)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():  # model._build_tiny's init, so the random policy's groups disagree
+    with torch.no_grad():  # families._build_tiny's init, so the random policy's groups disagree
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 p.normal_(0.0, 0.08)
@@ -154,7 +155,7 @@ def build_model(out: Path, seed: int = 0) -> Path:
     tok = AutoTokenizer.from_pretrained(base)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(tmp)
-    M.load_image_processor(str(base), PIXELS, PIXELS).save_pretrained(tmp)
+    I.load_image_processor(str(base), PIXELS, PIXELS).save_pretrained(tmp)
     (tmp / "README.md").write_text(f"Random tiny Qwen2.5-VL for bench/vs_trl.py (seed {seed}).\n")
     tmp.rename(out)
     shutil.rmtree(base, ignore_errors=True)
@@ -226,6 +227,7 @@ def trl_worker(model_dir: Path, data_dir: Path, out: Path, steps: int, seed: int
     from trl import GRPOConfig, GRPOTrainer
 
     import data
+    import inputs as I
     import model as M
     from rewards.toy import target_fraction
 
@@ -237,9 +239,9 @@ def trl_worker(model_dir: Path, data_dir: Path, out: Path, steps: int, seed: int
 
     path = str(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")  # TRL's own choice
-    processor = ImageOnlyProcessor(M.load_image_processor(path, PIXELS, PIXELS), tokenizer,
+    processor = ImageOnlyProcessor(I.load_image_processor(path, PIXELS, PIXELS), tokenizer,
                                    chat_template=tokenizer.chat_template)
-    procs = M.load_processors(path, PIXELS, PIXELS)
+    procs = I.load_processors(path, PIXELS, PIXELS)
     tokens = procs.tokens
     problems, skipped = data.load_split(str(data_dir), "train")
     if skipped or len(problems) != PROMPTS:
@@ -250,8 +252,8 @@ def trl_worker(model_dir: Path, data_dir: Path, out: Path, steps: int, seed: int
         got = processor.apply_chat_template([[{"role": "user", "content": [
             {"type": "image", "image": p.image}, {"type": "text", "text": text}]}]],
             add_generation_prompt=True, tokenize=True, return_dict=True)
-        n_img = M.n_image_tokens(got["image_grid_thw"])
-        want = M.expand_images(M.prompt_ids(procs, text, 1), n_img, tokens.image_pad)
+        n_img = I.n_image_tokens(got["image_grid_thw"])
+        want = I.expand_images(I.prompt_ids(procs, text, 1), n_img, tokens.image_pad)
         if list(got["input_ids"][0]) != want or n_img != [4]:
             raise SystemExit(f"error: problem {p.index}: TRL's prompt differs from the project's "
                              f"({n_img} image tokens)")

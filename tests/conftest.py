@@ -51,11 +51,11 @@ import pytest  # noqa: E402
 def tiny_dir(tmp_path_factory):
     """`tiny_dir(model_type)`: the folder of that family's tiny random model, built once for the
     whole session (every test of every module shares it; build_tiny is deterministic)."""
-    import model as M
+    import families as F
     root = tmp_path_factory.mktemp("families")
 
     def get(model_type: str = "qwen2_5_vl") -> str:
-        return str(M.build_tiny(root / model_type, model_type=model_type))
+        return str(F.build_tiny(root / model_type, model_type=model_type))
     return get
 
 

@@ -536,17 +536,19 @@ def test_train_step_several_updates_in_one_process(tmp_path):
     from torch.distributed.device_mesh import DeviceMesh
 
     import data
+    import families as F
+    import inputs as I
     import model as M
     import synthetic
     from tests.util import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        path = str(M.build_tiny(tmp_path / "tiny"))
-        procs = M.load_processors(path, 56 * 56, 112 * 112)
+        path = str(F.build_tiny(tmp_path / "tiny"))
+        procs = I.load_processors(path, 56 * 56, 112 * 112)
         tokens = procs.tokens
         engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
         problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(M.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
+        prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
                          c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
@@ -573,7 +575,7 @@ def test_train_step_several_updates_in_one_process(tmp_path):
         prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
                                    temperature=1.0)
         for (old, _, _), mb in zip(prox, plan):
-            batch = M.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
+            batch = I.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
                               procs, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
             lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
             assert torch.equal(lp.detach(), old)

@@ -67,10 +67,10 @@ def test_our_commands_are_valid_trainer_flags(tmp_path):
 
 
 def test_model_and_data_give_trl_the_projects_prompt(tmp_path):
-    """The chat template TRL renders with yields exactly model.prompt_ids' tokens, and a 56 x 56
+    """The chat template TRL renders with yields exactly inputs.prompt_ids' tokens, and a 56 x 56
     image is 4 image tokens under the folder's image processor."""
     import data
-    import model as M
+    import inputs as I
     from transformers import AutoTokenizer
 
     mdir = V.build_model(tmp_path / "model", seed=0)
@@ -79,7 +79,7 @@ def test_model_and_data_give_trl_the_projects_prompt(tmp_path):
     problems, skipped = data.load_split(str(ddir), "train")
     assert len(problems) == 4 and not skipped
     tok = AutoTokenizer.from_pretrained(str(mdir))
-    procs = M.load_processors(str(mdir), V.PIXELS, V.PIXELS)
+    procs = I.load_processors(str(mdir), V.PIXELS, V.PIXELS)
     ip = procs.image_processor
     for p in problems:
         text = data.user_text(p)
@@ -87,7 +87,7 @@ def test_model_and_data_give_trl_the_projects_prompt(tmp_path):
             {"type": "image"}, {"type": "text", "text": text}]}], add_generation_prompt=True,
             tokenize=True)
         got = list(got["input_ids"] if hasattr(got, "keys") else got)
-        assert got == M.prompt_ids(procs, text, 1)
-        assert M.n_image_tokens(M.image_inputs(ip, [p.image])["image_grid_thw"]) == [4]
+        assert got == I.prompt_ids(procs, text, 1)
+        assert I.n_image_tokens(I.image_inputs(ip, [p.image])["image_grid_thw"]) == [4]
     # building again reuses the folder (the same weights for every run)
     assert V.build_model(tmp_path / "model", seed=0) == mdir

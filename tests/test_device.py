@@ -240,8 +240,9 @@ def test_experts_implementation_follows_the_device_row(tmp_path, model_type):
     """NPU runs transformers' "eager" experts loop (device.Device.experts: torch-npu has no
     grouped_mm kernel); CPU and CUDA keep transformers' default. A dense model takes the
     argument and ignores it. Built on the meta device: the row is asked by device type only."""
+    import families as F
     import model as M
-    path = str(M.build_tiny(tmp_path / model_type, model_type=model_type))
+    path = str(F.build_tiny(tmp_path / model_type, model_type=model_type))
     npu = M.model_from_config(path, meta=True, device_type="npu")
     cpu = M.model_from_config(path, meta=True)
     assert M._kernels("npu") == {"experts_implementation": "eager"}

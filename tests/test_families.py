@@ -19,6 +19,7 @@ import torch
 
 import data
 import families as F
+import inputs as I
 import model as M
 import rollout as R
 import synthetic
@@ -29,12 +30,12 @@ MOE = [t for t in FAMILIES if t.endswith("moe")]
 CPU = torch.device("cpu")
 
 
-def _procs(tiny_dir, t: str, **chat) -> tuple[str, M.Processors]:
+def _procs(tiny_dir, t: str, **chat) -> tuple[str, I.Processors]:
     path = tiny_dir(t)
-    return path, M.load_processors(path, 56 * 56, 112 * 112, **chat)
+    return path, I.load_processors(path, 56 * 56, 112 * 112, **chat)
 
 
-def _problems(procs: M.Processors, n: int, seed: int) -> list:
+def _problems(procs: I.Processors, n: int, seed: int) -> list:
     return (synthetic.make_synthetic(n, seed=seed) if procs.vision
             else synthetic.make_synthetic_text(n, seed=seed))
 
@@ -46,12 +47,12 @@ def test_loads_strictly_with_its_own_class_and_text_models_build_no_vision(tiny_
     model = M.load_model(path)
     assert config["model_type"] == t and type(model).__name__ == config["architectures"][0]
     vision = bool(F.get(t).processor)
-    assert procs.vision == vision == M.is_vlm(model.config)
+    assert procs.vision == vision == F.is_vlm(model.config)
     assert any("visual" in n for n, _ in model.named_parameters()) == vision
     assert (M.rope_index_fn(model) is not None) == vision              # mRoPE iff a VLM
     units = M.fsdp_units(model)
     assert units and all(type(u).__name__ in model._no_split_modules for u in units)
-    assert procs.packs_exactly == (not t.startswith("qwen3_5"))
+    assert procs.packs_exactly == (not F.get(t).linear_attention)
 
 
 @pytest.mark.parametrize("t", FAMILIES)
@@ -59,14 +60,14 @@ def test_engine_and_trainer_agree_and_packing_is_exact_where_it_applies(tiny_dir
     path, procs = _procs(tiny_dir, t)
     engine = R.HFEngine(path, torch.float32, procs, CPU)
     problems = _problems(procs, 2, seed=4)
-    prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i), len(p.images)), p.images)
+    prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), len(p.images)), p.images)
                for i, p in enumerate(problems)]               # different lengths: padding
     out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=8), seed=1)
     eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
-    flat = M.collate(eps, images, procs, CPU)
-    packed = M.collate(eps, images, procs, CPU, share_prompt=True)
+    flat = I.collate(eps, images, procs, CPU)
+    packed = I.collate(eps, images, procs, CPU, share_prompt=True)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(engine.model, flat, procs.tokens, 1.0)
         plp, _ = M.sequence_logprobs(engine.model, packed, procs.tokens, 1.0)
@@ -81,7 +82,7 @@ def test_engine_and_trainer_agree_and_packing_is_exact_where_it_applies(tiny_dir
 
 @pytest.mark.parametrize("t", FAMILIES)
 def test_prompt_ids_are_what_the_familys_own_processor_renders(tiny_dir, t):
-    """The ids the engines get (model.prompt_ids, expanded for transformers) equal the ones the
+    """The ids the engines get (inputs.prompt_ids, expanded for transformers) equal the ones the
     family's processor (VLMs: its image-only variant, the one vLLM loads) or tokenizer makes from
     the same chat messages with its own template; with `enable_thinking` where it takes it."""
     import transformers
@@ -91,7 +92,7 @@ def test_prompt_ids_are_what_the_familys_own_processor_renders(tiny_dir, t):
         path, procs = _procs(tiny_dir, t, enable_thinking=thinking)
         p = _problems(procs, 1, seed=7)[0]
         text = data.user_text(p)
-        ids = M.prompt_ids(procs, text, len(p.images))
+        ids = I.prompt_ids(procs, text, len(p.images))
         kw = {"enable_thinking": thinking} if thinking is not None else {}
         if procs.vision:
             cls = V.image_only_processor_cls(getattr(transformers, F.get(t).processor))
@@ -100,8 +101,8 @@ def test_prompt_ids_are_what_the_familys_own_processor_renders(tiny_dir, t):
                 [{"role": "user", "content": [{"type": "image", "image": p.image},
                                               {"type": "text", "text": text}]}],
                 add_generation_prompt=True, tokenize=True, return_dict=True, **kw)
-            counts = M.n_image_tokens(got["image_grid_thw"], procs.image_processor.merge_size)
-            want = M.expand_images(ids, counts, procs.tokens.image_pad)
+            counts = I.n_image_tokens(got["image_grid_thw"], procs.image_processor.merge_size)
+            want = I.expand_images(ids, counts, procs.tokens.image_pad)
             assert list(got["input_ids"][0]) == want
         else:
             got = procs.tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -185,20 +186,22 @@ def test_a_chat_template_that_fails_to_render_is_one_line(tiny_dir, tmp_path):
     (folder / "chat_template.jinja").write_text("{{ raise_exception('no system turn here') }}")
     with pytest.raises(M.ModelError, match=r"chat template fails to render a prompt .*no system "
                                            r"turn here") as e:
-        M.load_processors(str(folder), 56 * 56, 112 * 112)
+        I.load_processors(str(folder), 56 * 56, 112 * 112)
     assert "\n" not in str(e.value)
     (folder / "chat_template.jinja").unlink()
     with pytest.raises(M.ModelError, match="no chat template"):
-        M.load_processors(str(folder), 56 * 56, 112 * 112)
+        I.load_processors(str(folder), 56 * 56, 112 * 112)
 
 
 def test_a_text_model_refuses_a_dataset_with_images(tiny_dir):
     import config as C
     cfg = C.load(None, ["--model.path=tiny-qwen3"])  # the default data: synthetic diagrams
+    procs = I.processors(tiny_dir("qwen3"), cfg.model, cfg.data)
+    assert not procs.vision
     with pytest.raises(M.ModelError, match=r"text-only model: .* data.source='synthetic'"):
-        M.processors(tiny_dir("qwen3"), cfg.model, cfg.data)
+        data.refuse_images(procs.vision, cfg.model.path, cfg.data)
     cfg = C.load(None, ["--model.path=tiny-qwen3", "--data.source=synthetic-text"])
-    assert not M.processors(tiny_dir("qwen3"), cfg.model, cfg.data).vision
+    data.refuse_images(procs.vision, cfg.model.path, cfg.data)  # a text-only set: no error
 
 
 def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
@@ -263,6 +266,6 @@ def test_the_one_vllm_hook_reaches_every_familys_processor(tiny_dir, t, monkeypa
                      mm_processor_cache_gb=0)
     proc = MULTIMODAL_REGISTRY.get_processing_info(mc).get_hf_processor()
     assert type(proc).__name__ == "ImageOnly" + F.get(t).processor
-    assert type(proc.image_processor) is M.image_processor_cls()
+    assert type(proc.image_processor) is F.image_processor_cls()
     assert proc.image_processor.patch_size == json.loads(open(f"{path}/config.json").read())[
         "vision_config"]["patch_size"]

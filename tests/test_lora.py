@@ -16,13 +16,14 @@ from safetensors.torch import load_file
 import checkpoint as ckpt
 import config as C
 import data
+import inputs as I
 import lora
 import model as M
 import rollout as R
 import sync as S
 import synthetic
 import trainer as T
-from tests.util import free_port
+from tests.util import CheckpointCounter, free_port
 
 CPU = torch.device("cpu")
 
@@ -42,7 +43,7 @@ def _mc(**kw) -> C.ModelConfig:
     return cfg
 
 
-def _episodes(path: str, procs: M.Processors, n: int = 2):
+def _episodes(path: str, procs: I.Processors, n: int = 2):
     """A batch of `n` episodes with random responses (images when the model has vision)."""
     tokens = procs.tokens
     problems = synthetic.make_synthetic(n, seed=5)
@@ -52,13 +53,13 @@ def _episodes(path: str, procs: M.Processors, n: int = 2):
     for i, p in enumerate(problems):
         resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
         k = 1 if procs.vision else 0
-        eps.append(R.Episode(p.index, i, M.prompt_ids(procs, data.user_text(p), k), resp,
+        eps.append(R.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), k), resp,
                              [0.0] * len(resp), 0.0, {}, 0, True))
         images.append(p.images[:k])
     return eps, images
 
 
-def _update(tr: T.Trainer, batch: dict, tokens: M.Tokens, kl: bool = True) -> None:
+def _update(tr: T.Trainer, batch: dict, tokens: I.Tokens, kl: bool = True) -> None:
     """One optimizer step on a loss that moves the policy away from the reference."""
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
     mask = batch["response_mask"].float()
@@ -136,7 +137,7 @@ def test_targets_that_match_nothing_stop_the_run_before_anything_is_built(world,
 def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(world, tiny_dir, kind,
                                                                               targets):
     path = tiny_dir(kind)
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, world, CPU, _mc(lora_target_modules=targets), C.TrainConfig(lr=1e-2),
                  C.LossConfig(kl_coef=0.1), C.SyncConfig(), 10)
     # no reference copy: the parameters held are the policy's (base + adapters)
@@ -149,7 +150,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
         {id(p) for n, p in tr.policy.named_parameters() if ".lora_" in n}
 
     eps, images = _episodes(path, procs)
-    batch = M.collate(eps, images, procs, CPU)
+    batch = I.collate(eps, images, procs, CPU)
     before = {n: p.detach().clone() for n, p in tr.policy.named_parameters()}
     engine = R.HFEngine(path, torch.float32, procs, CPU)
     first = tr.sender.send(1, sink=engine.load_weights)        # every tensor, once
@@ -193,12 +194,12 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(world, tiny_dir)
     """FSDP2 with bf16 compute and activation checkpointing, as without LoRA: every decoder layer
     and vision block recomputed in backward, gradients on the adapters only, fp32 masters."""
     path = tiny_dir("qwen2_5_vl")
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, world, CPU, _mc(mixed_precision=True, activation_checkpointing=True),
                  C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
-    count = M.CheckpointCounter(tr.policy)
+    count = CheckpointCounter(tr.policy)
     eps, images = _episodes(path, procs)
-    batch = M.collate(eps, images, procs, CPU)
+    batch = I.collate(eps, images, procs, CPU)
     lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
     (lp * batch["response_mask"]).sum().backward()
     assert (count.calls, count.recomputes) == (4, 4)
@@ -286,11 +287,11 @@ def _save(tr, procs, path: Path, out: Path) -> Path:
 def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_peft(world, tiny_dir,
                                                                                    tmp_path, kind):
     path = tiny_dir(kind)
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
     tr = T.build(path, world, CPU, mc, C.TrainConfig(lr=1e-2), C.LossConfig(), C.SyncConfig(), 10)
     eps, images = _episodes(path, procs)
-    _update(tr, M.collate(eps, images, procs, CPU), procs.tokens, kl=False)
+    _update(tr, I.collate(eps, images, procs, CPU), procs.tokens, kl=False)
     folder = _save(tr, procs, path, tmp_path / "checkpoints")
 
     # the export is in the base folder's checkpoint layout (the same file keys)
@@ -331,9 +332,9 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
 
 def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(world, tiny_dir, tmp_path):
     path = tiny_dir("qwen3")
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
     eps, images = _episodes(path, procs)
-    batch = M.collate(eps, images, procs, CPU)
+    batch = I.collate(eps, images, procs, CPU)
 
     def trainer(seed):
         return T.build(path, world, CPU, _mc(), C.TrainConfig(lr=1e-2), C.LossConfig(kl_coef=0.1),

@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 import config as C
 import data
+import families as F
+import inputs as I
 import loss as L
 import model as M
 import rollout as R
@@ -40,11 +42,11 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
     from torch.distributed.device_mesh import DeviceMesh
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        path = str(M.build_tiny(tmp_path / "tiny"))
-        procs = M.load_processors(path, 56 * 56, 112 * 112)
+        path = str(F.build_tiny(tmp_path / "tiny"))
+        procs = I.load_processors(path, 56 * 56, 112 * 112)
         engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
         problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
+        prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
                    for i, p in enumerate(problems)]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,

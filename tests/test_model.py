@@ -6,21 +6,24 @@ import pytest
 import torch
 
 import data
-import synthetic
+import families as F
+import inputs as I
 import model as M
+import synthetic
 import rollout as R
+from tests.util import CheckpointCounter
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
     path = tiny_dir("qwen2_5_vl")
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
     return path, procs
 
 
 def test_build_is_deterministic_and_loadable(tmp_path, tiny):
     path, procs = tiny
-    other = M.build_tiny(tmp_path / "again", seed=0)
+    other = F.build_tiny(tmp_path / "again", seed=0)
     a = M.load_model(path).state_dict()
     b = M.load_model(str(other)).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -40,7 +43,7 @@ def test_tokens_suppress_vision_and_chat_specials_but_not_eos(tiny):
 def test_prompt_has_one_unexpanded_placeholder_then_expands(tiny):
     _, procs = tiny
     tok, tokens = procs.tokenizer, procs.tokens
-    ids = M.prompt_ids(procs, "Find x.", 1)
+    ids = I.prompt_ids(procs, "Find x.", 1)
     assert ids.count(tokens.image_pad) == 1
     i = ids.index(tokens.image_pad)
     assert ids[i - 1] == tokens.vision_start and ids[i + 1] == tokens.vision_end
@@ -48,10 +51,10 @@ def test_prompt_has_one_unexpanded_placeholder_then_expands(tiny):
     assert tok.decode(ids) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                                "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
                                "Find x.<|im_end|>\n<|im_start|>assistant\n")
-    exp = M.expand_images(ids, [16], tokens.image_pad)
+    exp = I.expand_images(ids, [16], tokens.image_pad)
     assert exp.count(tokens.image_pad) == 16 and len(exp) == len(ids) + 15
     with pytest.raises(ValueError):
-        M.expand_images(ids + ids, [4], tokens.image_pad)
+        I.expand_images(ids + ids, [4], tokens.image_pad)
 
 
 def test_system_prompt_and_image_markers(tiny):
@@ -61,13 +64,13 @@ def test_system_prompt_and_image_markers(tiny):
     path, procs = tiny
     tok, tokens = procs.tokenizer, procs.tokens
     mine = dataclasses.replace(procs, chat=dataclasses.replace(procs.chat, system_prompt="Be terse."))
-    text = tok.decode(M.prompt_ids(mine, "Compare <image> with <image>.", 2))
+    text = tok.decode(I.prompt_ids(mine, "Compare <image> with <image>.", 2))
     assert text == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nCompare "
                     "<|vision_start|><|image_pad|><|vision_end|> with "
                     "<|vision_start|><|image_pad|><|vision_end|>.<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="3 image.*2 <image> placeholder"):
-        M.prompt_ids(procs, "Compare <image> with <image>.", 3)
-    assert M.prompt_ids(procs, "No images here.", 0).count(tokens.image_pad) == 0
+        I.prompt_ids(procs, "Compare <image> with <image>.", 3)
+    assert I.prompt_ids(procs, "No images here.", 0).count(tokens.image_pad) == 0
 
 
 def test_hf_engine_logprobs_equal_trainer_forward(tiny):
@@ -76,7 +79,7 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
     tokens = procs.tokens
     engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=1)
-    prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
+    prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]  # different lengths: padding matters
     for temp in (1.0, 0.7):
         out = engine.generate(prompts, R.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=0)
@@ -86,7 +89,7 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
         for e in eps:
             assert not set(e.response_ids) & set(tokens.suppressed)
             assert (tokens.eos in e.response_ids) != e.truncated
-        batch = M.collate(eps, [problems[e.group].images for e in eps], procs, torch.device("cpu"))
+        batch = I.collate(eps, [problems[e.group].images for e in eps], procs, torch.device("cpu"))
         with torch.no_grad():
             lp, _ = M.sequence_logprobs(engine.model, batch, tokens, temp)
         m = batch["response_mask"].bool()
@@ -99,10 +102,10 @@ def test_text_only_positions_would_be_caught(tiny):
     tokens = procs.tokens
     engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     p = synthetic.make_synthetic(1, seed=2)[0]
-    ids = M.prompt_ids(procs, data.user_text(p), 1)
+    ids = I.prompt_ids(procs, data.user_text(p), 1)
     c = engine.generate([(ids, p.images)], R.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
     e = R.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
-    batch = M.collate([e], [p.images], procs, torch.device("cpu"))
+    batch = I.collate([e], [p.images], procs, torch.device("cpu"))
     with torch.no_grad():
         out = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
@@ -158,9 +161,9 @@ def _batch(tiny, n: int = 2):
     eps = []
     for i, p in enumerate(problems):
         resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
-        eps.append(R.Episode(p.index, i, M.prompt_ids(procs, data.user_text(p), 1), resp,
+        eps.append(R.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), 1), resp,
                              [0.0] * len(resp), 0.0, {}, 0, True))
-    return M.collate(eps, [p.images for p in problems], procs, torch.device("cpu"))
+    return I.collate(eps, [p.images for p in problems], procs, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -176,7 +179,7 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     tr = T.build(path, one_rank_world, torch.device("cpu"), mc, C.TrainConfig(), C.LossConfig(),
                  C.SyncConfig(), total_steps=20)
     assert tr.policy.training
-    count = M.CheckpointCounter(tr.policy)
+    count = CheckpointCounter(tr.policy)
     batch = _batch(tiny)
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
     layers = 4 if checkpointing else 0
@@ -193,7 +196,7 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
 
 def test_attention_dropout_is_refused_at_load(tmp_path):
     import json
-    path = M.build_tiny(tmp_path / "tiny", seed=0)
+    path = F.build_tiny(tmp_path / "tiny", seed=0)
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["attention_dropout"] = 0.1
     (path / "config.json").write_text(json.dumps(cfg))
@@ -210,14 +213,14 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     tokens = procs.tokens
     engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=5)
-    prompts = [(M.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
+    prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]            # prompts of different lengths
     out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=10), seed=2)
     eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
-    packed = M.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})
-    flat = M.collate(eps, images, procs, torch.device("cpu"))
+    packed = I.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})
+    flat = I.collate(eps, images, procs, torch.device("cpu"))
     assert packed["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 9
     assert int(packed["episode_tokens"]) == int(flat["attention_mask"].sum())
     # the mask: response 2 of row 0 sees the prompt and itself, not response 1

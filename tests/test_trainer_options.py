@@ -15,6 +15,8 @@ import torch.distributed as dist
 import checkpoint as ckpt
 import config as C
 import data
+import families as F
+import inputs as I
 import loss as L
 import model as M
 import rollout as R
@@ -30,11 +32,11 @@ def s(tmp_path_factory):
     from torch.distributed.device_mesh import DeviceMesh
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        path = str(M.build_tiny(tmp_path_factory.mktemp("m") / "tiny"))
-        procs = M.load_processors(path, 56 * 56, 112 * 112)
+        path = str(F.build_tiny(tmp_path_factory.mktemp("m") / "tiny"))
+        procs = I.load_processors(path, 56 * 56, 112 * 112)
         engine = R.HFEngine(path, torch.float32, procs, CPU)
         problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(M.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
+        prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
         out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
         eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
                          c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
@@ -104,7 +106,7 @@ def test_a_new_objective_with_its_own_key_runs_through_the_unchanged_trainer(s, 
 
 
 def test_entropy_bonus_enters_the_loss_with_its_gradient(s):
-    batch = M.collate(s.eps[:4], [s.images[e.index] for e in s.eps[:4]], s.procs, CPU)
+    batch = I.collate(s.eps[:4], [s.images[e.index] for e in s.eps[:4]], s.procs, CPU)
     tr = trainer(s, cfg_of([]))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -124,7 +126,7 @@ def test_entropy_bonus_enters_the_loss_with_its_gradient(s):
 # ----------------------------------------------------------------------------- item 2
 def _reference_kl_by_hand(s, tr):
     """Every episode's summed k1 KL (policy - reference) from one plain batch of all of them."""
-    batch = M.collate(s.eps, [s.images[e.index] for e in s.eps], s.procs, CPU, share_prompt=False)
+    batch = I.collate(s.eps, [s.images[e.index] for e in s.eps], s.procs, CPU, share_prompt=False)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(tr.policy, batch, s.procs.tokens, 1.0)
         ref, _ = M.sequence_logprobs(tr.ref, batch, s.procs.tokens, 1.0)

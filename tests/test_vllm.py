@@ -45,6 +45,8 @@ import config as C  # noqa: E402
 import data  # noqa: E402
 import synthetic  # noqa: E402
 import vllm_engine as V  # noqa: E402
+import families as F  # noqa: E402
+import inputs as I  # noqa: E402
 import model as M  # noqa: E402
 import rollout as R  # noqa: E402
 import sync as S  # noqa: E402
@@ -74,8 +76,8 @@ def world():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = str(M.build_tiny(tmp_path_factory.mktemp("vllm") / "tiny"))
-    procs = M.load_processors(path, MIN_PX, MAX_PX)
+    path = str(F.build_tiny(tmp_path_factory.mktemp("vllm") / "tiny"))
+    procs = I.load_processors(path, MIN_PX, MAX_PX)
     return SimpleNamespace(path=path, procs=procs, tok=procs.tokenizer, tokens=procs.tokens,
                            ip=procs.image_processor)
 
@@ -109,7 +111,7 @@ def _problems(n: int, seed: int):
 
 
 def _prompts(tiny, problems):
-    return [(M.prompt_ids(tiny.procs, data.user_text(p), 1), p.images) for p in problems]
+    return [(I.prompt_ids(tiny.procs, data.user_text(p), 1), p.images) for p in problems]
 
 
 def _max_diff(policy, tiny, problems, prompts, out, temperature: float) -> float:
@@ -117,7 +119,7 @@ def _max_diff(policy, tiny, problems, prompts, out, temperature: float) -> float
     eps = [SimpleNamespace(prompt_ids=prompts[g][0], response_ids=c.ids, logprobs=c.logprobs)
            for g, cs in enumerate(out) for c in cs]
     images = [problems[g].images for g, cs in enumerate(out) for _ in cs]
-    batch = M.collate(eps, images, tiny.procs, CPU)
+    batch = I.collate(eps, images, tiny.procs, CPU)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(policy, batch, tiny.tokens, temperature)
     m = batch["response_mask"].bool()
@@ -169,7 +171,7 @@ def test_greedy_equals_hf_engine(engine, tiny):
 
 def test_expanded_prompt_is_refused(engine, tiny):
     p = _problems(1, seed=4)[0]
-    ids = M.expand_images(M.prompt_ids(tiny.procs, data.user_text(p), 1), [16],
+    ids = I.expand_images(I.prompt_ids(tiny.procs, data.user_text(p), 1), [16],
                           tiny.tokens.image_pad)
     with pytest.raises(ValueError, match="placeholder"):
         engine.generate([(ids, [p.image])], R.Sampling(n=2), seed=0)

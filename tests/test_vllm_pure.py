@@ -15,13 +15,15 @@ import pytest
 import torch
 
 import channel as CH
+import families as F
+import inputs as I
 import model as M
 import rollout as R
 import sync as S
 import vllm_engine as V
 
 # hand-made ids: 0 pad, 2 eos, 4/5/6 vision start/pad/end, 9 an unused row past the tokenizer
-TOKENS = M.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
+TOKENS = I.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
                   suppressed=(0, 4, 5, 6, 9))
 
 
@@ -47,10 +49,10 @@ def test_prompt_refuses_placeholder_count_mismatch(ids, n_images):
 
 
 def test_prompt_ids_from_model_are_accepted(tmp_path):
-    """model.prompt_ids (what rollout() sends) has exactly one placeholder per image."""
-    path = str(M.build_tiny(tmp_path / "tiny", seed=0))
-    procs = M.load_processors(path, 56 * 56, 112 * 112)
-    ids = M.prompt_ids(procs, "Find x.", 1)
+    """inputs.prompt_ids (what rollout() sends) has exactly one placeholder per image."""
+    path = str(F.build_tiny(tmp_path / "tiny", seed=0))
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    ids = I.prompt_ids(procs, "Find x.", 1)
     assert V.vllm_prompt(ids, ["im"], procs.tokens)["prompt_token_ids"] == ids
 
 
@@ -524,7 +526,7 @@ def test_rpc_returns_and_reraises_within_the_deadline():
 
 # --------------------------------------------------------------------------- image processor
 def test_checked_processor_forces_pil_and_refuses_another_class(capsys, monkeypatch):
-    want = M.image_processor_cls()
+    want = F.image_processor_cls()
     seen = {}
 
     def load(**kw):
@@ -548,12 +550,12 @@ def test_use_fast_false_gives_the_pil_class_where_torchvision_is_installed(tmp_p
     monkeypatch.setattr(auto, "is_torchvision_available", lambda: True)  # as on GPU / NPU
     assert auto._resolve_backend(None, None, "Qwen2VLImageProcessor") == "torchvision"
     assert auto._resolve_backend(None, False, "Qwen2VLImageProcessor") == "pil"
-    path = str(M.build_tiny(tmp_path / "tiny", seed=0))
+    path = str(F.build_tiny(tmp_path / "tiny", seed=0))
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
     cls = V.image_only_processor_cls(Qwen2_5_VLProcessor)
     proc = V.checked_processor(lambda **kw: cls.from_pretrained(path, **kw),
                                min_pixels=56 * 56, max_pixels=112 * 112)
-    assert type(proc.image_processor) is M.image_processor_cls()
+    assert type(proc.image_processor) is F.image_processor_cls()
 
 
 # --------------------------------------------------------------------------- prefix caching

@@ -149,3 +149,35 @@ def skip_without_vllm_under_compat_pins() -> None:
     if pins and importlib.util.find_spec("vllm") is None:
         import pytest
         pytest.skip(f"no vLLM under the compat pin set {pins!r} (launch/compat.py installs none)")
+
+
+class CheckpointCounter:
+    """Activation checkpointing at work, counted: `calls` is the number of layer forwards that went
+    through the checkpoint function, `recomputes` the number of those the backward ran again
+    (what checkpointing is for). Both stay 0 when checkpointing is off or the model is in eval
+    mode. Wraps each layer's `_gradient_checkpointing_func` (transformers 5.x, set by
+    `gradient_checkpointing_enable`); for tests and bench/step.py."""
+
+    def __init__(self, model):
+        self.calls = self.runs = 0
+        for m in model.modules():
+            f = getattr(m, "_gradient_checkpointing_func", None)
+            if f is not None:
+                m._gradient_checkpointing_func = self._wrap(f)
+
+    def _wrap(self, checkpoint):
+        def counted(fn, *args, **kwargs):
+            self.calls += 1
+
+            def run(*a, **k):
+                self.runs += 1
+                return fn(*a, **k)
+            return checkpoint(run, *args, **kwargs)
+        return counted
+
+    @property
+    def recomputes(self) -> int:
+        return self.runs - self.calls
+
+    def reset(self) -> None:
+        self.calls = self.runs = 0

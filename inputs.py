@@ -1,0 +1,356 @@
+"""What goes into the model: prompts, images and the trainer's batches.
+
+- `Processors`: what the engines and the trainer must agree on (tokenizer, token ids, image
+  processor, chat template with `data.system_prompt` / `data.enable_thinking`).
+- `prompt_ids` / `expand_images`: the prompt rendered by the model's own chat template, with ONE
+  unexpanded placeholder per image (what vLLM wants), or expanded to each image's patch count
+  (what transformers wants); `collate`: the trainer's batch (model.sequence_logprobs).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import families as F
+from errors import ModelError, one_line
+from model import load_config, packs_exactly, text_config
+from synthetic import IMAGE_MARKER
+
+
+# ----------------------------------------------------------------------------- processors
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_image_processor(path: str, min_pixels: int, max_pixels: int):
+    """The model's image processor with the run's pixel bounds (shared with every engine)."""
+    return F.image_processor_cls().from_pretrained(path, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+@dataclass(frozen=True)
+class Chat:
+    """How a prompt is rendered: the model's own chat template, the system turn
+    (`data.system_prompt`, "" = the template's own behaviour) and `data.enable_thinking` (None =
+    the template's default; passed only to a template that reads it)."""
+    template: str
+    system_prompt: str = ""
+    enable_thinking: bool | None = None
+
+    @property
+    def takes_thinking(self) -> bool:
+        return "enable_thinking" in self.template
+
+
+@dataclass(frozen=True)
+class Processors:
+    """What the engines and the trainer must agree on: the tokenizer, the token ids, the image
+    processor with the run's pixel bounds (None for a text-only model) and the chat template."""
+    tokenizer: Any
+    tokens: "Tokens"
+    image_processor: Any
+    chat: Chat
+    packs_exactly: bool = True    # see model.packs_exactly
+
+    @property
+    def vision(self) -> bool:
+        return self.image_processor is not None
+
+
+def chat_template(path: str, tokenizer) -> str:
+    """The model's chat template: the tokenizer's, else the processor's file in the folder
+    (`chat_template.jinja` / `chat_template.json`, where the VLM releases keep it)."""
+    if tokenizer.chat_template:
+        return tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else \
+            tokenizer.chat_template.get("default", "")
+    folder = Path(path)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template", "")
+    return ""
+
+
+def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: str = "",
+                    enable_thinking: bool | None = None) -> Processors:
+    """Everything prompts and batches need, from the model folder; ModelError (one line naming
+    `model.path`) for an unsupported family, a missing chat template or one that fails to
+    render."""
+    config = load_config(path)
+    tokenizer = load_tokenizer(path)
+    template = chat_template(path, tokenizer)
+    if not template:
+        raise ModelError(f"model.path={path}: no chat template (tokenizer_config.json, "
+                         "chat_template.jinja or chat_template.json); prompts are rendered with "
+                         "the model's own template")
+    ip = load_image_processor(path, min_pixels, max_pixels) if F.is_vlm(config) else None
+    procs = Processors(tokenizer, Tokens.of(tokenizer, config, _stops(path, tokenizer)), ip,
+                       Chat(template, system_prompt, enable_thinking), packs_exactly(config))
+    try:  # fail now, naming the model, rather than at the first row
+        prompt_ids(procs, "1 + 1 = ?", 1 if procs.vision else 0)
+    except Exception as e:  # noqa: BLE001 - Jinja raises many types
+        raise ModelError(f"model.path={path}: its chat template fails to render a prompt "
+                         f"({one_line(e, 240, typed=False)}); check data.system_prompt / data.enable_thinking") from None
+    return procs
+
+
+def processors(path: str, mc, dc) -> Processors:
+    """:func:`load_processors` with the run's pixel bounds (`[model]` mc) and prompt settings
+    (`[data]` dc); whether the dataset fits the model is data.refuse_images."""
+    return load_processors(path, mc.min_pixels, mc.max_pixels, dc.system_prompt,
+                           dc.enable_thinking)
+
+
+def _stops(path: str, tokenizer) -> list[int]:
+    """The ids that end a response: the generation config's eos ids, else the tokenizer's eos."""
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos or [tokenizer.eos_token_id]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Token ids both engines and the trainer agree on (image ids: -1 on a text-only model)."""
+    image_pad: int
+    vision_start: int
+    vision_end: int
+    eos: int                        # the primary stop id (also the pad fallback)
+    pad: int
+    vocab_size: int                 # the model's output width (may exceed the tokenizer's)
+    suppressed: tuple[int, ...]     # never sampled: special tokens other than the stops, unused rows
+    stops: tuple[int, ...] = ()     # every id that ends a response (eos first)
+
+    @staticmethod
+    def of(tokenizer, config, stops: list[int] | None = None) -> "Tokens":
+        stops = list(dict.fromkeys(stops or [tokenizer.eos_token_id]))
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id in stops else stops[0]
+        stops = [eos] + [s for s in stops if s != eos]
+        vocab = text_config(config).vocab_size
+        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        # A random model samples vision placeholders and chat markers; the trainer's re-encoding
+        # would then see image tokens without images. Suppress them on both sides (TRL does).
+        suppressed = sorted((special - set(stops)) | set(range(len(tokenizer), vocab)))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        ids = [getattr(config, k, None) for k in ("image_token_id", "vision_start_token_id",
+                                                  "vision_end_token_id")]
+        ids = [-1 if i is None else int(i) for i in ids]
+        return Tokens(*ids, eos, pad, vocab, tuple(suppressed), tuple(stops))
+
+
+# ----------------------------------------------------------------------------- prompts
+def chat_messages(user_text: str, n_images: int, system_prompt: str = "",
+                  vision: bool = True) -> list[dict]:
+    """The chat messages of one prompt: an optional system turn, then the user turn with
+    `n_images` image items where `user_text` has `<image>` markers (in order), else first. A
+    marker count other than `n_images` is a ValueError (more images than placeholders, or
+    fewer)."""
+    parts = user_text.split(IMAGE_MARKER)
+    markers = len(parts) - 1
+    if markers and markers != n_images:
+        raise ValueError(f"{n_images} image(s) for {markers} {IMAGE_MARKER} placeholder(s)")
+    if not vision:
+        if n_images:
+            raise ValueError(f"{n_images} image(s) for a text-only model")
+        content: Any = user_text
+    elif markers:
+        content = [item for i, text in enumerate(parts)
+                   for item in ([{"type": "image"}] if i else []) + ([{"type": "text", "text": text}]
+                                                                     if text else [])]
+    else:
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": user_text}]
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": content}]
+
+
+def prompt_ids(procs: Processors, user_text: str, n_images: int) -> list[int]:
+    """The prompt's token ids, rendered by the model's chat template (with the generation
+    prompt), with ONE unexpanded image placeholder per image."""
+    chat = procs.chat
+    kw = ({"enable_thinking": chat.enable_thinking}
+          if chat.enable_thinking is not None and chat.takes_thinking else {})
+    text = procs.tokenizer.apply_chat_template(
+        chat_messages(user_text, n_images, chat.system_prompt, procs.vision),
+        chat_template=chat.template, tokenize=False, add_generation_prompt=True, **kw)
+    ids = procs.tokenizer.encode(text, add_special_tokens=False)
+    if procs.vision and ids.count(procs.tokens.image_pad) != n_images:
+        raise ValueError(f"the chat template rendered {ids.count(procs.tokens.image_pad)} image "
+                         f"placeholder(s) for {n_images} image(s)")
+    return ids
+
+
+def image_inputs(image_processor, images: list, cache: dict | None = None) -> dict[str, torch.Tensor]:
+    """pixel_values [sum patches, C*T*P*P] and image_grid_thw [n_images, 3] for PIL images ({}
+    for none).
+
+    `cache` (keyed by `id(image)`, so it holds the images alive: keep it as long as the dataset):
+    each image is processed once per run instead of once per step and micro-batch."""
+    if not images:
+        return {}
+    if cache is None:
+        out = image_processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    for im in images:
+        if id(im) not in cache:
+            one = image_processor(images=[im], return_tensors="pt")
+            cache[id(im)] = (im, one["pixel_values"], one["image_grid_thw"])
+    return {"pixel_values": torch.cat([cache[id(im)][1] for im in images]),
+            "image_grid_thw": torch.cat([cache[id(im)][2] for im in images])}
+
+
+def n_image_tokens(grid_thw: torch.Tensor | None, merge_size: int = 2) -> list[int]:
+    """Image tokens each image of `grid_thw` becomes once its patches are merged."""
+    return [] if grid_thw is None else [int(g.prod()) // merge_size ** 2 for g in grid_thw]
+
+
+def n_image_tokens_of(image_processor, image) -> int:
+    """Image tokens one PIL image becomes (without running the processor on its pixels)."""
+    ip = image_processor
+    return ip.get_number_of_image_patches(image.height, image.width, {}) // ip.merge_size ** 2
+
+
+def image_tokens(procs: Processors, images: list) -> int:
+    """Tokens `images` take in a prompt once expanded (0 for none)."""
+    return sum(n_image_tokens_of(procs.image_processor, im) for im in images)
+
+
+def prompt_len(procs: Processors, user_text: str, images: list) -> int:
+    """Tokens of the chat prompt once its image placeholders are expanded."""
+    return len(prompt_ids(procs, user_text, len(images))) - len(images) + image_tokens(procs, images)
+
+
+def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
+    """Repeat the i-th image placeholder counts[i] times (transformers' expanded form)."""
+    if ids.count(image_pad) != len(counts):
+        raise ValueError(f"{ids.count(image_pad)} image placeholders for {len(counts)} images")
+    if not counts:
+        return list(ids)
+    out: list[int] = []
+    it = iter(counts)
+    for t in ids:
+        out.extend([t] * next(it) if t == image_pad else [t])
+    return out
+
+
+def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tuple[dict, list[int]]:
+    """(pixel_values / image_grid_thw, each image's token count) of `images` ({} and [] for none)."""
+    if not images:
+        return {}, []
+    mm = image_inputs(procs.image_processor, images, pixels)
+    return mm, n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size)
+
+
+def collate(episodes, images: list[list], procs: Processors, device: torch.device,
+            share_prompt: bool = False, pixels: dict | None = None) -> dict[str, torch.Tensor]:
+    """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
+    for model.sequence_logprobs.
+
+    Both layouts give `response_mask` and `engine_logprobs` [B, T] in episode order (1 on response
+    tokens; the engine's logprob of each), aligned with what model.sequence_logprobs returns,
+    plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values and image_grid_thw
+    (when there are images), and episode_tokens (prompt + response tokens of every episode,
+    however laid out).
+    - one row per episode (`share_prompt=False`): prompt + response, right-padded; T = W.
+    - one row per prompt (`share_prompt=True`, :func:`pack`): consecutive episodes with the same
+      prompt share one copy of it, followed by each response; an attention mask lets every
+      response see the prompt and itself only, so the result equals one row per episode while the
+      prompt (and its images) is encoded once per group instead of G times. T = longest response.
+      Only for models whose layers all take the mask (model.packs_exactly).
+    `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
+    """
+    if share_prompt:
+        return pack(episodes, images, procs, device, pixels)
+    tokens = procs.tokens
+    mm, counts = _vision_inputs(procs, [im for ims in images for im in ims], pixels)
+    it = iter(counts)
+    prompts = [expand_images(e.prompt_ids, [next(it) for _ in ims], tokens.image_pad)
+               for e, ims in zip(episodes, images)]
+    width = max(len(p) + len(e.response_ids) for p, e in zip(prompts, episodes))
+    B = len(episodes)
+    ids = torch.full((B, width), tokens.pad, dtype=torch.long)
+    attn = torch.zeros(B, width, dtype=torch.long)
+    resp = torch.zeros(B, width, dtype=torch.long)
+    engine_lp = torch.zeros(B, width, dtype=torch.float32)
+    for i, (p, e) in enumerate(zip(prompts, episodes)):
+        n, r = len(p), len(e.response_ids)
+        ids[i, :n + r] = torch.tensor(p + e.response_ids)
+        attn[i, :n + r] = 1
+        resp[i, n:n + r] = 1
+        engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
+    out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
+               episode_tokens=attn.sum(), **mm)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _same_images(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def pack(episodes, images: list[list], procs: Processors, device: torch.device,
+         pixels: dict | None = None) -> dict[str, torch.Tensor]:
+    """One row per run of consecutive episodes with the same prompt (see :func:`collate`).
+
+    Row layout: [prompt (images expanded) | response 1 | response 2 | ... | padding]. Extra keys:
+    `attention_mask_4d` [rows, 1, W, W] (bool: a prompt token sees the prompt causally; a response
+    token sees the prompt and its own response causally; padding sees itself), `prompt_len`
+    [rows], and for every response token (episode-major) its row, the column whose hidden state
+    predicts it, its own column and its index in its response: `pred_row`, `pred_col`,
+    `target_col`, `offset` [N].
+    """
+    tokens = procs.tokens
+    runs: list[list[int]] = []
+    for i, e in enumerate(episodes):
+        if (runs and episodes[runs[-1][0]].prompt_ids == e.prompt_ids
+                and _same_images(images[runs[-1][0]], images[i])):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    mm, counts = _vision_inputs(procs, [im for r in runs for im in images[r[0]]], pixels)
+    it = iter(counts)
+    rows, starts = [], [0] * len(episodes)
+    for r in runs:
+        row = expand_images(episodes[r[0]].prompt_ids, [next(it) for _ in images[r[0]]],
+                            tokens.image_pad)
+        plen = len(row)
+        for i in r:
+            starts[i] = len(row)
+            row = row + episodes[i].response_ids
+        rows.append((plen, row))
+    W, R, B = max(len(row) for _, row in rows), len(rows), len(episodes)
+    T = max(len(e.response_ids) for e in episodes)
+    ids = torch.full((R, W), tokens.pad, dtype=torch.long)
+    attn = torch.zeros(R, W, dtype=torch.long)
+    mask4 = torch.zeros(R, 1, W, W, dtype=torch.bool)
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    for k, (plen, row) in enumerate(rows):
+        ids[k, :len(row)] = torch.tensor(row)
+        attn[k, :len(row)] = 1
+        mask4[k, 0, :len(row), :plen] = causal[:len(row), :plen]  # everyone sees the prompt (causally)
+        mask4[k, 0, range(W), range(W)] = True                    # padding sees itself: no empty row
+    resp = torch.zeros(B, T, dtype=torch.long)
+    engine_lp = torch.zeros(B, T, dtype=torch.float32)
+    pred_row, pred_col, target_col, offset = [], [], [], []
+    for k, (r, (plen, _)) in enumerate(zip(runs, rows)):
+        for i in r:
+            s, n = starts[i], len(episodes[i].response_ids)
+            mask4[k, 0, s:s + n, s:s + n] = causal[:n, :n]
+            resp[i, :n] = 1
+            engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
+            pred_row += [k] * n
+            pred_col += [plen - 1] + list(range(s, s + n - 1))    # the first token is predicted
+            target_col += list(range(s, s + n))                    # by the prompt's last token
+            offset += list(range(n))
+    out = dict(input_ids=ids, attention_mask=attn, attention_mask_4d=mask4, response_mask=resp,
+               engine_logprobs=engine_lp, prompt_len=torch.tensor([p for p, _ in rows]),
+               pred_row=torch.tensor(pred_row), pred_col=torch.tensor(pred_col),
+               target_col=torch.tensor(target_col), offset=torch.tensor(offset),
+               episode_tokens=torch.tensor(sum(rows[k][0] + len(episodes[i].response_ids)
+                                               for k, r in enumerate(runs) for i in r)), **mm)
+    return {k: v.to(device) for k, v in out.items()}
