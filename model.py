@@ -343,28 +343,21 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
 
 
 @torch.no_grad()
-def shard_from_rank0(path: str, full, mesh, device: torch.device, group, *,
-                     mixed_precision: bool = False, checkpointing: bool = False,
-                     lora_mc=None, seed: int = 0):
-    """The policy sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
+def shard_from_rank0(model, full, mesh, device: torch.device, group, *,
+                     mixed_precision: bool = False, checkpointing: bool = False):
+    """`model` sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
     the first trainer rank, None on the others).
 
-    Every trainer rank builds the architecture on the meta device (no memory), shards it and
-    allocates only its own shards; the first rank then scatters each full weight in turn
-    (`distribute_tensor` over the trainer group), and broadcasts the buffers (rotary tables are
-    not in a state dict). So a trainer node needs one host copy of the model, not one per rank.
-    `lora_mc` (the `[model]` config, when `lora_rank > 0`): adapters on both (lora.add_lora, the
-    first rank's initialised from `seed` and scattered like the rest; `full` is wrapped in
-    place), each layer's FSDP unit then holding its frozen base and its trainable adapters.
-    Collective over `group` (the trainer ranks)."""
+    `model`: the architecture on the meta device (:func:`model_from_config`, `meta=True`: no
+    memory), built by every trainer rank; with LoRA the caller has put the same adapters on it
+    and on `full` (trainer.build), each layer's FSDP unit then holding its frozen base and its
+    trainable adapters. Here it is sharded and allocates only its own shards; the first rank then
+    scatters each full weight in turn (`distribute_tensor` over the trainer group), and
+    broadcasts the buffers (rotary tables are not in a state dict). So a trainer node needs one
+    host copy of the model, not one per rank. Collective over `group` (the trainer ranks)."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    model = model_from_config(path, meta=True, device_type=device.type)
-    if lora_mc is not None:
-        import lora
-        model = lora.add_lora(model, lora_mc, seed)
-        full = lora.add_lora(full, lora_mc, seed) if full is not None else None
     apply_fsdp(model, mesh, mixed_precision=mixed_precision, checkpointing=checkpointing)
     model.to_empty(device=device)
     src = dict(full.named_parameters()) if full is not None else {}

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import inputs as I
+import lora
 import loss as L
 import model as M
 import sync as S
@@ -73,7 +74,8 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
     `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
     whose weights are scattered to every trainer's shards (model.shard_from_rank0). With
-    `mc.lora_rank > 0`: adapters initialised from `seed`, no reference copy."""
+    `mc.lora_rank > 0`: adapters from `seed` on the meta skeleton and `full` (wrapped in place)
+    before FSDP, no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if full is None and world.trainer_index == 0:  # scripts and tests: load it here
@@ -81,15 +83,18 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
+    policy = M.model_from_config(model_path, meta=True, device_type=device.type)  # skeleton
+    if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
+        policy = lora.add_lora(policy, mc, seed)
+        full = lora.add_lora(full, mc, seed) if full is not None else None
     # train(): transformers builds in eval mode, where activation checkpointing never runs
-    lora = mc if mc.lora_rank else None
-    policy = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
+    policy = M.shard_from_rank0(policy, full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision,
-                                checkpointing=mc.activation_checkpointing,
-                                lora_mc=lora, seed=seed).train()
+                                checkpointing=mc.activation_checkpointing).train()
     ref = None
-    if lc.kl_coef > 0 and lora is None:  # reference, sharded like the policy (mix_reference needs it)
-        ref = M.shard_from_rank0(model_path, full, mesh, device, world.train_group,
+    if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
+        ref = M.shard_from_rank0(M.model_from_config(model_path, meta=True, device_type=device.type),
+                                 full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
@@ -101,7 +106,7 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     sender = S.Sender(policy, mc.dtype, sc.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
-                   base_ref=lora is not None and lc.kl_coef > 0)
+                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
 
 
 def load_checked(world, model_path: str, mc=None):
