@@ -123,7 +123,7 @@ _IMAGE_ONLY: dict[type, type] = {}
 def image_only_processor_cls(processor_cls: type) -> type:
     """`processor_cls` (a Qwen VL processor) without its video processor: same folder, same
     image processor and tokenizer, `video_processor=None`. Its `video_processor` attribute is the
-    image processor: videos are off (limit_mm_per_prompt), but vLLM's Qwen3-VL info still sizes
+    image processor: videos are off (limit_mm_per_prompt), but vLLM's processing info still sizes
     a video token budget from a video processor's `size` and patch fields at start-up."""
     if processor_cls not in _IMAGE_ONLY:
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):

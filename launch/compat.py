@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Packages of a hardware requirements file that are not installed in its pin set: the engines
 # (no vLLM build for this CPU at those pins), torchvision / torchaudio (vLLM's; torchvision would
 # change transformers' image processor), accelerator-only or CUDA-compiled packages (fla: Triton
-# kernels transformers would pick for Qwen3.5 on this CPU too), and the hub-dataset reader the
-# tests never use.
+# kernels transformers would pick for linear-attention layers on this CPU too), and the
+# hub-dataset reader the tests never use.
 EXCLUDED = {"vllm", "vllm-ascend", "torch-npu", "torchvision", "torchaudio", "triton-ascend",
             "datasets", "flash-linear-attention", "fla-core", "einops", "causal-conv1d"}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.util import ROOT
 
@@ -55,3 +56,16 @@ def test_the_moved_names_are_still_where_callers_look():
     import synthetic
     assert data.Problem is synthetic.Problem and data.SPLITS == synthetic.SPLITS
     assert config.TRACKERS == ("tensorboard", "wandb", "swanlab")
+
+
+FAMILY_WORDS = re.compile(r"qwen[0-9_]|Qwen[0-9]|<\|im_|<\|vision|<\|endoftext|<\|image_pad|<\|video_pad")
+
+
+def test_no_family_name_or_special_token_outside_families_py():
+    """A family's model_type or name and the chat / vision special tokens are written once, in
+    families.py (the table); the rest of the core asks the config or the table."""
+    files = [p for p in sorted(ROOT.glob("*.py")) + sorted((ROOT / "rewards").glob("*.py"))
+             + sorted((ROOT / "launch").glob("*.py")) if p.name != "families.py"]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if FAMILY_WORDS.search(line)]
+    assert not hits, "\n".join(hits)
