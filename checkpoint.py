@@ -340,7 +340,7 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     n_opt = meta["step"] * cfg.train.mini_batches * cfg.train.ppo_epochs
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=C.changed_keys(old, cfg, schedule),
-                other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys()
+                other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys(cfg)
                                                              if k not in listed)),
                 meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
                                               "skipped_total")},

@@ -33,17 +33,14 @@ from PIL import Image
 
 # The record and the split names live in synthetic.py, the lower module (imports run one way:
 # data -> synthetic); they are data's names as much as its own.
-from errors import ModelError
+from config import DEFAULT_TEMPLATE
+from errors import ConfigError, ModelError
 from synthetic import IMAGE_MARKER, SPLITS, SYNTHETIC, Problem, _pyarrow, synthetic_split
 
 log = logging.getLogger("data")
 
 COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` maps a dataset's own
 #                                           ("images": "" = a text-only set)
-DEFAULT_TEMPLATE = (
-    "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
-    "the final answer in <answer> </answer> tags."
-)
 
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
@@ -259,6 +256,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # working directory is a folder that is missing there, not a dataset to download.
 _LOCAL_FIRST = {"data", "dataset", "datasets", "runs", "out", "output", "outputs", "tmp", "home",
                 "mnt", "scratch", "work", "local", "shared"}
+
+
+def check_source(source: str) -> None:
+    """`data.source` can be read (:func:`source_problem`), else a ConfigError naming the key."""
+    problem = source_problem(source)
+    if problem:
+        raise ConfigError(f"data.source: {problem}")
 
 
 def source_problem(source: str) -> str | None:

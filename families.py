@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from errors import ConfigError
+
 
 # ----------------------------------------------------------------------------- chat templates
 # Content is a string or a list of {"type": "image"} / {"type": "text", "text": ...} items, as
@@ -240,12 +242,33 @@ def model_type_of(path: str | Path) -> str:
         return ""
 
 
+def unsupported(model_type: str) -> str:
+    """The one message for a model_type outside the table."""
+    return f"model_type {model_type!r} is not a supported family (supported: {', '.join(FAMILIES)})"
+
+
 def get(model_type: str) -> Family:
     """The table row of `model_type`; KeyError naming the supported ones."""
     if model_type not in FAMILIES:
-        raise KeyError(f"model_type {model_type!r} is not a supported family "
-                       f"(supported: {', '.join(FAMILIES)})")
+        raise KeyError(unsupported(model_type))
     return FAMILIES[model_type]
+
+
+def check_model_path(path: str) -> None:
+    """`model.path` names a family of the table: a tiny one ("tiny-<model_type>"), or a local
+    folder whose config.json says its model_type (a hub id is checked once downloaded);
+    ConfigError naming the key otherwise."""
+    kind = tiny_type(path)
+    if kind is not None:
+        if kind not in FAMILIES:
+            raise ConfigError(f"model.path={path}: no tiny model of {kind!r} (known: tiny, "
+                              f"{', '.join('tiny-' + t for t in supported())})")
+        return
+    if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
+        raise ConfigError(f"model.path: no such folder {path}")
+    kind = model_type_of(Path(path).expanduser())
+    if kind and kind not in FAMILIES:
+        raise ConfigError(f"model.path={path}: {unsupported(kind)}")
 
 
 def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):

@@ -143,6 +143,9 @@ def check(lc) -> None:
     for k, (_, key) in mine.items():
         lc.params.setdefault(k, key.default)
     for p in parts:
+        if "ref_logprobs" in p.needs and not lc.kl_coef > 0:
+            raise ConfigError(f"loss.filters: {p.name!r} needs the reference's logprobs, which "
+                              "exist with loss.kl_coef > 0")
         problem = p.check(p.params(lc)) if p.check else None
         if problem:
             raise ConfigError(f"loss.{problem}")

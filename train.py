@@ -6,25 +6,18 @@ mesh), the last `cluster.gen_ranks` ranks each own one inference engine. One ste
     1. rollout   generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes
                  (DAPO dynamic sampling: further prompts until the groups disagree)
     2. exchange  every rank receives every Episode (gloo object exchange)
-    3. train     trainer ranks: proximal logprobs (+ reference) -> advantages -> loss ->
-                 train.mini_batches x train.ppo_epochs optimizer steps
+    3. train     trainer ranks (update.py): plan -> proximal pass -> filters -> denominators
+                 -> advantages -> train.mini_batches x train.ppo_epochs optimizer steps
     4. sync      trainer rank 0 -- buckets over the sync group --> every engine (version + 1)
     5. eval / checkpoint / log
 
 A world of 1 plays both roles in one process. With `rollout.max_staleness = 1` the engines
-generate step k+1's batch while the trainers train on step k (one-step overlap, corrected by
-truncated importance sampling).
+generate step k+1's batch while the trainers train on step k (corrected by TIS).
 
-Launch:
-    CPU demo:  torchrun --standalone --nproc_per_node 3 train.py --config configs/tiny.toml
-    one proc:  python train.py --config configs/tiny.toml
-    GPU / NPU: see launch/ (the same command with configs/vl3b.toml)
-`python train.py --help` lists the flags; every config key is documented in config.py.
-
-Deliberately left out: value functions (PPO with a critic), sequence packing across different
-prompts, tensor/pipeline parallel trainers, and multi-turn rollouts.
-Where things live: the update in trainer.py and loss.py, the engines in rollout.py and
-vllm_engine.py, the weight transport in sync.py, failure handling in failures.py.
+`python train.py --help` lists the flags (and the launch); every config key is documented in
+config.py. Where things live: the update in update.py and loss.py (objectives and filters:
+registry.py), the policy in trainer.py, the engines in rollout.py and vllm_engine.py, the
+weights' way to them in sync.py and channel.py, failure handling in failures.py.
 """
 from __future__ import annotations
 
@@ -48,22 +41,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import channel as CH
 import checkpoint as ckpt
-import config as C
+import config
 import data
-import device as D
-import evaluation as E
+import evaluation
 import failures
-from errors import ConfigError
-import inputs as I
-import model as M
+import families
+import inputs
+import loss  # noqa: F401  (registers the built-in objectives before registry.check)
+import model
+import registry
 import rewards
-import rollout as R
-import sync as S
+import rollout
+import sync
 import tracking
-import trainer as T
-import world as W
+import trainer
+import update
+from channel import check_channel, open_engine_channel
+from device import Device, manual_seed_all, set_rng_state, torch_device
+from device import detect as detect_device
+from errors import ConfigError
+from world import World, dry_run, launched_size, validate_world
+from world import setup as setup_world
 
 USAGE = """\
 usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
@@ -79,7 +78,7 @@ GRPO for Qwen VLMs and LLMs: one torchrun launch, trainer ranks (FSDP2) + genera
   -h, --help            this text
 Precedence: defaults < config files in order < overrides. Every key is documented where it is
 defined, in config.py (sections run, cluster, model, data, rollout, train, loss, reward, eval,
-sync); README.md has the metrics and examples.
+sync); docs/ has the metrics and examples.
   CPU demo: torchrun --standalone --nproc_per_node 3 train.py --config configs/tiny.toml
 """
 
@@ -106,12 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                 flags[a] = True
             else:
                 overrides.append(a)
-        cfg = C.load(configs, overrides)
+        cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
-            engine = R.engine_class(cfg.rollout.engine)
-            code = W.dry_run(cfg, engine.OWN_CHANNEL)
-            note = engine.start_note(cfg.rollout,
-                                                                 M.peek_config(cfg.model.path))
+            engine = rollout.engine_class(cfg.rollout.engine)
+            code = dry_run(cfg, engine.OWN_CHANNEL)
+            note = engine.start_note(cfg.rollout, model.peek_config(cfg.model.path))
             if note:  # what the engine decides from the model (vLLM: prefix caching)
                 print(note)
             return code
@@ -125,16 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         return failures.exit_bad_input(e)
 
 
-def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = None,
+def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> config.Config:
+    """config.load (the tree, its ranges, the cross-key rules), then the checks that need the
+    modules config.py does not import: the [loss] parts (after importing loss.plugins), the
+    reward functions' names, model.path's family and data.source; each a one-line ConfigError."""
+    cfg = config.load(paths, overrides)
+    registry.check(cfg.loss)
+    rewards.check_functions("reward.functions", cfg.reward.functions)
+    rewards.check_functions("eval.functions", cfg.eval.functions)
+    families.check_model_path(cfg.model.path)
+    data.check_source(cfg.data.source)
+    return cfg
+
+
+def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | None = None,
         sources: str = "", check: bool = False) -> int:
     """Set up the world, then train (or evaluate a checkpoint) under the failure guard."""
-    dev = D.detect()
-    W.validate_world(cfg, W.launched_size(), dev.kind)  # before any process group exists
+    dev = detect_device()
+    validate_world(cfg, launched_size(), dev.kind)  # before any process group exists
     try:
-        own = R.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
-        world = W.setup(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
-                        cfg.rollout.tensor_parallel_size if own else None,
-                        claim_engine_devices=check)
+        own = rollout.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
+        world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
+                            cfg.rollout.tensor_parallel_size if own else None, check)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
@@ -143,7 +153,7 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
     if check:  # --check-channel: the weight channel alone, then exit (channel.check_channel)
-        return failures.guarded(live, lambda: CH.check_channel(world, dev, cfg.sync,
+        return failures.guarded(live, lambda: check_channel(world, dev, cfg.sync,
                                                                   cfg.cluster.timeout_s))
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
@@ -153,23 +163,23 @@ def run(cfg: C.Config, resume: str | None = None, eval_checkpoint: str | None = 
 
 
 # ----------------------------------------------------------------------------- set-up
-def rank_device(cfg: C.Config, world: W.World, dev: D.Device) -> torch.device:
+def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
     if world.own_channel and world.is_gen and not world.is_trainer:
         return torch.device("cpu")
-    return D.torch_device(dev, world.local_rank)
+    return torch_device(dev, world.local_rank)
 
 
-def prepare_run_dir(cfg: C.Config, world: W.World, out_dir: Path) -> str:
+def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path) -> str:
     """Rank 0 builds the tiny model once (if configured); returns the model path."""
     if world.is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
-        M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+        model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
     dist.barrier(group=world.ctrl)
-    return M.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
-def load_problems(cfg: C.Config, split: str, procs: I.Processors) -> tuple[list, int]:
+def load_problems(cfg: config.Config, split: str, procs: inputs.Processors) -> tuple[list, int]:
     """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
     d = cfg.data
     data.refuse_images(procs.vision, cfg.model.path, d)  # images for a text-only model: ModelError
@@ -178,12 +188,12 @@ def load_problems(cfg: C.Config, split: str, procs: I.Processors) -> tuple[list,
             d.source, split, seed=cfg.run.seed, n_synthetic=d.n_synthetic, image_size=d.image_size,
             max_prompt_len=d.max_prompt_len,
             columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
-            prompt_len=lambda p: I.prompt_len(procs, data.user_text(p, d.template), p.images))
+            prompt_len=lambda p: inputs.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise ConfigError(str(e)) from None
 
 
-def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict) -> None:
+def restore(cfg: config.Config, world: World, s: "Setup", dev: Device, plan: dict) -> None:
     """Trainers load the checkpoint's state (optimizer keys as configured now, said on the
     console); the engines then receive the resumed weights."""
     tr, progress = s.trainer, plan["progress"]
@@ -192,43 +202,43 @@ def restore(cfg: C.Config, world: W.World, s: "Setup", dev: D.Device, plan: dict
                         world.is_root, world.trainer_index, ref=tr.ref)
         tr.kl_coef = progress.kl_coef
         if rng is not None:
-            D.set_rng_state(dev, rng)
-        T.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
+            set_rng_state(dev, rng)
+        trainer.apply_optimizer_config(tr, cfg.train, cfg.run.steps)
         if world.is_root and plan["optimizer_changes"]:
             print("resumed with changed optimizer keys, applied to the restored optimizer and "
                   "schedule: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in
                                            plan["optimizer_changes"])
                   + f" (learning rate now {tr.sched.get_last_lr()[0]:.3g})", flush=True)
     if cfg.sync.enabled:  # the engines start from the resumed weights
-        S.sync_weights(world, tr and tr.sender, s.receiver, s.engine, progress.version)
+        sync.sync_weights(world, tr and tr.sender, s.receiver, s.engine, progress.version)
 
 
 # ----------------------------------------------------------------------------- the loop
 @dataclass
 class Setup:
     """What the loop works with, built once by :func:`set_up`; None where a rank has no use."""
-    procs: I.Processors            # tokenizer, token ids, image processor (engines = trainer)
+    procs: inputs.Processors            # tokenizer, token ids, image processor (engines = trainer)
     problems: list                 # the training split
     images: dict                   # problem index -> image (the trainer's batches)
     n_skipped: int                 # dataset rows skipped
     eval_set: list | None          # evaluation problems, when run.eval_every > 0
-    engine: R.Engine | None        # generation ranks
+    engine: rollout.Engine | None        # generation ranks
     scorer: rewards.RewardRunner | None       # generation ranks: [reward] functions
     eval_scorer: rewards.RewardRunner | None  # generation ranks: [eval] functions
-    receiver: S.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
-    trainer: T.Trainer | None      # trainer ranks
+    receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
+    trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
 
 
-def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness) -> Setup:
+def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
     device, ro = rank_device(cfg, world, dev), cfg.rollout
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
-    D.manual_seed_all(cfg.run.seed)
-    procs = I.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    manual_seed_all(cfg.run.seed)
+    procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    full = T.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
+    full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
         print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
               "train.share_prompt falls back to one row per episode", flush=True)
@@ -237,13 +247,13 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
     channel = None
     if world.own_channel and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
-        channel = CH.open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
+        channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = (T.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
+    tr = (trainer.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
                   cfg.run.steps, channel, full, seed=cfg.run.seed) if world.is_trainer else None)
     del full  # the trainers hold their shards now
-    receiver = S.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
+    receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc = cfg.reward
     scorer, eval_scorer = ((rewards.RewardRunner(rc.functions, rc.timeout_s, rc.max_consecutive_timeouts),
                             rewards.RewardRunner(cfg.eval.functions, rc.timeout_s,
@@ -253,9 +263,9 @@ def set_up(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness
                  engine, scorer, eval_scorer, receiver, tr, model_path)
 
 
-def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.device,
-                 live: failures.Liveness, model_path: str, procs: I.Processors,
-                 problems: list) -> R.Engine | None:
+def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
+                 live: failures.Liveness, model_path: str, procs: inputs.Processors,
+                 problems: list) -> rollout.Engine | None:
     """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
     holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
     vLLM's start-up outlasts any collective timeout."""
@@ -263,7 +273,7 @@ def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.dev
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
         failures.inject_start(cfg.cluster.timeout_s)
-        engine = R.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
+        engine = rollout.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
                                 local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
                                 timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose,
                                 max_images=max((len(p.images) for p in problems), default=0))
@@ -273,7 +283,7 @@ def start_engine(cfg: C.Config, world: W.World, dev: D.Device, device: torch.dev
     return engine
 
 
-def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
           resume: str | None, sources: str) -> tuple[Setup, ckpt.Progress, tracking.Recorder | None] | None:
     """Everything before the first step: where the run starts, the records, the models and
     engines, the resumed state, the start-up summary. None when the run is already finished."""
@@ -295,10 +305,10 @@ def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         restore(cfg, world, s, dev, plan)
     if rec:
         roles = [world.role(r) for r in range(world.size)]
-        rec.say(tracking.startup_summary(cfg, roles, D.detect().kind, T.parameter_counts(s.trainer),
+        rec.say(tracking.startup_summary(cfg, roles, detect_device().kind, trainer.parameter_counts(s.trainer),
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
-        note = R.engine_class(cfg.rollout.engine).start_note(cfg.rollout, M.load_config(s.model_path))
+        note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         if note:
             rec.say(f"   {note}")
     if cfg.eval.before_start and progress.step == 0:
@@ -306,7 +316,7 @@ def start(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
     return s, progress, rec
 
 
-def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
           resume: str | None, sources: str) -> int:
     out_dir, ro, t_start = Path(cfg.run.out_dir), cfg.rollout, time.perf_counter()
     started = start(cfg, world, dev, live, resume, sources)
@@ -335,7 +345,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
             pending = generate(s, cfg, world, step + 1, progress.version)
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
-                   "data/skipped": s.n_skipped, **R.episode_metrics(episodes, stats, progress.version)}
+                   "data/skipped": s.n_skipped, **rollout.episode_metrics(episodes, stats, progress.version)}
         # 3. train
         live.phase(step, "train")
         trained, advantages = train_phase(cfg, world, s, episodes, progress, step)
@@ -353,7 +363,7 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
         if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
             rec.step(metrics, episodes, advantages, by_index)
         ckpt.save_progress(cfg, world, s.trainer, s.procs, s.model_path, dev, out_dir, progress)
-        if T.too_many_skipped(cfg.train, world, progress.skipped_in_row):
+        if trainer.too_many_skipped(cfg.train, world, progress.skipped_in_row):
             rec and rec.close(failed=True)
             dist.destroy_process_group()
             return 3
@@ -368,21 +378,21 @@ def train(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
     return 0
 
 
-def generate(s: Setup, cfg: C.Config, world: W.World, step: int,
-             version: int) -> tuple[list[R.Episode], dict]:
+def generate(s: Setup, cfg: config.Config, world: World, step: int,
+             version: int) -> tuple[list[rollout.Episode], dict]:
     """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = data.step_problems(s.problems, step, ro.prompts_per_step, cfg.run.seed)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
-    sampling = R.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
+    sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return R.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
+    return rollout.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
                               version, group_offset=world.gen_index * per_gen, pool=s.problems,
                               seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
                               rounds=cfg.loss.drop_zero_variance and ro.max_refill_rounds)
 
 
-def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode], list[dict]]:
+def exchange(world: World, local: tuple[list, dict]) -> tuple[list[rollout.Episode], list[dict]]:
     """Every rank gets every generation rank's episodes (sorted by group) and timing stats."""
     gathered: list = [None] * world.size
     dist.all_gather_object(gathered, local, group=world.ctrl)
@@ -390,13 +400,13 @@ def exchange(world: W.World, local: tuple[list, dict]) -> tuple[list[R.Episode],
     return episodes, [s for _, s in gathered if s]
 
 
-def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episode],
+def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollout.Episode],
                 progress: ckpt.Progress, step: int) -> tuple[dict[str, float], list[float]]:
     """The rollout step's optimizer steps on the trainer ranks; counts non-finite (skipped) ones.
     Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
     out, adv, t0 = {}, [], time.perf_counter()
     if s.trainer is not None:
-        out, adv = T.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs, step=step,
+        out, adv = update.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs, step=step,
                                 tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
         progress.skipped_total += out["train/skipped"]
@@ -410,34 +420,34 @@ def train_phase(cfg: C.Config, world: W.World, s: Setup, episodes: list[R.Episod
     return out, adv
 
 
-def sync_phase(cfg: C.Config, world: W.World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
+def sync_phase(cfg: config.Config, world: World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
     """Send the new weights to every engine (version + 1) and, if asked, verify them bitwise."""
     tr = s.trainer
     out = {"sync/bytes": 0.0}
     t0 = time.perf_counter()
     if cfg.sync.enabled:
-        out["sync/bytes"] = float(S.sync_weights(world, tr and tr.sender, s.receiver, s.engine,
+        out["sync/bytes"] = float(sync.sync_weights(world, tr and tr.sender, s.receiver, s.engine,
                                                  progress.version + 1))
         progress.version += 1
     out["time/sync_s"] = time.perf_counter() - t0
     if cfg.sync.enabled and cfg.sync.verify:
-        out["sync/checksum_ok"] = float(S.verify(world, tr and tr.policy, s.engine, cfg.model.dtype))
+        out["sync/checksum_ok"] = float(sync.verify(world, tr and tr.policy, s.engine, cfg.model.dtype))
     return out
 
 
 # ----------------------------------------------------------------------------- evaluation
-def run_eval(cfg: C.Config, world: W.World, s: "Setup", rec: tracking.Recorder | None,
+def run_eval(cfg: config.Config, world: World, s: "Setup", rec: tracking.Recorder | None,
              after: int, version: int) -> dict[str, float]:
     """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
-    metrics, eps = E.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
+    metrics, eps = evaluation.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
                               seed=cfg.run.seed * 7919 + after)
     if rec:
-        rec.evaluation(after, version, metrics, E.eval_rows(eps, s.eval_set),
-                       E.settings(cfg.eval, cfg.rollout))
+        rec.evaluation(after, version, metrics, evaluation.eval_rows(eps, s.eval_set),
+                       evaluation.settings(cfg.eval, cfg.rollout))
     return metrics
 
 
-def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: failures.Liveness,
+def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
                         checkpoint: str) -> int:
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
@@ -445,20 +455,20 @@ def evaluate_checkpoint(cfg: C.Config, world: W.World, dev: D.Device, live: fail
     prepare_run_dir(cfg, world, out_dir)
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
-    D.manual_seed_all(cfg.run.seed)
-    procs = I.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    manual_seed_all(cfg.run.seed)
+    procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
                                    cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
-    m, eps = E.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
+    m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                         seed=cfg.run.seed * 7919 + max(step, 0))
     if world.is_root:
         print(json.dumps(m))
-        path = tracking.write_evaluation(out_dir, step, step, m, E.eval_rows(eps, eval_set),
-                                         checkpoint, E.settings(cfg.eval, cfg.rollout))
+        path = tracking.write_evaluation(out_dir, step, step, m, evaluation.eval_rows(eps, eval_set),
+                                         checkpoint, evaluation.settings(cfg.eval, cfg.rollout))
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()

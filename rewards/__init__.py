@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from errors import one_line
+from errors import ConfigError, one_line
 
 log = logging.getLogger("rewards")
 
@@ -46,6 +46,14 @@ def get(name: str) -> RewardFn:
     if name not in REGISTRY:
         raise KeyError(f"unknown reward {name!r}; known: {sorted(REGISTRY)}")
     return REGISTRY[name]
+
+
+def check_functions(key: str, specs: list) -> None:
+    """`reward.functions` / `eval.functions` (`key`) name registered reward functions."""
+    for i, spec in enumerate(specs):
+        if spec["name"] not in names():
+            raise ConfigError(f"{key}[{i}].name: unknown reward {spec['name']!r} "
+                              f"(known: {names()})")
 
 
 def names() -> list[str]:

@@ -21,9 +21,12 @@ import pytest
 import torch
 
 import config as C
+from train import load_config  # config.load + the checks of the modules config.py does not import
 import world as W
 import rollout as R
+import microbatches as MB
 import trainer as T
+import update as U
 from loss import (OBJECTIVES, group_advantages, kl_penalty, local_denominator, policy_loss,
                   zero_variance_groups)
 from tests.util import ROOT, TINY, env, metrics, train_py
@@ -367,8 +370,8 @@ def test_excluded_response_is_as_if_never_sampled(objective, aggregation):
 
 
 def test_objectives_registry_and_config_rules():
-    assert set(OBJECTIVES) == {"ppo", "gspo", "cispo"}
-    cfg = C.load(TINY[1], ["--loss.objective=gspo", "--loss.advantage=rloo", "--loss.kl_clamp=10",
+    assert {"ppo", "gspo", "cispo"} <= set(OBJECTIVES)   # the built-ins (plugins add more)
+    cfg = load_config(TINY[1], ["--loss.objective=gspo", "--loss.advantage=rloo", "--loss.kl_clamp=10",
                            "--train.mini_batches=2", "--train.ppo_epochs=3",
                            "--rollout.max_refill_rounds=0"])
     assert (cfg.loss.objective, cfg.loss.advantage, cfg.loss.kl_clamp) == ("gspo", "rloo", 10.0)
@@ -380,24 +383,24 @@ def test_objectives_registry_and_config_rules():
                       ("--train.ppo_epochs=0", "train.ppo_epochs must be >= 1"),
                       ("--rollout.max_refill_rounds=-1", "rollout.max_refill_rounds must be >= 0")]:
         with pytest.raises(C.ConfigError, match=msg.replace("(", r"\(")):
-            C.load(TINY[1], [over])
+            load_config(TINY[1], [over])
     # tiny: 4 prompts x 4 samples = 16 episodes over 2 trainers: 8 mini-batches of 1 per rank
     # work, 3 do not (16 % 6), 16 do not (16 % 32)
-    W.validate_world(C.load(TINY[1], ["--train.mini_batches=8"]), 3)
+    W.validate_world(load_config(TINY[1], ["--train.mini_batches=8"]), 3)
     for m in (3, 16):
         with pytest.raises(C.ConfigError, match=f"train.mini_batches={m}"):
-            W.validate_world(C.load(TINY[1], [f"--train.mini_batches={m}"]), 3)
+            W.validate_world(load_config(TINY[1], [f"--train.mini_batches={m}"]), 3)
 
 
 # --------------------------------------------------------------------------- mini-batch order
 def test_update_order_is_seeded_by_seed_step_epoch_only():
-    a = [T.update_order(8, 0, 5, e) for e in range(4)]
+    a = [U.update_order(8, 0, 5, e) for e in range(4)]
     assert all(sorted(o) == list(range(8)) for o in a)
-    assert a == [T.update_order(8, 0, 5, e) for e in range(4)]        # every rank, a resumed run
+    assert a == [U.update_order(8, 0, 5, e) for e in range(4)]        # every rank, a resumed run
     assert len({tuple(o) for o in a}) > 1                             # reshuffled per epoch
-    assert len({tuple(T.update_order(8, 0, s, 0)) for s in range(5)}) > 1     # and per step
-    assert len({tuple(T.update_order(8, s, 5, 0)) for s in range(5)}) > 1     # and per run seed
-    assert T.update_order(1, 3, 7, 2) == [0]
+    assert len({tuple(U.update_order(8, 0, s, 0)) for s in range(5)}) > 1     # and per step
+    assert len({tuple(U.update_order(8, s, 5, 0)) for s in range(5)}) > 1     # and per run seed
+    assert U.update_order(1, 3, 7, 2) == [0]
 
 
 # --------------------------------------------------------------------------- DAPO refill
@@ -556,13 +559,13 @@ def test_train_step_several_updates_in_one_process(tmp_path):
         world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
 
         def run(over):
-            cfg = C.load(None, ["--loss.kl_coef=0", "--rollout.max_new_tokens=10", *over])
+            cfg = load_config(None, ["--loss.kl_coef=0", "--rollout.max_new_tokens=10", *over])
             policy = M.load_model(path)
             M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
             opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
             tr = T.Trainer(policy, None, opt, sched, None, torch.device("cpu"))
-            return tr, cfg, T.train_step(tr, eps, images, world=world, procs=procs, tc=cfg.train,
+            return tr, cfg, U.train_step(tr, eps, images, world=world, procs=procs, tc=cfg.train,
                                          lc=cfg.loss, rc=cfg.rollout, step=0)[0]
 
         tr, cfg, one = run([])
@@ -571,8 +574,8 @@ def test_train_step_several_updates_in_one_process(tmp_path):
 
         # no-grad proximal pass == the training forward, bit for bit
         idx = list(range(8))
-        plan = T.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
-        prox = T.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
+        plan = MB.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
+        prox = U.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
                                    temperature=1.0)
         for (old, _, _), mb in zip(prox, plan):
             batch = I.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
@@ -596,7 +599,7 @@ def test_easyr1_recipe_dry_run():
     p = train_py(["--config", str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"], env=e,
                  timeout=120)
     assert p.returncode == 0, p.stderr
-    cfg = C.load(str(ROOT / "configs" / "vl3b_easyr1.toml"))
+    cfg = load_config(str(ROOT / "configs" / "vl3b_easyr1.toml"))
     W.validate_world(cfg, 16)
     # 4 updates per rollout batch of 512 prompts x 5 samples, KL 1e-2 low_var_kl, lr 1e-6
     assert (cfg.train.mini_batches, cfg.train.ppo_epochs) == (4, 1)
@@ -662,7 +665,7 @@ def test_dual_clip_hand_values_gradient_and_fraction():
     # off (0): the plain clipped surrogate, 10 instead of 6
     off, met0 = policy_loss(logp.detach(), old, adv, mask)
     assert off.item() == pytest.approx((10 + 4 + 1.6 - 1.28 - 1 - 0.9) / 6, abs=1e-12)
-    assert met0["clip_frac_dual"] == 0.0
+    assert "clip_frac_dual" not in met0                               # off: no such metric
     for bad in (1.0, 0.5, -3.0):
         with pytest.raises(ValueError, match="clip_dual must be > 1"):
             policy_loss(logp, old, adv, mask, clip_dual=bad)
@@ -708,47 +711,54 @@ def test_entropy_bonus_hand_value_and_gradient():
         policy_loss(logp, old, adv, mask, entropy_cof=0.1)
 
 
-def test_a_new_objective_is_one_function_and_one_config_field(monkeypatch):
-    """The fork's whole change: the field (here a LossConfig subclass stands for the edited
-    LossConfig) and the registered function. Config loading, validation and policy_loss then
-    take it as it is; tests/test_trainer_options.py runs it through trainer.train_step."""
-    import dataclasses
-
+def test_a_new_objective_is_one_function_with_its_own_key(monkeypatch):
+    """The fork's whole change: one registered function with its key beside it. Config loading,
+    checking and policy_loss then take it as it is (no edit to config.py);
+    tests/test_trainer_options.py runs it through trainer.train_step, tests/test_train.py from a
+    plugin module outside the project."""
     import loss as L
-    monkeypatch.setattr(L, "OBJECTIVES", dict(L.OBJECTIVES))         # undone after the test
+    import registry
+    monkeypatch.setattr(registry, "OBJECTIVES", dict(registry.OBJECTIVES))   # undone after the test
+    monkeypatch.setattr(L, "OBJECTIVES", registry.OBJECTIVES)
 
-    @dataclasses.dataclass
-    class MyLoss(C.LossConfig):
-        pg_scale: float = C.num(1.0, "> 0")                           # the new key
-
-    @L.objective("scaled_reinforce")
-    def scaled_reinforce(logprobs, old_logprobs, advantages, mask, lc):
+    @registry.objective("scaled_reinforce", keys={"pg_scale": registry.Key(1.0, "> 0")})
+    def scaled_reinforce(logprobs, old_logprobs, advantages, mask, p):
         ratio = torch.exp(logprobs - old_logprobs)
-        none = torch.zeros_like(ratio, dtype=torch.bool)
-        return L.Term(-lc.pg_scale * ratio * advantages.unsqueeze(-1), ratio, none, none)
+        return L.Term(-p.pg_scale * ratio * advantages.unsqueeze(-1), ratio,
+                      {"tokens_seen": torch.ones_like(ratio)})
 
-    cfg = C.Config(loss=MyLoss())
-    C._apply(cfg, "loss", "objective", "scaled_reinforce")            # as --loss.objective=...
-    C._apply(cfg, "loss", "pg_scale", 3)                              # as --loss.pg_scale=3
-    C.validate(cfg)
-    assert "pg_scale = 3.0" in C.dump_toml(cfg)
-    C._apply(cfg, "loss", "pg_scale", -1.0)
+    with pytest.raises(C.ConfigError, match="loss.clip_low: a key of objective 'ppo', objective "
+                       "'gspo', objective 'cispo', not of the selected objective 'scaled_reinforce'"):
+        load_config(TINY[1], ["--loss.objective=scaled_reinforce"])    # tiny.toml sets clip_low
+    cfg = load_config(None, ["--loss.objective=scaled_reinforce", "--loss.pg_scale=3"])
+    assert cfg.loss.pg_scale == 3.0 and isinstance(cfg.loss.pg_scale, float)
+    assert "pg_scale = 3.0" in C.dump_toml(cfg) and "clip_low" not in C.dump_toml(cfg)
+    assert load_config(None, ["--loss.objective=scaled_reinforce"]).loss.pg_scale == 1.0
     with pytest.raises(C.ConfigError, match="loss.pg_scale must be > 0"):
-        C.validate(cfg)
-    cfg.loss.pg_scale = 3.0
+        load_config(None, ["--loss.objective=scaled_reinforce", "--loss.pg_scale=-1"])
+    with pytest.raises(C.ConfigError, match="loss.pg_scale: a key of objective 'scaled_reinforce'"):
+        load_config(None, ["--loss.pg_scale=3"])                      # not the selected objective's
     logp, old, adv, mask = _inputs()
-    loss, _ = policy_loss(logp, logp.detach(), adv, mask, cfg.loss)
+    loss, met = policy_loss(logp, logp.detach(), adv, mask, cfg.loss)
     assert loss.item() == pytest.approx(3 * -(3 * 2.0 - 2 * 1.0) / 5, abs=1e-14)
+    assert met["tokens_seen"] == 1.0 and L.log_name("tokens_seen") == "train/tokens_seen"
     assert policy_loss(logp, logp.detach(), adv, mask, cfg.loss, pg_scale=1.0)[0].item() == \
         pytest.approx(-(3 * 2.0 - 2 * 1.0) / 5)
+    with pytest.raises(TypeError, match="clip_dual"):                 # not a key of this objective
+        policy_loss(logp, logp.detach(), adv, mask, cfg.loss, clip_dual=3.0)
     with pytest.raises(ValueError, match="registered twice"):
-        L.objective("ppo")(scaled_reinforce)
+        registry.objective("ppo")(scaled_reinforce)
 
 
-def test_loss_defaults_are_the_config_defaults():
-    import loss as L
+def test_built_in_objectives_own_their_keys_and_defaults():
+    import registry
     lc = C.LossConfig()
-    assert {k: getattr(lc, k) for k in L.DEFAULTS} == L.DEFAULTS
+    assert registry.OBJECTIVES["ppo"].params(lc).__dict__ == {"clip_low": 0.2, "clip_high": 0.28,
+                                                              "clip_dual": 0.0}
+    assert set(registry.OBJECTIVES["gspo"].keys) == set(registry.OBJECTIVES["cispo"].keys) == \
+        {"clip_low", "clip_high"}
+    cfg = load_config(TINY[1], ["--loss.objective=cispo", "--loss.clip_high=4.0"])
+    assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.2, 4.0)      # default filled, value kept
 
 
 def test_adaptive_kl_coefficient_against_verl_and_by_hand():
@@ -809,14 +819,17 @@ def test_kl_in_reward_matches_verl_apply_kl_penalty_then_grpo(scale_by_std):
 
 def test_kl_and_dual_clip_config_rules():
     for over, msg in [("--loss.clip_dual=1.0", "loss.clip_dual must be > 1"),
-                      ("--loss.objective=gspo --loss.clip_dual=3", "no dual clip"),
+                      ("--loss.objective=gspo --loss.clip_dual=3",
+                       "loss.clip_dual: a key of objective 'ppo', not of the selected objective 'gspo'"),
+                      ("--loss.clip_duall=3", "unknown config key loss.clip_duall"),
+                      ("--loss.clip_dual=x", "loss.clip_dual: expected float, got 'x'"),
                       ("--loss.kl_in_reward=true", "loss.kl_in_reward needs loss.kl_coef > 0"),
                       ("--loss.kl_target=0.1", "loss.kl_target needs loss.kl_coef > 0"),
                       ("--train.ref_update_every=4", "train.ref_update_every needs loss.kl_coef"),
                       ("--train.ref_mix_alpha=0", "train.ref_mix_alpha must be in (0, 1]"),
                       ("--loss.entropy_coef=-1", "loss.entropy_coef must be >= 0")]:
         with pytest.raises(C.ConfigError, match=re.escape(msg)):
-            C.load(TINY[1], over.split())
-    cfg = C.load(TINY[1], ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_target=0.1",
+            load_config(TINY[1], over.split())
+    cfg = load_config(TINY[1], ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_target=0.1",
                            "--train.ref_update_every=8", "--loss.clip_dual=3", "--loss.entropy_coef=0.001"])
     assert (cfg.loss.kl_horizon, cfg.train.ref_mix_alpha) == (10000, 0.6)

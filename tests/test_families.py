@@ -23,6 +23,7 @@ import inputs as I
 import model as M
 import rollout as R
 import synthetic
+from train import load_config
 
 FAMILIES = list(F.FAMILIES)
 VLMS = [t for t in FAMILIES if F.get(t).processor]
@@ -150,12 +151,12 @@ def test_a_family_outside_the_table_is_refused_naming_its_model_type(tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": "llava"}))
     with pytest.raises(C.ConfigError, match=r"model_type 'llava' is not a supported family "
                                             r"\(supported: qwen2_vl, qwen2_5_vl") as e:
-        C.load(None, [f"--model.path={folder}"])
+        load_config(None, [f"--model.path={folder}"])
     assert str(folder) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(M.ModelError, match="'llava' is not a supported family"):
         M.load_config(str(folder))
     with pytest.raises(C.ConfigError, match=r"model.path=tiny-llava: no tiny model of 'llava'"):
-        C.load(None, ["--model.path=tiny-llava"])
+        load_config(None, ["--model.path=tiny-llava"])
 
 
 def test_a_folder_missing_one_weight_is_refused_naming_the_key(tiny_dir, tmp_path):
@@ -195,12 +196,12 @@ def test_a_chat_template_that_fails_to_render_is_one_line(tiny_dir, tmp_path):
 
 def test_a_text_model_refuses_a_dataset_with_images(tiny_dir):
     import config as C
-    cfg = C.load(None, ["--model.path=tiny-qwen3"])  # the default data: synthetic diagrams
+    cfg = load_config(None, ["--model.path=tiny-qwen3"])  # the default data: synthetic diagrams
     procs = I.processors(tiny_dir("qwen3"), cfg.model, cfg.data)
     assert not procs.vision
     with pytest.raises(M.ModelError, match=r"text-only model: .* data.source='synthetic'"):
         data.refuse_images(procs.vision, cfg.model.path, cfg.data)
-    cfg = C.load(None, ["--model.path=tiny-qwen3", "--data.source=synthetic-text"])
+    cfg = load_config(None, ["--model.path=tiny-qwen3", "--data.source=synthetic-text"])
     data.refuse_images(procs.vision, cfg.model.path, cfg.data)  # a text-only set: no error
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import config as C
+import errors
 import world as W
 from tests.util import ROOT, TINY, env, metrics, train_py
 
@@ -114,6 +115,6 @@ def test_a_node_error_is_printed_by_that_nodes_first_rank(monkeypatch, capsys):
                                            (8, 0, False, False), (0, 0, False, True)):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(local))
-        e = (C.NodeConfigError if node_err else C.ConfigError)("node 1 (ranks 8-15) needs ...")
+        e = (errors.NodeConfigError if node_err else C.ConfigError)("node 1 (ranks 8-15) needs ...")
         assert failures.exit_bad_input(e) == 2
         assert ("config error: node 1" in capsys.readouterr().err) == printed, (rank, local, node_err)

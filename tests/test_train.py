@@ -9,6 +9,7 @@ import re
 import pytest
 
 import config as C
+import errors
 import rollout as R
 import train
 import vllm_engine as V
@@ -182,7 +183,7 @@ def test_setup_refuses_more_devices_than_the_node_has(monkeypatch):
         for k, v in dict(RANK=rank, WORLD_SIZE=8, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=8,
                          GROUP_RANK=0).items():
             monkeypatch.setenv(k, str(v))
-        with pytest.raises(C.NodeConfigError) as e:
+        with pytest.raises(errors.NodeConfigError) as e:
             W.setup(4, 60, "cpu:gloo,cuda:nccl", D.TABLE["cuda"], rc)
         msg = str(e.value)
         for part in ("node 0 (ranks 0-7) needs 12 devices", "4 trainer(s) + 4 engine(s)",
@@ -246,7 +247,7 @@ def test_too_few_devices_on_a_node_is_one_config_error_line_and_exit_2(monkeypat
     import torch.distributed as dist
 
     import device as D
-    monkeypatch.setattr(D, "detect", lambda: D.TABLE["cuda"])
+    monkeypatch.setattr(train, "detect_device", lambda: D.TABLE["cuda"])
     monkeypatch.setattr(D, "device_count", lambda dev: 8)
     monkeypatch.setattr(D, "torch_device", lambda dev, i: pytest.fail("claimed a device"))
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: pytest.fail("started the group"))

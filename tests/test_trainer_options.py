@@ -18,11 +18,14 @@ import data
 import families as F
 import inputs as I
 import loss as L
+import registry
 import model as M
 import rollout as R
 import synthetic
 import trainer as T
+import update as U
 from tests.util import free_port
+from train import load_config
 
 CPU = torch.device("cpu")
 
@@ -49,7 +52,7 @@ def s(tmp_path_factory):
 
 
 def cfg_of(over: list[str], lc=None) -> C.Config:
-    cfg = C.load(None, ["--rollout.max_new_tokens=10", *over])
+    cfg = load_config(None, ["--rollout.max_new_tokens=10", *over])
     if lc is not None:
         cfg.loss = lc
     return cfg
@@ -73,7 +76,7 @@ def trainer(s, cfg: C.Config, ref_noise: float | None = None) -> T.Trainer:
 
 
 def step(s, tr, cfg, eps=None, k: int = 0):
-    return T.train_step(tr, eps or s.eps, s.images, world=s.world, procs=s.procs, tc=cfg.train,
+    return U.train_step(tr, eps or s.eps, s.images, world=s.world, procs=s.procs, tc=cfg.train,
                         lc=cfg.loss, rc=cfg.rollout, step=k)
 
 
@@ -83,26 +86,24 @@ def full(module) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- item 1
 def test_a_new_objective_with_its_own_key_runs_through_the_unchanged_trainer(s, monkeypatch):
-    monkeypatch.setattr(L, "OBJECTIVES", dict(L.OBJECTIVES))
+    monkeypatch.setattr(registry, "OBJECTIVES", dict(registry.OBJECTIVES))
+    monkeypatch.setattr(L, "OBJECTIVES", registry.OBJECTIVES)
 
-    @dataclasses.dataclass
-    class MyLoss(C.LossConfig):                        # the one config field
-        pg_scale: float = C.num(1.0, "> 0")
-
-    @L.objective("scaled_reinforce")                   # the one function
-    def scaled_reinforce(logprobs, old_logprobs, advantages, mask, lc):
+    @registry.objective("scaled_reinforce", keys={"pg_scale": registry.Key(1.0, "> 0")})
+    def scaled_reinforce(logprobs, old_logprobs, advantages, mask, p):   # the one function
         ratio = torch.exp(logprobs - old_logprobs)
-        none = torch.zeros_like(ratio, dtype=torch.bool)
-        return L.Term(-lc.pg_scale * ratio * advantages.unsqueeze(-1), ratio, none, none)
+        return L.Term(-p.pg_scale * ratio * advantages.unsqueeze(-1), ratio,
+                      {"clipped_never": torch.zeros_like(ratio)})
 
     got = {}
     for scale in (1.0, 3.0):
-        cfg = cfg_of([], MyLoss(objective="scaled_reinforce", pg_scale=scale))
-        C.validate(cfg)
+        cfg = load_config(None, ["--rollout.max_new_tokens=10", "--loss.objective=scaled_reinforce",
+                                 f"--loss.pg_scale={scale}"])
         got[scale], _ = step(s, trainer(s, cfg), cfg)
     assert got[1.0]["loss"] != 0
     assert got[3.0]["loss"] == pytest.approx(3 * got[1.0]["loss"], rel=1e-5)
     assert got[3.0]["grad_norm"] == pytest.approx(3 * got[1.0]["grad_norm"], rel=1e-4)
+    assert got[1.0]["train/clipped_never"] == 0.0 and "train/clip_frac_low" not in got[1.0]
 
 
 def test_entropy_bonus_enters_the_loss_with_its_gradient(s):

@@ -1,41 +1,46 @@
-"""Token-budget micro-batches: the plan, and accumulated gradient == full-batch gradient."""
+"""microbatches.py: the plan (token budget, counts), and the accumulated gradient over any plan
+== the full-batch gradient (update.accumulate_gradients)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import config as C
 import data
 import families as F
 import inputs as I
 import loss as L
+import microbatches as MB
 import model as M
 import rollout as R
 import synthetic
 import trainer as T
+import update as U
 from tests.util import free_port
+from train import load_config
 
 
 def test_plan_budget_order_and_counts():
     lengths = [50, 10, 40, 10, 30, 20, 60, 10]
-    plan = T.plan_micro_batches(lengths, max_seqs=99, max_tokens=80)
+    plan = MB.plan_micro_batches(lengths, max_seqs=99, max_tokens=80)
     assert sorted(i for mb in plan for i in mb) == list(range(8))          # each index once
     for mb in plan:
         assert len(mb) * max(lengths[i] for i in mb) <= 80 or len(mb) == 1
-    assert T.plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    eq = T.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000, count=3)
+    assert MB.plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    eq = MB.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000, count=3)
     assert len(eq) == 3 and sorted(i for mb in eq for i in mb) == list(range(8))
     with pytest.raises(ValueError):
-        T.plan_micro_batches([5, 5], max_seqs=1, count=3)
+        MB.plan_micro_batches([5, 5], max_seqs=1, count=3)
 
 
 def test_padding_is_reduced_by_length_grouping():
     lengths = [10, 200, 12, 190, 11, 210, 9, 205]
     def pad(plan):
         return sum(len(mb) * max(lengths[i] for i in mb) for mb in plan) - sum(lengths)
-    assert pad(T.plan_micro_batches(lengths, 99, max_tokens=420)) < \
-        pad(T.plan_micro_batches(lengths, 2)) / 4
+    assert pad(MB.plan_micro_batches(lengths, 99, max_tokens=420)) < \
+        pad(MB.plan_micro_batches(lengths, 2)) / 4
 
 
 def test_accumulated_gradient_equals_full_batch(tmp_path):
@@ -59,13 +64,16 @@ def test_accumulated_gradient_equals_full_batch(tmp_path):
         keep = torch.ones(len(eps), dtype=torch.bool)
         denom = sum(len(e.response_ids) for e in eps)
 
+        world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
+
         def grads(over: list[str]):
-            cfg = C.load(None, over + ["--loss.kl_coef=0"])
+            cfg = load_config(None, over + ["--loss.kl_coef=0", "--rollout.max_new_tokens=12"])
             policy.zero_grad(set_to_none=True)
-            stats = T.accumulate_gradients(tr, eps, list(range(len(eps))), adv, keep, denom, images,
-                                           procs=procs, train_group=dist.group.WORLD, n_trainers=1,
-                                           lc=cfg.loss, tc=cfg.train, temperature=1.0,
-                                           max_new_tokens=12)
+            idx = list(range(len(eps)))
+            step = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images,
+                          keep=keep, adv=adv, kl_coef=0.0)
+            plan = MB.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
+            stats = U.accumulate_gradients(step, U.Update(idx, plan, denom))
             return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
 
         flat = "--train.share_prompt=false"
