@@ -443,12 +443,12 @@ def resolve(lc: Any = None, **knobs: Any) -> tuple[Any, Any]:
     if part is None:
         raise ValueError(f"unknown objective {knobs.get('objective', lc.objective)!r}; "
                          f"expected one of {tuple(OBJECTIVES)}")
-    own = {f.name for f in dataclasses.fields(lc)} - {"params"}
+    own = ({f.name for f in dataclasses.fields(lc)} - {"params"}) | {"max_response_len"}
     unknown = sorted(k for k in knobs if k not in own and k not in part.keys)
     if unknown:
         raise TypeError(f"unknown [loss] key(s) {unknown}: not keys of {type(lc).__name__} "
                         f"nor of objective {part.name!r}")
-    general = SimpleNamespace(**{k: knobs.get(k, getattr(lc, k)) for k in own})
+    general = SimpleNamespace(**{k: knobs.get(k, getattr(lc, k, None)) for k in own})
     return general, part.params(lc, {k: v for k, v in knobs.items() if k in part.keys})
 
 
@@ -471,14 +471,14 @@ def _check_knobs(k: Any, ref_logprobs: Tensor | None, behaviour_logprobs: Tensor
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 lc: Any = None, *, ref_logprobs: Tensor | None = None,
                 behaviour_logprobs: Tensor | None = None, entropy: Tensor | None = None,
-                loss_denominator: float | None = None, max_response_len: int | None = None,
-                **knobs: Any) -> tuple[Tensor, dict[str, float]]:
+                loss_denominator: float | None = None, **knobs: Any) -> tuple[Tensor, dict[str, float]]:
     """GRPO / Dr. GRPO / DAPO / GSPO / CISPO policy loss and its metrics.
 
     Knobs: ``lc`` is the ``[loss]`` section (``config.LossConfig``; None: its defaults); keyword
     ``knobs`` replace its keys or the objective's for this call (the trainer passes the step's
     KL coefficient as ``kl_coef``; tests write ``clip_low=0.1``); :func:`resolve`. The objective
-    (``registry.OBJECTIVES``) receives its own keys.
+    (``registry.OBJECTIVES``) receives its own keys. One knob is not a key:
+    ``max_response_len``, the generation limit ("seq-mean-token-sum-norm"'s constant).
 
     Per token: ``l = term.loss * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
     kl_clamp) - entropy_coef * entropy``, where ``term`` is the objective's (:func:`ppo_term`,
@@ -513,7 +513,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     k, own = resolve(lc, **knobs)
     _check_shapes(logprobs, old_logprobs, advantages, mask, ref_logprobs, behaviour_logprobs,
                   entropy)
-    _check_aggregation(k.aggregation, max_response_len)
+    _check_aggregation(k.aggregation, k.max_response_len)
     _check_knobs(k, ref_logprobs, behaviour_logprobs, entropy)
     tis_cap = k.tis_cap or 0.0
 
@@ -530,7 +530,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             per_token = per_token + k.kl_coef * kl
     if k.entropy_coef > 0:
         per_token = per_token - k.entropy_coef * entropy
-    loss = aggregate(per_token, mask, k.aggregation, loss_denominator, max_response_len)
+    loss = aggregate(per_token, mask, k.aggregation, loss_denominator, k.max_response_len)
 
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
