@@ -1,49 +1,26 @@
-"""GRPO advantages and policy losses: pure functions on tensors.
+"""GRPO advantages and policy losses: pure functions on tensors (docs/loss.md: the family, the
+presets and how each knob maps to TRL, verl and EasyR1).
 
-Owns the maths of one update and every fact about it: group-relative advantages (GRPO, RLOO),
-which responses are trained on (:func:`keep_mask`), the policy-gradient term of each objective
-(PPO's clipped surrogate, GSPO, CISPO), truncated importance sampling (TIS) for the
-engine/trainer mismatch, the KL penalty to a reference policy, and loss aggregation with an
-explicit global denominator (:func:`loss_denominator`). No model, no optimizer, no
-torch.distributed: the trainer asks this module for each update's denominator and passes it to
-every micro-batch of that update.
+Owns the maths of one update: group-relative advantages (GRPO, RLOO), which responses are
+trained on (:func:`keep_mask`), each objective's policy term (PPO's clipped surrogate, GSPO,
+CISPO; more by ``registry.objective``, here or in a ``loss.plugins`` module), truncated
+importance sampling (TIS) for the engine/trainer mismatch, the KL to a reference policy, and
+aggregation with an explicit global denominator (:func:`loss_denominator`). No model, no
+optimizer, no torch.distributed.
 
-``old_logprobs`` are the proximal policy's: with one update per rollout batch the trainer passes
-the current logprobs detached (ratio 1 in value); with several updates (``[train]
-mini_batches`` / ``ppo_epochs``) it passes logprobs computed once before the first update, so
-from the second update on the ratio moves and the clip binds. TIS corrects engine -> proximal
-(``behaviour_logprobs`` are the engine's), which is AReaL's decoupled objective.
+``old_logprobs`` are the proximal policy's: with one update per rollout batch the current
+logprobs detached (ratio 1 in value); with several (``train.mini_batches`` / ``ppo_epochs``)
+logprobs computed once before the first update. TIS corrects engine -> proximal
+(``behaviour_logprobs`` are the engine's), AReaL's decoupled objective.
 
 Shapes: ``B`` responses of up to ``T`` tokens; ``logprobs``, ``old_logprobs``, ``mask`` are
 ``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens).
 
-Excluded responses (one convention, every aggregation): a response left out of the update (its
-group has zero reward variance under DAPO's dynamic sampling, or it was cut at the length limit
-with ``exclude_truncated``) leaves the loss entirely, exactly as if it had not been sampled: its
-tokens leave "token-mean"'s count, it leaves the sequence count of "seq-mean-token-mean", and
-"seq-mean-token-sum-norm" normalises by (kept responses) x max_response_len. (TRL instead keeps
-masked responses in its sequence counts; here a dropped response never dilutes the others.)
-
-The convention holds for every objective: GSPO's sequence ratio of an excluded response is
-never formed from its tokens (its mask is zero), and it adds nothing to any denominator.
-
-A new objective is one function registered with its own keys beside it,
-``@registry.objective("name", keys={...})`` (here or in a module of ``loss.plugins``):
-``fn(logprobs, old_logprobs, advantages, mask, p) -> Term`` with ``p`` its keys.
-:func:`policy_loss` composes the term with TIS, :func:`kl_penalty`, the entropy bonus and
-:func:`aggregate`; the trainer logs the term's metrics as they come (``train/<name>``).
-
-Built in on top of the clipped surrogate: dual-clip PPO (``clip_dual``, verl's ``clip_ratio_c``,
-EasyR1's ``clip_ratio_dual``; off by default here, where verl and EasyR1 default to 3) and an
-entropy bonus (``entropy_coef``, verl's ``entropy_coeff``). For the KL, besides the penalty in the
-loss: the penalty subtracted from the reward before the advantages (:func:`sequence_kl`, verl's
-``use_kl_in_reward``) and the adaptive coefficient (:func:`adaptive_kl_coef`, the controller of
-verl and OpenRLHF).
-
-Left out on purpose: value functions and the ``[-20, 20]`` log-ratio clamps verl and EasyR1 put
-on the policy ratio for stability (the formulas here are exactly those in the docstrings, so an
-independent implementation matches to rounding). The KL clamp is opt-in (``kl_clamp``,
-:func:`kl_penalty`).
+Excluded responses (one convention, every aggregation and objective): a response left out of the
+update (DAPO's zero-variance groups, ``exclude_truncated``, a filter) leaves the loss and every
+denominator exactly as if it had not been sampled. Left out on purpose: value functions and the
+``[-20, 20]`` log-ratio clamps verl and EasyR1 put on the policy ratio (the formulas here are
+exactly those in the docstrings); the KL clamp is opt-in (``kl_clamp``).
 """
 from __future__ import annotations
 
@@ -237,17 +214,9 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     aggregation (GSPO proper: "seq-mean-token-mean", clips around 3e-4 / 4e-4). A response with
     no masked-in token has ``S = 1`` and leaves the loss through its zero mask.
 
-    Against the peers: TRL (``importance_sampling_level="sequence"``) computes the same ``S_i``
-    (shape [B, 1]) and per-token loss. verl's ``compute_policy_loss_gspo`` (and EasyR1's
-    ``gspo_token``) use ``sg[S_i] * pi_it / sg[pi_it]``: the same value, and the same gradient
-    whenever every token of a response carries the same aggregation weight (all three
-    aggregations here, without TIS); with per-token TIS weights the two differ (here a token's
-    TIS weight scales its share of the sequence term). verl also forces "seq-mean-token-mean"
-    whatever the configured mode and clamps ``log S <= 10``; neither is done here.
-
     Clip flags: as PPO's but on ``S_i`` (sign of ``A_i``), broadcast to every token of the
-    response, so ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence
-    (verl counts per token like this; TRL counts sequences).
+    response: ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence.
+    (TRL, verl, EasyR1: docs/loss.md.)
     """
     clip_low, clip_high = _clip_bounds(p)
     m = mask.to(logprobs.dtype)
@@ -271,14 +240,9 @@ def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
     (bounded) gradient instead of none. ``clip_low >= 1`` means no lower bound (rho > 0). With
     ``rho = 1`` the gradient equals PPO's (``-A``), the value does not (it is ``-A * logp``).
 
-    Against the peers: verl's ``compute_policy_loss_cispo`` and EasyR1's ``cispo`` use both
-    bounds like this (verl clamps the log-ratio to [-20, 20] first). TRL's ``loss_type="cispo"``
-    has only an upper bound and takes ``epsilon_high`` as the ratio cap itself: TRL's
-    recommended 5.0 is ``clip_high = 4.0`` here, with ``clip_low >= 1``.
-
     Clip flags: where the weight is clipped, whatever the sign of A (the weight scales the
-    gradient of both signs): low ``rho < 1 - clip_low``, high ``rho > 1 + clip_high``. (TRL
-    counts only ``A > 0`` above its cap; verl counts both bounds together.)
+    gradient of both signs): low ``rho < 1 - clip_low``, high ``rho > 1 + clip_high``. TRL's
+    recommended cap 5.0 is ``clip_high = 4.0`` here, with ``clip_low >= 1`` (docs/loss.md).
     """
     clip_low, clip_high = _clip_bounds(p)
     ratio = torch.exp(logprobs - old_logprobs)

@@ -17,7 +17,6 @@ metrics a term returns, and what each filter removed (`train/filtered/<name>`).
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -149,8 +148,3 @@ def check(lc) -> None:
         problem = p.check(p.params(lc)) if p.check else None
         if problem:
             raise ConfigError(f"loss.{problem}")
-
-
-def general_keys(lc) -> set[str]:
-    """The `[loss]` keys that belong to no part (the config's own fields)."""
-    return {f.name for f in dataclasses.fields(lc)} - {"params"}
