@@ -111,10 +111,17 @@ def panels(runs: list[tuple], keys: list[str] | None = None) -> list[tuple[str, 
             if got:
                 out.append((want.rstrip("/"), sorted(got, key=order), want == "logprob_diff/max"))
         return out
+    claimed = set()
     for title, match, log in PANELS:
         got = [k for k in present if match(k) and points_any(runs, k)]
+        claimed |= set(got)
         if any(varies(runs, k) for k in got):
             out.append((title, sorted(got, key=order), log))
+    # train/ keys no panel names (a plugin objective's or filter's metrics): one more panel
+    other = [k for k in present if k.startswith("train/") and k not in claimed
+             and points_any(runs, k) and varies(runs, k)]
+    if other:
+        out.append(("other train/", other, False))
     return out
 
 

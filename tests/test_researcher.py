@@ -240,6 +240,7 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
              "train/clip_frac_low": 0.0, "train/clip_frac_high": 0.0, "train/lr": 1e-3,
              "time/step_s": 1.0 + 0.1 * i, "time/generate_s": 0.5, "time/train_s": 0.3 + 0.01 * i,
              "time/sync_s": 0.1, "time/gen_tokens_per_s": 100.0 + i, "time/train_tokens_per_s": 900.0,
+             "train/filtered/short_only": 0.1 * (i % 2),   # a plugin's: no panel names it
              **{f"reward/p{j}": j * i / 100 for j in range(8)}} for i in range(8)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "eval.jsonl").write_text(json.dumps({"after": 0, "eval/accuracy": 0.0}) + "\n"
@@ -248,7 +249,9 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
     fig = plot.plot([run])
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     # KL, clip fractions and lr are flat (all-zero or constant): no panel for them
-    assert set(axes) == {"reward", "reward parts", "eval", "entropy", "grad norm", "time (s)", "tok/s"}
+    assert set(axes) == {"reward", "reward parts", "eval", "entropy", "grad norm", "time (s)", "tok/s",
+                         "other train/"}
+    assert [ln.get_label() for ln in axes["other train/"].lines] == ["train/filtered/short_only"]
     assert [ln.get_label() for ln in axes["reward"].lines] == ["reward/mean"]     # total apart
     parts = {ln.get_label() for ln in axes["reward parts"].lines}
     assert "reward/mean" not in parts and "reward/errors" not in parts and "reward/accuracy" in parts
