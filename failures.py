@@ -1,25 +1,9 @@
 """Failure handling: name the culprit, never hang, blame no one wrongly.
 
-- :class:`Liveness`: heartbeats and phases in the launcher's key-value store. The loop marks its
-  phase in one line (``live.phase(step, "train")``); when a collective fails,
-  :meth:`Liveness.diagnose` says which ranks died (heartbeat stopped), which were stopped by a
-  signal, and where every other rank was (a rank alive in another phase is the stuck one).
-- :func:`guarded`: runs the job; an exception becomes ONE line naming this rank, its role, its
-  phase and the error, an abort notice that stops every other rank within a heartbeat, and exit
-  code 4 (no teardown that could hang). A rank's own error (not a failed collective) prints its
-  traceback and blames no other rank; a failed collective is diagnosed, and its traceback is left
-  out when another rank died or was stopped (the error is only a consequence).
-- :func:`on_signals`: SIGINT / SIGTERM. A user's stop prints one line per rank, "stopped by
-  SIGTERM at step N (phase)"; torchrun also stops the survivors of a failed rank with SIGTERM,
-  and then the line names that failure instead.
-- :func:`exit_bad_input`: a config or start-up error that every rank finds alike: printed once
-  (rank 0), exit code 2 on every rank.
-- :func:`world_failed`: the world's set-up failed (an unreachable master), before any of the
-  above exists: one line naming the address, the port and the timeout, exit code 4.
-- :func:`start_barrier`: every rank waits for the engines' start-up under a deadline of its own
-  (`rollout.start_timeout_s`), not under the collective timeout (a count in the store).
-- :func:`fault_active` / :func:`inject`: fault injection for the failure tests, off unless
-  ``GRPO_FAULT=<point>[@<step>][:<rank>]`` (several: comma-separated) is set.
+:class:`Liveness` (heartbeats and phases in the launcher's store), :func:`guarded` (a failure
+becomes one line and exit code 4), :func:`on_signals`, :func:`exit_bad_input` (exit 2),
+:func:`world_failed`, :func:`start_barrier`, and the fault injection of the failure tests
+(``GRPO_FAULT``). How they work together and every exit code: docs/failures.md.
 """
 from __future__ import annotations
 
@@ -45,16 +29,14 @@ class Fatal(RuntimeError):
 def say(line: str) -> None:
     """One line to stderr in ONE write: lines of several ranks sharing a pipe never interleave
     (a write of under PIPE_BUF bytes is atomic; `print` hands text and newline over apart)."""
-    sys.stderr.write(line + "\n")  # one write() of the line with its newline
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def end(code: int) -> None:
-    """Exit now with `code` (no interpreter teardown: a failing rank's threads may be stuck in C
-    calls), after ending this process's child processes: vLLM's engine core, started through
-    multiprocessing, would otherwise outlive the rank, holding its device memory (and, under a
-    test, the output pipes it inherited). SIGTERM first (the engine core stops its workers),
-    SIGKILL for what is still there after 3 s."""
+    """Exit now with `code`, without interpreter teardown (a failing rank's threads may be stuck
+    in C calls), after ending this process's children (vLLM's engine core would otherwise outlive
+    the rank, holding its device memory): SIGTERM, then SIGKILL after 3 s."""
     import multiprocessing
     import time
     kids = multiprocessing.active_children()
@@ -88,13 +70,10 @@ def inject_start(timeout_s: float) -> None:
 
 
 def start_barrier(live: "Liveness", timeout_s: float, key: str, name: str = "start") -> None:
-    """Every rank meets here within `timeout_s` (config `key`), a deadline of its own: the
-    engines' start-up takes longer than any collective should (cluster.timeout_s). Past it, a
-    RuntimeError saying so (the diagnosis then names the rank still starting).
-
-    A count in the launcher's store, not a collective: `dist.barrier` has no `timeout` before
-    torch 2.13 (the hardware runs 2.10 / 2.11), and a gloo group's own timeout would bind the
-    ranks that arrive early to cluster.timeout_s while the last one is still loading."""
+    """Every rank meets here within `timeout_s` (config `key`), a deadline longer than any
+    collective's (cluster.timeout_s); past it, a RuntimeError saying so. A count in the store,
+    not a collective: `dist.barrier` has no `timeout` before torch 2.13 (the hardware runs
+    2.10 / 2.11)."""
     store, ns = live.store, f"{live.ns}/meet/{name}"
     store.add(ns, 1)
     deadline = time.monotonic() + timeout_s
@@ -128,16 +107,10 @@ class Diagnosis:
 
 
 class Liveness:
-    """Heartbeats and phases in the launcher's key-value store, to name the culprit of a failure.
-
-    A daemon thread bumps `hb/<rank>` every 0.5 s; the loop records its phase ("step 3:
-    rollout"). When a collective fails or times out, `diagnose()` names the ranks whose heartbeat
-    stopped (dead: killed, crashed, lost node), the ranks stopped by a signal, and every rank's
-    last phase (a rank alive but in another phase is the stuck one). The failing rank then posts
-    an abort notice; every other rank's heartbeat thread ends its process within a beat, even
-    when its main thread is stuck in a C call (a hung engine) and on nodes whose launcher does not
-    know of the failure.
-    """
+    """Heartbeats (a daemon thread bumps `hb/<rank>` every 0.5 s) and phases ("step 3:
+    rollout") in the launcher's key-value store, to name the culprit of a failure; the heartbeat
+    thread also ends this process within a beat once another rank posts an abort notice, even
+    when the main thread is stuck in a C call."""
     INTERVAL = 0.5
 
     def __init__(self, rank: int, roles: list[str]):
@@ -151,9 +124,7 @@ class Liveness:
         self.phase(None, "start-up")  # a rank is never shown without a phase
         self._stop = threading.Event()
         self.failing = False
-        # The first of {this rank's failure report, a signal stop} prints; the other waits for
-        # the process to end.
-        self.ending = threading.Lock()
+        self.ending = threading.Lock()  # the first of {failure report, signal stop} prints
         threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def _beat(self) -> None:
@@ -164,8 +135,6 @@ class Liveness:
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
                 return
             if failed and not self.failing and self.ending.acquire(blocking=False):
-                # another rank failed: stop now, even if this rank's main thread is stuck in a
-                # C call (a hung engine, a collective)
                 say(f"error: rank {self.rank} ({self.role}) stopping: {self.abort_notice()}")
                 end(5)
 
@@ -220,7 +189,6 @@ class Liveness:
             return Diagnosis(line=f"could not diagnose ({type(e).__name__}: the launcher's store "
                                   "is gone)")
         dead = [r for r in others if after[r] == before[r] and r not in ended and r not in signalled]
-        # Alive ranks elsewhere than this one are the likely stuck ones.
         stuck = [r for r in others if r not in dead and r not in ended and r not in signalled
                  and phases[r] != phases[self.rank]]
         name = lambda r: f"rank {r} ({self.roles[r]})"  # noqa: E731
@@ -248,19 +216,10 @@ def is_communication_error(e: BaseException) -> bool:
 
 
 def on_signals(live: Liveness | None) -> None:
-    """SIGINT and SIGTERM end this rank with one line and exit code 128 + signal.
-
-    A user's stop (Ctrl-C, `kill`, a scheduler; torchrun forwards SIGINT and SIGTERM to every
-    worker) prints "stopped by SIGTERM at step N (phase)". torchrun also stops the survivors of a
-    failed rank with SIGTERM: then the failing rank's abort notice exists, or a rank's heartbeat
-    stopped without an exit or a signal, and the line names that instead. Each rank posts its
-    signal first, so the ranks of a user's stop never take each other for dead.
-
-    The work is done in a thread woken through `signal.set_wakeup_fd`, so a rank whose main
-    thread is stuck in a C call (a hung engine, a long collective) still stops at once; the
-    Python-level handler does the same when it gets to run (whichever comes first). Called with
-    None before the world exists (start-up: no store, no peers).
-    """
+    """SIGINT and SIGTERM end this rank with one line and exit code 128 + signal: "stopped by
+    SIGTERM at step N (phase)", or, when torchrun stops the survivors of a failed rank, that
+    failure. Handled in a thread woken through `signal.set_wakeup_fd`, so a main thread stuck in
+    a C call still stops at once. `live` is None before the world exists."""
     def stop(signum: int) -> None:
         lock = live.ending if live else _EARLY
         if not lock.acquire(timeout=60):
@@ -313,14 +272,10 @@ _EARLY = threading.Lock()
 
 
 def exit_bad_input(e: ConfigError) -> int:
-    """A config or start-up error that every rank finds alike: ONE line (rank 0 prints it) and
-    exit code 2 on every rank. One only a node's ranks find (config.NodeConfigError: its
-    devices) is printed by that node's first rank.
-
-    Under torchrun the ranks first meet in the launcher's store (at most 60 s), so that none is
-    still working when torchrun sees the first exit and stops the others with SIGTERM, and a
-    rank stopped that way meanwhile still exits 2 without a word. A plain process returns 2.
-    """
+    """A config or start-up error that every rank finds alike: ONE line (rank 0; for a
+    config.NodeConfigError, the node's first rank) and exit code 2 on every rank. Under torchrun
+    the ranks first meet in the launcher's store (at most 60 s), so that torchrun's SIGTERM finds
+    none still working. A plain process returns 2."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or (isinstance(e, NodeConfigError) and os.environ.get("LOCAL_RANK") == "0"):
         say(f"{getattr(e, 'prefix', 'config error')}: {e}")
@@ -351,10 +306,9 @@ def exit_bad_input(e: ConfigError) -> int:
 
 
 def world_failed(e: BaseException, timeout_s: float) -> int:
-    """Setting up the world (torch.distributed over MASTER_ADDR:MASTER_PORT) failed, before any
-    failure handling exists: ONE line naming this rank, the address, the port and the timeout;
-    exit code 4. An unreachable master or a timeout is torch.distributed's own error (no
-    traceback: the line says it all); any other error prints its traceback first."""
+    """Setting up the world failed, before any failure handling exists: ONE line naming this
+    rank, MASTER_ADDR, MASTER_PORT and the timeout; returns exit code 4. A network error prints
+    no traceback; any other error prints its traceback first."""
     import torch.distributed as dist
     env = os.environ
     network = isinstance(e, getattr(dist, "DistError", ())) or is_communication_error(e)

@@ -1,28 +1,10 @@
 """The policy model: loading any supported family, its logprobs, FSDP2.
 
-Owns everything that touches the model's structure, so that train.py, rollout.py and sync.py
-stay free of it. What differs between families is in families.py (one table); everything here
-asks the config or the model:
-- a config with a `vision_config` is a vision-language model (AutoModelForImageTextToText, an
-  image processor, image token ids from the config); without one it is a text LLM
-  (AutoModelForCausalLM; no vision tower or image processor is ever built or loaded);
-- positions: the model's own `get_rope_index` (mRoPE) where it has one, else 1-D;
-- FSDP units: the model's `_no_split_modules` (its decoder layers and vision blocks);
-- one packed row per prompt is exact only when every text layer is full attention
-  (:func:`packs_exactly`: linear-attention layers see the whole row);
-- MoE experts, fused in memory by transformers 5 (`experts.gate_up_proj [E, 2I, H]`,
-  `experts.down_proj [E, H, I]`), go to the engines per expert (:func:`checkpoint_pieces`).
-
-- `sequence_logprobs`: the trainer's forward pass over a batch of inputs.py (`tokens`, here and
-  below: the run's inputs.Tokens), with the positions the engine used.
-- `apply_fsdp` / `shard_from_rank0`: FSDP2 over the trainer-only mesh, the weights read once
-  (trainer rank 0) and scattered, so a trainer node holds about one host copy of the model.
-
-Logprob convention (engine and trainer alike): log softmax of `logits / temperature` over the
-full vocabulary with the suppressed ids removed, i.e. the policy that sampling draws from before
-top-p / top-k truncation (as verl does). Top-p / top-k therefore make the engine sample from a
-slightly different distribution than the one the loss sees; keep them off (the defaults) for
-exact on-policy training.
+Everything that touches the model's structure lives here; what differs between families is in
+families.py, the rest is asked of the config or the model (docs/families.md).
+`sequence_logprobs` is the trainer's forward over an inputs.collate batch (`tokens`, here and
+below: the run's inputs.Tokens); `apply_fsdp` / `shard_from_rank0` shard it over the
+trainer-only mesh. The logprob convention, shared with the engines: docs/loss.md.
 """
 from __future__ import annotations
 
@@ -73,17 +55,15 @@ def text_config(config):
 
 
 def has_linear_attention(config) -> bool:
-    """Whether some text layer is not full attention (Gated DeltaNet: the linear-attention
-    families of families.py): such a layer carries a recurrent state over the whole row and
-    takes no 4D mask."""
+    """Whether some text layer is not full attention (Gated DeltaNet): such a layer carries a
+    recurrent state over the whole row and takes no 4D mask."""
     kinds = getattr(text_config(config), "layer_types", None) or ["full_attention"]
     return any(k != "full_attention" for k in kinds)
 
 
 def packs_exactly(config) -> bool:
     """One packed row per prompt (train.share_prompt) equals one row per episode only when every
-    text layer is full attention: a linear-attention layer runs over the whole row, so a
-    response would see the responses before it."""
+    text layer is full attention (else a response would see the responses before it)."""
     return not has_linear_attention(config)
 
 
@@ -111,7 +91,8 @@ def masked_logits(logits: torch.Tensor, tokens, temperature: float) -> torch.Ten
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens,
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each target token, entropy) under the convention in the module docstring."""
+    """(logprob of each target token, entropy): log softmax of `logits / temperature` over the
+    full vocabulary, suppressed ids removed (the convention of docs/loss.md)."""
     lp = torch.log_softmax(masked_logits(logits, tokens, temperature), dim=-1)
     picked = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     p = lp.exp()
@@ -134,13 +115,8 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer forward: logprobs and entropies of the response tokens of an inputs.collate batch,
     aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
-    `entropy_grad` (the entropy bonus, `loss.entropy_coef > 0`: its graph keeps a vocabulary-wide
-    tensor per token alive until the backward).
-
-    Only the positions that predict a response token go through the LM head (the fp32
-    log-softmax over a 150k vocabulary is the largest activation of a step; prompt positions
-    would only be masked out).
-    """
+    `entropy_grad` (the entropy bonus). Only the positions that predict a response token go
+    through the LM head."""
     if "attention_mask_4d" in batch:
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch["input_ids"]
@@ -195,37 +171,39 @@ def rope_index_fn(model):
 
 
 def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Tensor:
-    """Position ids of a packed batch: the prompt's as the model computes them (mRoPE [3, rows, W]
-    with its images' 3D grids, where the model has its own rope index; else 1-D [rows, W]), then
-    every response continues from the prompt's largest position + 1, as generation does (so a
-    response's positions do not depend on the responses before it)."""
-    ids, plen = batch["input_ids"], batch["prompt_len"].tolist()
-    R, P = ids.shape[0], max(plen)
-    am = (torch.arange(P, device=ids.device)[None, :] < torch.tensor(plen, device=ids.device)[:, None])
+    """Position ids of a packed batch (inputs.pack): each sequence's prompt as the model computes
+    it alone (mRoPE [3, rows, W] with its images' 3D grids, where the model has its own rope
+    index; else 1-D [rows, W]), then every response of it continues from the prompt's largest
+    position + 1, as generation does. Padding gets 0."""
+    ids, plen = batch["input_ids"], batch["prompt_len"]
+    row, col = batch["seq_row"], batch["seq_col"]
+    order = sorted(range(len(plen)), key=lambda k: (int(row[k]), int(col[k])))  # as the images
+    S, P, dev = len(order), int(plen.max()), ids.device
+    lens = plen[order].to(dev)
+    am = torch.arange(P, device=dev)[None, :] < lens[:, None]                  # [S, P]
+    cols = (col[order].to(dev)[:, None] + torch.arange(P, device=dev)[None, :]).clamp(max=ids.shape[1] - 1)
+    prompt = torch.where(am, ids[row[order].to(dev)[:, None], cols], tokens.pad)  # [S, P]
     rope_index = rope_index_fn(model)
     if rope_index is None:
-        pos = (torch.arange(P, device=ids.device)[None, :] * am)[None]        # [1, R, P]
+        pos = (torch.arange(P, device=dev)[None, :] * am)[None]                 # [1, S, P]
     else:
-        prompt = ids[:, :P].clone()
-        prompt[~am] = tokens.pad
         pos, _ = rope_index(prompt, (prompt == tokens.image_pad).int(),
                             image_grid_thw=batch.get("image_grid_thw"), attention_mask=am.long())
-    out = torch.zeros(pos.shape[0], R, ids.shape[1], dtype=torch.long, device=ids.device)
-    out[:, :, :P] = pos
-    nxt = (pos.amax(dim=(0, 2)) + 1).tolist()
+    out = torch.zeros(pos.shape[0], ids.shape[0], ids.shape[1], dtype=torch.long, device=dev)
+    r_idx = row[order].to(dev)[:, None].expand(-1, P)[am]
+    out[:, r_idx, cols[am]] = pos[:, am]
+    nxt = torch.zeros(S, dtype=torch.long, device=dev)
+    nxt[torch.tensor(order, device=dev)] = pos.amax(dim=(0, 2)) + 1
     pr, tc = batch["pred_row"], batch["target_col"]
-    # a response token j tokens into its response, in row r: position nxt[r] + j
-    out[:, pr, tc] = (torch.tensor(nxt, device=ids.device)[pr] + batch["offset"]).expand(pos.shape[0], -1)
+    # a response token j tokens into its response, of sequence k: position nxt[k] + j
+    out[:, pr, tc] = (nxt[batch["pred_seq"]] + batch["offset"]).expand(pos.shape[0], -1)
     return out if rope_index is not None else out[0]
 
 
 def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
-    """The model's logits at the `keep` positions [N, V] (row-major).
-
-    The positions are selected on the way into the LM head (a forward pre-hook on the output
-    embeddings), so no [rows, W, vocab] tensor exists, whatever the transformers version (older
-    ones take no boolean `logits_to_keep`). The hook fires inside the model's own forward, where
-    FSDP2 has gathered the head's weights."""
+    """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
+    pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
+    [rows, W, vocab] tensor exists whatever the transformers version."""
     head = model.get_output_embeddings()
 
     def select(_module, args):
@@ -240,12 +218,9 @@ def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- loading
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The model at `path`, every weight loaded (transformers leaves it in eval mode: a policy that
-    trains must call `.train()`, or activation checkpointing never runs).
-
-    A load that leaves any weight missing, unexpected or of another shape is a ModelError naming
-    the first few keys (transformers would otherwise initialise missing weights at random and
-    only log it)."""
+    """The model at `path`, every weight loaded, in eval mode (a policy that trains must call
+    `.train()`, or activation checkpointing never runs). Any weight missing, unexpected or of
+    another shape is a ModelError naming the first few keys."""
     config = load_config(path)
     refuse_dropout(config, path)
     try:
@@ -285,9 +260,8 @@ def _kernels(device_type: str) -> dict:
 
 
 def refuse_dropout(config, path: str) -> None:
-    """Train mode must compute what eval mode computes: the trainer's logprobs (train mode) are
-    compared with the engines' (eval) and enter the GRPO ratio. The Qwen families' only
-    mode-dependent op is the text attention's dropout (the vision towers hard-code 0)."""
+    """ModelError for attention dropout: the trainer's train-mode logprobs must equal the
+    engines' eval-mode ones (the GRPO ratio); it is the families' only mode-dependent op."""
     p = getattr(text_config(config), "attention_dropout", 0.0)
     if p:
         raise ModelError(f"model.path={path}: attention_dropout={p}; the policy must be "
@@ -297,10 +271,9 @@ def refuse_dropout(config, path: str) -> None:
 
 def checkpoint_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple]]:
     """How parameter `name` of `shape` goes to an engine: [(checkpoint name, index into the
-    parameter)], in order. MoE experts fused in memory (transformers 5: `experts.gate_up_proj`
-    [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I]) go per expert under the
-    names every vLLM MoE loader takes (`experts.{e}.gate_proj.weight`, ...); anything else goes
-    whole (index `()`)."""
+    parameter)], in order. Fused MoE experts (`experts.gate_up_proj` [E, 2I, H], gate rows
+    first; `experts.down_proj` [E, H, I]) go per expert (`experts.{e}.gate_proj.weight`, ...);
+    anything else goes whole (index `()`)."""
     head, _, leaf = name.rpartition(".")
     if head.endswith("experts") and len(shape) == 3 and leaf in ("gate_up_proj", "down_proj"):
         E, rows = shape[0], shape[1]
@@ -322,12 +295,8 @@ def fsdp_units(model) -> list:
 
 
 def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool = False):
-    """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh).
-
-    Each decoder layer and vision block is its own unit so that only one layer's full weights
-    live at a time; the root unit then takes the embeddings, norms and lm_head. Order matters:
-    children first, root last (fully_shard on the root skips already-sharded children).
-    """
+    """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh): each decoder layer and
+    vision block its own unit, children first, then the root (embeddings, norms, lm_head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if checkpointing:  # acts only in train mode (transformers checks `self.training`)
@@ -346,15 +315,10 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
 def shard_from_rank0(model, full, mesh, device: torch.device, group, *,
                      mixed_precision: bool = False, checkpointing: bool = False):
     """`model` sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
-    the first trainer rank, None on the others).
-
-    `model`: the architecture on the meta device (:func:`model_from_config`, `meta=True`: no
-    memory), built by every trainer rank; with LoRA the caller has put the same adapters on it
-    and on `full` (trainer.build), each layer's FSDP unit then holding its frozen base and its
-    trainable adapters. Here it is sharded and allocates only its own shards; the first rank then
-    scatters each full weight in turn (`distribute_tensor` over the trainer group), and
-    broadcasts the buffers (rotary tables are not in a state dict). So a trainer node needs one
-    host copy of the model, not one per rank. Collective over `group` (the trainer ranks)."""
+    the first trainer rank, None on the others). `model`: the architecture on the meta device
+    (:func:`model_from_config`), with the same LoRA adapters as `full` if any; the first rank
+    scatters each weight and broadcasts the buffers (rotary tables are in no state dict), so a
+    trainer node holds one host copy of the model. Collective over `group` (the trainer ranks)."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
