@@ -22,12 +22,9 @@ from sync import TorchChannel, fan_out
 
 
 class _StreamWork:
-    """`.wait()` for a collective enqueued on `stream`: its completion event is recorded on that
-    same stream object (not on whatever stream is current in the calling thread).
-
-    `deadline_s`: PyNccl / PyHccl have no watchdog, so a peer that never joins a broadcast would
-    block `wait()` forever; with a deadline it raises instead (the run's failure path then stops
-    every rank)."""
+    """`.wait()` for a collective enqueued on `stream` (its event is recorded on that stream, not
+    the calling thread's current one). `deadline_s`: PyNccl / PyHccl have no watchdog, so past
+    it `wait()` raises instead of blocking forever."""
 
     def __init__(self, stream, deadline_s: float | None = None):
         self.event = stream.record_event()
@@ -46,14 +43,10 @@ class _StreamWork:
 
 
 class CommChannel:
-    """Broadcast from this channel's rank 0 (trainer rank 0) to every vLLM worker.
-
-    The same object on both sides: `broadcast(buf)` sends `buf` on rank 0 and receives into it
-    elsewhere; every member calls it for every bucket, in the same order. With a PyNccl/PyHccl
-    communicator the broadcasts run on the channel's own side stream, passed explicitly (their
-    default is each library's own notion of the current stream, which need not be torch's), so
-    the broadcast of one bucket overlaps the packing or loading of the next.
-    """
+    """Broadcast from this channel's rank 0 (trainer rank 0) to every vLLM worker: `broadcast(buf)`
+    sends on rank 0 and receives into `buf` elsewhere; every member calls it for every bucket,
+    in order. PyNccl/PyHccl run on the channel's own side stream, passed explicitly (their
+    default stream need not be torch's current one)."""
 
     def __init__(self, group, comm=None, stream=None, deadline_s: float | None = None):
         self.group, self.comm = group, comm  # comm: PyNccl/PyHccl communicator; None: gloo group
@@ -62,8 +55,7 @@ class CommChannel:
     def broadcast(self, buf: torch.Tensor):
         if self.comm is None:
             return fan_out(self.group, buf)     # gloo; root = rank 0 within this group
-        # `buf` was just written (sender: pack) or its previous contents read (receiver: the
-        # loader) on this thread's current stream: the side stream waits for that work first.
+        # wait for the current stream's work on `buf` (the sender's pack, the receiver's loader)
         self.stream.wait_stream(D.current_stream(buf.device))
         self.comm.broadcast(buf, src=0, stream=self.stream)
         return _StreamWork(self.stream, self.deadline_s)
@@ -71,8 +63,7 @@ class CommChannel:
 
 @contextlib.contextmanager
 def _without_agent_store():
-    # torchrun sets TORCHELASTIC_USE_AGENT_STORE=True; torch's tcp:// rendezvous then makes
-    # every rank a client of a store torchrun's agent hosts at that address: nobody serves it.
+    # under TORCHELASTIC_USE_AGENT_STORE (torchrun) a tcp:// rendezvous waits for a store nobody serves
     saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:
         yield
@@ -103,15 +94,10 @@ def _communicator_class(comm: str):
 def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
                  device: torch.device, *, listen_socket=None,
                  deadline_s: float | None = None) -> CommChannel:
-    """Join the weight channel: `comm` "gloo" (CPU), "pynccl" (CUDA) or "pyhccl" (Ascend).
-
-    Rank 0 (trainer rank 0) hosts the rendezvous at host:port, on `listen_socket` when given
-    (already bound and listening: see :func:`listen`); all `world_size` members must call this
-    concurrently (it blocks until they have). Nothing in torch's global state changes: the
-    communicator is built inside a stream context on the channel's side stream, so PyNccl's
-    constructor does not make a new stream this thread's current one. `deadline_s` bounds every
-    broadcast's wait (see _StreamWork).
-    """
+    """Join the weight channel: `comm` "gloo" (CPU), "pynccl" (CUDA) or "pyhccl" (Ascend). Rank 0
+    hosts the rendezvous at host:port (on `listen_socket`, from :func:`listen`); all `world_size`
+    members must call this concurrently. Leaves this thread's current stream as it was.
+    `deadline_s` bounds every broadcast's wait (_StreamWork)."""
     if comm not in ("gloo", "pynccl", "pyhccl"):
         raise ValueError(f"weight channel: unknown communicator {comm!r} (gloo | pynccl | pyhccl)")
     with _without_agent_store():
@@ -129,8 +115,7 @@ def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
 
 def listen(port: int) -> socket.socket:
     """Trainer rank 0's listening socket for the weight channel's rendezvous, on every interface,
-    at `port` (`[sync] channel_port`; 0: one the OS picks). Bound here and handed to vLLM's
-    helpers, so the port announced is the one that listens (no probe-then-bind race)."""
+    at `port` (`[sync] channel_port`; 0: any), bound here so no probe-then-bind race exists."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -144,22 +129,18 @@ def listen(port: int) -> socket.socket:
 
 
 def vllm_log_level(verbose: bool) -> None:
-    """vLLM's log level for this process and the ones it starts, read when vLLM is first
-    imported: warnings only unless `verbose` (run.verbose; INFO is 75 of the 104 lines of the CPU
-    vLLM demo). A level the user set (VLLM_LOGGING_LEVEL) stays."""
+    """vLLM's log level for this process and its children, read at vLLM's first import: warnings
+    only unless `verbose` (run.verbose); a VLLM_LOGGING_LEVEL the user set stays."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
 
 
 def open_engine_channel(world, comm: str, engine, members_per_engine: int,
                         device: torch.device, *, port: int = 0, timeout_s: float | None = None,
                         verbose: bool = False) -> CommChannel | None:
-    """Trainer rank 0 and the workers of every engine whose `OWN_CHANNEL` is set join one
-    communicator (`comm`: gloo / pynccl / pyhccl, by device), once, at start-up. Collective over
-    the world. Trainer rank 0 listens on `port` (0: any free one) and announces MASTER_ADDR and
-    the port to the others over the world's gloo group: every generation node must reach
-    MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns trainer
-    rank 0's end (None elsewhere); engines keep theirs. `verbose`: vLLM's INFO lines on trainer
-    rank 0 too (its end of the channel imports vLLM)."""
+    """Trainer rank 0 and the workers of every `OWN_CHANNEL` engine join one communicator
+    (`comm`), once, at start-up; collective over the world. Trainer rank 0 listens on `port` and
+    announces MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns
+    trainer rank 0's end (None elsewhere). `verbose`: vLLM's INFO lines on trainer rank 0 too."""
     vllm_log_level(verbose)
     size = 1 + len(world.gens) * members_per_engine
     sock = listen(port) if world.is_root else None
@@ -182,17 +163,11 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
 
 
 def check_channel(world, dev: D.Device, sc, timeout_s: float | None = None) -> int:
-    """`train.py --check-channel`: the weight channel alone, before a long run. Trainer rank 0
-    broadcasts one bucket of `bucket_mb` (`[sync]` sc) to every generation rank twice (the first
-    includes the device library's own connection set-up) and rank 0 prints one JSON line;
-    every receiver checks the bytes. Returns the exit code (0: every generation rank got them).
-
-    With `world.own_channel` (vLLM) it is the engines' communicator (gloo / PyNccl / PyHccl, by
-    device) opened as vLLM's workers open it, on `channel_port` of MASTER_ADDR, but from each
-    generation rank itself on its engine's first device (world.setup(claim_engine_devices=True)),
-    so no engine starts; otherwise the torch sync group the HF engines receive over. Collective
-    over the world; destroys the process group at the end.
-    """
+    """`train.py --check-channel` (docs/gpu-npu.md): one bucket of `bucket_mb` (`[sync]` sc) from
+    trainer rank 0 to every generation rank, twice, over the run's channel (with
+    `world.own_channel`, opened by each generation rank on its engine's first device); rank 0
+    prints one JSON line. Returns the exit code (0: every generation rank got the bytes).
+    Collective over the world; destroys the process group at the end."""
     if world.size == 1:
         raise ConfigError("--check-channel needs generation ranks besides trainer rank 0 (2+ ranks)")
     device = D.current_device(dev)

@@ -1,15 +1,7 @@
-"""Every CPU / CUDA / NPU difference lives here.
+"""Every CPU / CUDA / NPU difference lives here (one :data:`TABLE` row per kind; docs/gpu-npu.md).
 
-| kind | torch device | process-group backend | visible-devices variable | vLLM package |
-|------|--------------|-----------------------|--------------------------|--------------|
-| cpu  | cpu          | gloo                  | (none)                   | vllm (CPU build) |
-| cuda | cuda         | cpu:gloo,cuda:nccl    | CUDA_VISIBLE_DEVICES     | vllm |
-| npu  | npu          | cpu:gloo,npu:hccl     | ASCEND_RT_VISIBLE_DEVICES | vllm + vllm_ascend |
-
-The world backend pairs gloo (CPU tensors: object exchange, control messages) with the
-accelerator's collective library, as verl does on NPU. `torch_npu` is imported lazily: PyTorch
-loads it through its device-backend entry point when installed, and nothing here requires it on a
-CPU machine. No other module calls `torch.cuda` / `torch.npu` directly (a test greps for it).
+`torch_npu` is imported lazily, so nothing here needs it on a CPU machine. No other module calls
+`torch.cuda` / `torch.npu` directly (a test greps for it).
 """
 from __future__ import annotations
 
@@ -27,33 +19,12 @@ class Device:
     backend: str            # for init_process_group
     visible_env: str | None  # the variable that narrows a process to some devices
     comm: str               # vLLM weight-sync communicator: "gloo" | "pynccl" | "pyhccl"
-    # Weight buckets on this device's torch backend go point to point from trainer rank 0 to
-    # each engine rank (gloo: its broadcast waits on a two-thread queue per bucket), or by
-    # broadcast (NCCL / HCCL: pipelined, and the root sends each byte once).
-    fan_out: bool = False
-    # How vLLM's engine process starts its workers. That process is always spawned (it must not
-    # inherit this rank's world) and holds no world or accelerator state itself. On CPU its
-    # workers fork from it, vLLM's own default there (each skips a fresh interpreter and ~5 s of
-    # imports); on GPU/NPU they are spawned, as the vLLM notes prescribe (not yet run there).
-    vllm_workers: str = "spawn"
-    # With rollout.enforce_eager, whether vLLM's processes run its torch.compile'd helpers
-    # eagerly too. On CPU the one on the generation path is the sampler's
-    # `compiled_random_sample`, for requests without a seed (this project seeds every one), which
-    # vLLM still compiles with inductor (a C++ build) in every engine's warm-up: ~2 s a start
-    # here, more on a fresh machine's cold cache. GPU/NPU keep vLLM's compiled helpers.
-    vllm_eager_helpers: bool = False
-    # vLLM 0.23's CPU MoE fallback builds a CustomOp outside vLLM's config and fails; its
-    # processes replace that activation with its native formula (vllm_engine._cpu_moe_activation).
+    fan_out: bool = False   # weight buckets go point to point (gloo), not by broadcast
+    vllm_workers: str = "spawn"  # how vLLM's (always spawned) engine process starts its workers
+    vllm_eager_helpers: bool = False  # with rollout.enforce_eager, vLLM's compiled helpers too
+    # vLLM 0.23's CPU MoE activation, replaced by its native formula (vllm_engine._cpu_moe_activation)
     vllm_cpu_moe_fix: bool = False
-    # transformers' `experts_implementation` for MoE layers (trainer and HF engine; None: its
-    # default, "grouped_mm": torch's grouped GEMM, with kernels on CUDA, transformers' own loop
-    # on CPU). NPU: "eager". torch-npu 2.10 has no kernel for torch's grouped_mm, so the
-    # default there runs through an unsupported-op fallback; "eager" is transformers' plain loop
-    # over the experts that received tokens (the alternative, "batched_mm", copies each token's
-    # expert weights: gigabytes per layer at training lengths). Not yet run on an NPU; torch-npu's
-    # own grouped matmul (npu_grouped_matmul) behind transformers' experts interface is the next
-    # step.
-    experts: str | None = None
+    experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
 
 
 TABLE = {
@@ -110,29 +81,18 @@ def device_count(dev: Device) -> int:
 def world_backend(dev: Device, uses_device: bool) -> str:
     """This rank's backend for init_process_group: the device's pair (gloo + NCCL/HCCL) where the
     process computes on its device, plain gloo where it never touches it (a generation rank whose
-    vLLM engine runs in processes of its own).
-
-    Why: torch builds a group's backends when the group is created, on every member, and
-    torch-npu's ProcessGroupHCCL constructor calls ACL at once (aclrtSetOpWaitTimeout, torch-npu
-    2.10 ProcessGroupHCCL.cpp), with no device set in such a process; NCCL communicators are
-    created lazily, but a process that never computes has no use for them either. Backends may
-    differ across ranks (torch checks no agreement; each collective goes to the backend of its
-    tensors' device): such a rank joins only CPU-tensor collectives, on gloo, as every rank
-    does for those. Its groups must then be gloo too (world.setup: the sync group)."""
+    vLLM engine runs in processes of its own: torch-npu's ProcessGroupHCCL would call ACL with no
+    device set; docs/gpu-npu.md). Its groups must then be gloo too (world.setup)."""
     return dev.backend if uses_device else "gloo"
 
 
-# torch-npu reads a process-group timeout of exactly 30 min as "not set" (ProcessGroupHCCL.hpp
-# DEFAULT_TIMEOUT = 30 * 60 * 1000 ms; torch-npu 2.9-2.12) and then runs its watchdog for
-# HCCL_EXEC_TIMEOUT + 1800 s instead (3,420 s with the derived HCCL_EXEC_TIMEOUT of 1,620 s).
+# torch-npu's "not set" process-group timeout (ProcessGroupHCCL.hpp DEFAULT_TIMEOUT; docs/gpu-npu.md)
 HCCL_UNSET_TIMEOUT_MS = 30 * 60 * 1000
 
 
 def group_timeout(kind: str, timeout_s: float) -> tuple[float, str]:
     """(seconds, note): the timeout the process groups get for `cluster.timeout_s`, and a line
-    saying why when it differs. On NPU a value torch-npu would take as "unset" (1800 s, to the
-    millisecond its timedelta conversion keeps) becomes 1799 s, so the watchdog fires after
-    what the config says and HCCL_EXEC_TIMEOUT stays below it (:func:`hccl_env`)."""
+    saying why when it differs: on NPU, 1800 s (to the millisecond) becomes 1799 s."""
     ms = datetime.timedelta(seconds=timeout_s) // datetime.timedelta(milliseconds=1)
     if kind == "npu" and ms == HCCL_UNSET_TIMEOUT_MS:
         return 1799.0, (f"cluster.timeout_s={timeout_s:g} is torch-npu's 'unset' value (its HCCL "
@@ -144,9 +104,8 @@ def group_timeout(kind: str, timeout_s: float) -> tuple[float, str]:
 @contextlib.contextmanager
 def fork_rng(device: torch.device):
     """`with fork_rng(device):` seeding inside leaves the CPU's and `device`'s generators as they
-    were. Not torch.random.fork_rng: its default device type is the current accelerator in torch
-    2.13 but "cuda" before (on an NPU: "Torch not compiled with CUDA enabled"), and torch 2.10
-    parses the type through torch.device() and looks up `torch.<type>` itself."""
+    were. Not torch.random.fork_rng: before torch 2.13 its default device type is "cuda", even
+    on an NPU."""
     cpu_state = torch.get_rng_state()
     mod = None if device.type == "cpu" else torch.get_device_module(device.type)
     dev_state = mod.get_rng_state(device) if mod is not None else None
@@ -179,12 +138,9 @@ def current_device(dev: Device) -> torch.device:
 
 
 def narrow_visible(dev: Device, device_ids: list[int]) -> None:
-    """Make only `device_ids` (this node's device indices) visible to processes this one spawns
-    (vLLM's engine and its workers, which then number them from 0).
-
-    Must run before the engine starts. The indices are resolved through any visibility the
-    launcher already set; one beyond it is an error naming the variable.
-    """
+    """Make only `device_ids` (this node's device indices, through any visibility the launcher
+    set) visible to processes this one spawns (vLLM's engine and its workers); before the engine
+    starts. An index beyond what is visible is a ValueError naming the variable."""
     if dev.visible_env is None:
         return
     current = os.environ.get(dev.visible_env)
@@ -196,17 +152,10 @@ def narrow_visible(dev: Device, device_ids: list[int]) -> None:
 
 
 def hccl_env(timeout_s: float, environ=os.environ) -> dict[str, str]:
-    """HCCL settings of an NPU run checked against `cluster.timeout_s` (the process groups'
-    timeout, i.e. torch-npu's watchdog, as :func:`group_timeout` gives it), before any process
-    group exists. Returns the variables to set; raises ValueError (one line) on a contradiction.
-
-    - HCCL_EXEC_TIMEOUT (how long a started collective waits for its peers) must stay below the
-      watchdog, or the watchdog kills the job first and HCCL's own report (plog) is lost; unset,
-      it becomes 90% of the watchdog's timeout (HCCL reads it when communicators are created).
-    - HCCL_OP_EXPANSION_MODE=AIV is refused: CANN documents it for inference only, not for
-      several communicators in one process, with a single-node Broadcast, and it caps
-      HCCL_EXEC_TIMEOUT at 1091 s.
-    """
+    """HCCL settings of an NPU run checked against `cluster.timeout_s` (the watchdog's, as
+    :func:`group_timeout` gives it), before any process group exists: HCCL_EXEC_TIMEOUT must
+    stay below it (unset: 90% of it), HCCL_OP_EXPANSION_MODE=AIV is refused (docs/gpu-npu.md).
+    Returns the variables to set; raises ValueError (one line) on a contradiction."""
     if environ.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV":
         raise ValueError("HCCL_OP_EXPANSION_MODE=AIV is for inference only (CANN: not for several "
                          "communicators per process, Broadcast single-node); unset it for training")
@@ -248,10 +197,8 @@ def current_stream(device: torch.device):
 
 
 def stream_context(stream):
-    """`with stream_context(s):` makes `s` this thread's current stream (a no-op for None).
-
-    On CUDA this goes through torch.cuda.set_stream, which vLLM patches to keep its own
-    thread-local "current stream" in step (vllm.utils.torch_utils.current_stream)."""
+    """`with stream_context(s):` makes `s` this thread's current stream (a no-op for None); on
+    CUDA through torch.cuda.set_stream, which vLLM patches to keep its own in step."""
     if stream is None:
         return contextlib.nullcontext()
     if stream.device.type == "cuda":

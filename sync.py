@@ -1,25 +1,10 @@
 """Weight transport from the trainers to the engines, in buckets, with version numbers.
 
-Protocol, per sync (after every rollout step):
-1. Every trainer rank walks the engines' tensors in one fixed order (`lora.engine_tensors`: the
-   policy's parameters, or with LoRA the base model's with each adapted weight merged) and
-   gathers each (`full_tensor()`): FSDP2 shards are all-gathered on the trainer group, so all
-   trainer ranks must make the same calls in the same order.
-2. Trainer rank 0 casts each full tensor to the transport dtype and packs it into a byte bucket
-   (`bucket_mb`); a full bucket is broadcast over the dedicated sync group {trainer 0, every
-   generation rank} while the next one is packed (two buffers, asynchronous broadcast).
-3. Metadata (names, shapes, dtypes as strings, offsets) travels once, on the first sync; every
-   later sync sends one small control tensor (version, bucket count, plan) and then the buckets.
-   There are one or two plans: every tensor (the first sync), and with LoRA the tensors that
-   change in training (every later sync: the adapted linear layers and their siblings; the
-   rest never changes).
-4. The generation rank unpacks each bucket into views of its receive buffer (reused across
-   syncs) and its engine loads the `(name, tensor)` pairs (`engine.receive_weights(receiver)`).
-
-:func:`sync_weights` is the whole protocol from the loop's side, for every engine and a world
-of one. An engine with `OWN_CHANNEL` (vLLM) receives the bucket data inside its own worker
-process over a communicator of its own (channel.py); its side of the same plan lives in
-`vllm_engine.VLLMWorkerExtension`, which uses `plan_from_plain` / `unpack` from here.
+:func:`sync_weights` is the whole protocol from the loop's side (docs/benchmarks.md, "Weight
+sync"): every trainer rank gathers the engines' tensors in one order, trainer rank 0 packs and
+broadcasts them, the generation ranks' engines load them. An engine with `OWN_CHANNEL` (vLLM)
+receives the buckets in its own workers over channel.py's communicator
+(`vllm_engine.VLLMWorkerExtension`, with `plan_from_plain` / `unpack` from here).
 """
 from __future__ import annotations
 
@@ -60,11 +45,8 @@ class Slot:
 
 def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int,
                  solo_bytes: int | None = None) -> list[list[Slot]]:
-    """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes` bytes.
-
-    A tensor of at least `solo_bytes` (or larger than a bucket) gets a bucket of its own: it can
-    be broadcast straight from its own memory, without packing.
-    """
+    """Group (name, shape, dtype) in order into buckets of at most `bucket_bytes` bytes; a tensor
+    of at least `solo_bytes` (or larger than a bucket) gets one of its own (sent unpacked)."""
     solo = bucket_bytes if solo_bytes is None else min(solo_bytes, bucket_bytes)
     buckets: list[list[Slot]] = [[]]
     used = 0
@@ -144,10 +126,8 @@ class LiveBytes:
 
 def wire_pieces(model) -> list[tuple[str, tuple[int, ...], int, tuple]]:
     """What a sync sends, in order: (checkpoint name, shape, position of the tensor in
-    `lora.engine_tensors(model)` (for a plain model: in `named_parameters`), index into it) per
-    piece. A tensor goes whole, except MoE experts fused in memory, which go per expert under
-    the names vLLM's loaders take (model.checkpoint_pieces); every tensor's pieces are
-    consecutive, in order."""
+    `lora.engine_tensors(model)`, index into it) per piece (model.checkpoint_pieces); every
+    tensor's pieces are consecutive."""
     out = []
     for pos, t in enumerate(engine_tensors(model)):
         for name, index in checkpoint_pieces(clean_name(t.name), t.shape):
@@ -159,10 +139,8 @@ def wire_pieces(model) -> list[tuple[str, tuple[int, ...], int, tuple]]:
 class Sender:
     """Trainer side. Every trainer rank builds one and calls `send` after every step."""
 
-    # Memory that gathered tensors (FSDP2 all-gather outputs) may hold while their broadcasts
-    # are in flight, in buckets. A tensor that is the parameter's own memory (one trainer rank,
-    # or a packed ring buffer) costs nothing, so its broadcast is never waited on early: every
-    # broadcast is posted before the first completes, and gloo never idles between buckets.
+    # Buckets' worth of gathered tensors (FSDP2 all-gather outputs) held while their broadcasts
+    # are in flight; a parameter's own memory or a ring buffer does not count.
     GATHERED_IN_FLIGHT = 4
 
     def __init__(self, model, dtype: str, bucket_mb: float, *, group=None, src: int = 0,
@@ -180,8 +158,7 @@ class Sender:
                                    self.bucket_bytes, int(solo_mb * 2**20)) for w in wires]
         self.sends = 0  # syncs made (each trainer rank counts its own: they all send every sync)
         self.device = device
-        # Control messages always go over `group` (torch world, gloo); bucket data goes over
-        # `group` too (HF engines) or over `channel`, the communicator shared with vLLM workers.
+        # control messages over `group`; bucket data over `group` (HF) or `channel` (vLLM)
         self.channel = channel or (TorchChannel(group, src) if group is not None else None)
         self._bufs: list[torch.Tensor] = []
         self._plan_sent = False
@@ -202,14 +179,9 @@ class Sender:
 
     @torch.no_grad()  # full_tensor() and the casts would otherwise record autograd nodes
     def send(self, version: int, sink: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
-        """Gather, pack and broadcast the tensors of :attr:`plan`. Returns the bytes sent (root
-        only).
-
-        A large tensor that already has the transport dtype goes out from its own memory (no
-        copy); small ones are packed into one of two reused buffers while earlier broadcasts are
-        in flight. `sink` (world of 1): instead of broadcasting, hand each bucket's unpacked
-        tensors straight to the in-process engine, through the same pack/unpack path.
-        """
+        """Gather, pack and broadcast the tensors of :attr:`plan`; returns the bytes sent (root
+        only). `sink` (world of 1): hand each bucket's unpacked tensors straight to the
+        in-process engine instead, through the same pack/unpack path."""
         which, tensors = self.which, self.tensors
         plan = self.plans[which]
         if self.is_root and self.group is not None:
@@ -275,11 +247,8 @@ class Sender:
 
 
 class _Works:
-    """One `.wait()` for several point-to-point works (the root's sends to each receiver).
-
-    Idempotent, as a collective's work is: a gloo send/recv work's `wait()` consumes one
-    completion of its buffer, so a second call would block until the timeout.
-    """
+    """One `.wait()` for several point-to-point works (the root's sends to each receiver);
+    idempotent, unlike a gloo send/recv work's (a second `wait()` blocks until the timeout)."""
 
     def __init__(self, works):
         self.works = works
@@ -293,14 +262,7 @@ class _Works:
 def fan_out(pg, buf: torch.Tensor, src: int = 0):
     """Send `buf` from group rank `src` to every other member of the gloo group `pg`; receive it
     into `buf` elsewhere. Returns a work; every member calls this for every bucket, in order.
-
-    Point-to-point rather than `broadcast`: gloo runs a broadcast on its work queue (two threads
-    per group), so only two receives are posted at a time and each bucket waits for a thread
-    hand-off; a send or receive is posted at once from the caller's thread, so every bucket's
-    receive is posted before the first byte arrives and the data streams back to back (16
-    buckets of 16 MB: as fast as one raw broadcast of the same bytes, where broadcasts were
-    ~6% slower). Messages on one pair and tag match in posting order.
-    """
+    Point to point, not gloo's queued broadcast, so every receive is posted at once."""
     if pg.rank() == src:
         return _Works([pg.send([buf], r, 0) for r in range(pg.size()) if r != src])
     return _Works([pg.recv([buf], src, 0)])
@@ -351,15 +313,9 @@ class Receiver:
         return version, self.plan
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The buckets of the sync whose `control()` was just received: iterate to receive them,
-        in order, each once.
-
-        The yielded tensors are views of this receiver's own buffers, one per bucket, which keep
-        their storage across syncs: an engine may adopt them as its weights (zero copy, as
-        the transformers engine does) or copy them. Every receive is posted at
-        once (nothing is reused within a sync), so the transfer runs back to back while the
-        engine loads whatever has arrived.
-        """
+        """The buckets of the sync whose `control()` was just received, in order, each once: views
+        of this receiver's own buffers (one per bucket, kept across syncs), which an engine may
+        adopt as its weights or copy. Every receive is posted at once."""
         w = self._which
         if w not in self._bufs:  # made once per plan
             self._bufs[w] = [torch.empty(bucket_size(b), dtype=torch.uint8, device=self.device)

@@ -1,7 +1,6 @@
 """The world: which rank trains, which generates, and the process groups between them.
 
-One torchrun world; ranks are split statically by :func:`split_roles` (the only place that
-decides roles: setup, the dry-run plan, config validation and the failure messages all ask it):
+One torchrun world; :func:`split_roles` is the only place that decides roles:
 
     world ranks:  [ trainer ranks ............ | generation ranks ........ ]
                     FSDP2 over a trainer-only mesh   one inference engine each
@@ -83,14 +82,9 @@ class World:
 
 def local_devices(rank: int, local_rank: int, local_world_size: int, n_trainers: int,
                   engine_devices: int = 1) -> list[int]:
-    """The devices of this node (indices among those visible to the launcher) that `rank` uses.
-
-    On every node the trainer ranks come first (they are the world's lowest ranks, and torchrun
-    numbers a node's ranks contiguously) and own one device each, device = local rank; the
-    node's generation ranks follow, each owning `engine_devices` consecutive devices
-    (`rollout.tensor_parallel_size` for a vLLM engine). So a node runs trainers + engines
-    processes (torchrun's --nproc_per_node) on trainers + engines * tensor_parallel_size devices.
-    """
+    """The devices of this node (indices among those visible to the launcher) that `rank` uses:
+    trainers first, one each (device = local rank), then each generation rank's
+    `engine_devices` consecutive ones (docs/gpu-npu.md, "Devices")."""
     if rank < n_trainers:
         return [local_rank]
     first_rank_here = rank - local_rank
@@ -125,20 +119,12 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
           engine_devices: int | None = None, claim_engine_devices: bool = False) -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
-    With an accelerator `dev` (device.Device), each rank first checks that its node has the
-    devices the layout needs (config.NodeConfigError naming the keys), then claims its devices,
-    before any NCCL/HCCL state exists (otherwise a communicator or barrier can land on device 0,
-    trainer 0's): a rank that computes in this process (trainers; generation ranks of an
-    in-process engine) makes its device current and joins the world with `backend`; a
-    generation rank whose engine runs in processes of its own (vLLM: `engine_devices` devices,
-    rollout.tensor_parallel_size; None for an engine in this process) only narrows the visible devices those processes inherit,
-    never touches the accelerator itself, and joins with gloo alone (device.world_backend); the
-    sync group, which then carries only control messages, is gloo on every member. NPU:
-    HCCL_EXEC_TIMEOUT is derived from `timeout_s` when unset (device.hccl_env), and a timeout
-    torch-npu would read as "unset" is adjusted, with a line (device.group_timeout).
-    `claim_engine_devices` (`train.py --check-channel`, no engine starts): such a generation
-    rank claims its engine's first device itself, to join the weight channel from there.
-    """
+    With an accelerator `dev`, each rank first checks its node's device count
+    (config.NodeConfigError) and claims its devices before any NCCL/HCCL state exists: a rank
+    that computes here makes its device current; a generation rank whose engine runs in
+    processes of its own (`engine_devices` each; None: an in-process engine) only narrows the
+    visible devices and joins with gloo alone (device.world_backend). `claim_engine_devices`
+    (`--check-channel`): such a rank claims its engine's first device itself."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -226,11 +212,9 @@ def launched_size() -> int:
 
 def validate_world(cfg, world_size: int, device: str | None = None,
                    dry_run: bool = False) -> None:
-    """Rules that depend on the launch: how many ranks train and generate (world.split_roles),
-    and on which device kind (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without
-    GRPO_DEVICE; None: not checked). `dry_run`: every node of the plan (cluster.nnodes x
-    cluster.nproc_per_node) must fit in cluster.devices_per_node devices; a run checks each node
-    against its own device count instead (world.setup)."""
+    """ConfigError for rules that depend on the launch: the rank split, and the device kind
+    (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without GRPO_DEVICE; None: not
+    checked). `dry_run`: every node of the plan must fit in cluster.devices_per_node devices."""
     c, ro = cfg.cluster, cfg.rollout
     try:
         trainers, gens = split_roles(world_size, c.gen_ranks)
