@@ -189,6 +189,12 @@ class TrainConfig:
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
     micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
     share_prompt: bool = True                # one row per prompt: its G responses share one encoding of the prompt and image
+    # Packed rows: a micro-batch's sequences (a prompt with its G responses under share_prompt,
+    # else one episode each) side by side in rows no wider than its longest sequence, each
+    # attending only within itself (positions restarted), padding only at each row's tail; the
+    # step's episodes go to the trainer ranks balanced by token count. Needs micro_batch_tokens
+    # > 0; refused at start for a model with linear-attention layers (state would cross sequences).
+    packing: bool = False
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
     # Several updates per rollout batch (verl ppo_mini_batch_size / ppo_epochs, TRL
     # steps_per_generation / num_iterations, EasyR1 global_batch_size < rollout_batch_size): the
@@ -400,6 +406,8 @@ def validate(cfg: Config) -> None:
     need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
          f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
+    need(not cfg.train.packing or cfg.train.micro_batch_tokens > 0,
+         "train.packing needs train.micro_batch_tokens > 0 (the token slots of one micro-batch)")
     need(cfg.train.lr_schedule in LR_SCHEDULES,
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     need(cfg.eval.split in ("validation", "test"),

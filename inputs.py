@@ -248,25 +248,30 @@ def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tupl
 
 
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
-            share_prompt: bool = False, pixels: dict | None = None) -> dict[str, torch.Tensor]:
+            share_prompt: bool = False, pixels: dict | None = None,
+            packing: bool = False) -> dict[str, torch.Tensor]:
     """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
     for model.sequence_logprobs.
 
     Both layouts give `response_mask` and `engine_logprobs` [B, T] in episode order (1 on response
     tokens; the engine's logprob of each), aligned with what model.sequence_logprobs returns,
     plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values and image_grid_thw
-    (when there are images), and episode_tokens (prompt + response tokens of every episode,
-    however laid out).
+    (when there are images), episode_tokens (prompt + response tokens of every episode, however
+    laid out) and episode_pairs (the query-key pairs of one unpadded row per episode).
     - one row per episode (`share_prompt=False`): prompt + response, right-padded; T = W.
     - one row per prompt (`share_prompt=True`, :func:`pack`): consecutive episodes with the same
       prompt share one copy of it, followed by each response; an attention mask lets every
       response see the prompt and itself only, so the result equals one row per episode while the
       prompt (and its images) is encoded once per group instead of G times. T = longest response.
       Only for models whose layers all take the mask (model.packs_exactly).
+    - packed rows (`packing=True`, :func:`pack`): those units (a prompt run, or one episode each
+      without `share_prompt`) of different prompts side by side in rows no wider than the longest
+      unit (first-fit decreasing), each attending only within itself, positions restarted.
     `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
     """
-    if share_prompt:
-        return pack(episodes, images, procs, device, pixels)
+    if share_prompt or packing:
+        return pack(episodes, images, procs, device, pixels, share_prompt=share_prompt,
+                    packing=packing)
     tokens = procs.tokens
     mm, counts = _vision_inputs(procs, [im for ims in images for im in ims], pixels)
     it = iter(counts)
@@ -285,7 +290,7 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
         resp[i, n:n + r] = 1
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
-               episode_tokens=attn.sum(), **mm)
+               episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -293,64 +298,105 @@ def _same_images(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def pack(episodes, images: list[list], procs: Processors, device: torch.device,
-         pixels: dict | None = None) -> dict[str, torch.Tensor]:
-    """One row per run of consecutive episodes with the same prompt (see :func:`collate`).
+def units(episodes, images: list[list], share_prompt: bool) -> list[list[int]]:
+    """The sequences of a packed batch: runs of consecutive episodes with the same prompt (and
+    images) with `share_prompt`, else one episode each."""
+    out: list[list[int]] = []
+    for i, e in enumerate(episodes):
+        if (share_prompt and out and episodes[out[-1][0]].prompt_ids == e.prompt_ids
+                and _same_images(images[out[-1][0]], images[i])):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
-    Row layout: [prompt (images expanded) | response 1 | response 2 | ... | padding]. Extra keys:
-    `attention_mask_4d` [rows, 1, W, W] (bool: a prompt token sees the prompt causally; a response
-    token sees the prompt and its own response causally; padding sees itself), `prompt_len`
-    [rows], and for every response token (episode-major) its row, the column whose hidden state
-    predicts it, its own column and its index in its response: `pred_row`, `pred_col`,
-    `target_col`, `offset` [N].
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices into rows of at most `capacity` tokens (a longer one alone)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((k for k, r in enumerate(room) if r >= lengths[i]), None)
+        if k is None:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            rows[k].append(i)
+            room[k] -= lengths[i]
+    return rows
+
+
+def pack(episodes, images: list[list], procs: Processors, device: torch.device,
+         pixels: dict | None = None, share_prompt: bool = True,
+         packing: bool = False) -> dict[str, torch.Tensor]:
+    """Packed rows (see :func:`collate`): each row holds whole sequences ([prompt | response 1 |
+    response 2 | ...], :func:`units`), one per row unless `packing`, then padding.
+
+    Extra keys: `attention_mask_4d` [rows, 1, W, W] (bool: a prompt token sees its prompt
+    causally; a response token its prompt and itself causally; nothing crosses a sequence;
+    padding sees itself), per sequence its row, first column and prompt length (`seq_row`,
+    `seq_col`, `prompt_len` [S]), and for every response token (episode-major) its sequence, the
+    column whose hidden state predicts it, its own column and its index in its response:
+    `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row` = the sequence's row).
     """
     tokens = procs.tokens
-    runs: list[list[int]] = []
-    for i, e in enumerate(episodes):
-        if (runs and episodes[runs[-1][0]].prompt_ids == e.prompt_ids
-                and _same_images(images[runs[-1][0]], images[i])):
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    mm, counts = _vision_inputs(procs, [im for r in runs for im in images[r[0]]], pixels)
+    seqs = units(episodes, images, share_prompt)
+    prompts = [len(episodes[u[0]].prompt_ids) - len(images[u[0]]) for u in seqs]
+    n_img = [[n_image_tokens_of(procs.image_processor, im) for im in images[u[0]]] for u in seqs]
+    lengths = [p + sum(n) + sum(len(episodes[i].response_ids) for i in u)
+               for p, n, u in zip(prompts, n_img, seqs)]
+    layout = first_fit(lengths, max(lengths)) if packing else [[k] for k in range(len(seqs))]
+    order = [k for row in layout for k in row]                    # sequences in row-major order
+    mm, counts = _vision_inputs(procs, [im for k in order for im in images[seqs[k][0]]], pixels)
     it = iter(counts)
-    rows, starts = [], [0] * len(episodes)
-    for r in runs:
-        row = expand_images(episodes[r[0]].prompt_ids, [next(it) for _ in images[r[0]]],
+    built = {}                                                    # sequence -> (prompt len, tokens)
+    for k in order:
+        u = seqs[k]
+        row = expand_images(episodes[u[0]].prompt_ids, [next(it) for _ in images[u[0]]],
                             tokens.image_pad)
-        plen = len(row)
-        for i in r:
-            starts[i] = len(row)
-            row = row + episodes[i].response_ids
-        rows.append((plen, row))
-    W, R, B = max(len(row) for _, row in rows), len(rows), len(episodes)
+        built[k] = (len(row), row + [t for i in u for t in episodes[i].response_ids])
+    W, R, B = max(sum(len(built[k][1]) for k in row) for row in layout), len(layout), len(episodes)
     T = max(len(e.response_ids) for e in episodes)
     ids = torch.full((R, W), tokens.pad, dtype=torch.long)
     attn = torch.zeros(R, W, dtype=torch.long)
     mask4 = torch.zeros(R, 1, W, W, dtype=torch.bool)
+    mask4[:, 0, range(W), range(W)] = True                        # padding sees itself: no empty row
     causal = torch.ones(W, W, dtype=torch.bool).tril()
-    for k, (plen, row) in enumerate(rows):
-        ids[k, :len(row)] = torch.tensor(row)
-        attn[k, :len(row)] = 1
-        mask4[k, 0, :len(row), :plen] = causal[:len(row), :plen]  # everyone sees the prompt (causally)
-        mask4[k, 0, range(W), range(W)] = True                    # padding sees itself: no empty row
+    seq_row, seq_col, starts = [0] * len(seqs), [0] * len(seqs), [0] * B
+    for r, row in enumerate(layout):
+        col = 0
+        for k in row:
+            plen, toks = built[k]
+            seq_row[k], seq_col[k], n = r, col, len(toks)
+            ids[r, col:col + n] = torch.tensor(toks)
+            attn[r, col:col + n] = 1
+            mask4[r, 0, col:col + n, col:col + plen] = causal[:n, :plen]  # the prompt, causally
+            at = col + plen
+            for i in seqs[k]:
+                starts[i], at = at, at + len(episodes[i].response_ids)
+            col += n
     resp = torch.zeros(B, T, dtype=torch.long)
     engine_lp = torch.zeros(B, T, dtype=torch.float32)
-    pred_row, pred_col, target_col, offset = [], [], [], []
-    for k, (r, (plen, _)) in enumerate(zip(runs, rows)):
-        for i in r:
+    pred_seq, pred_col, target_col, offset = [], [], [], []
+    for k, u in enumerate(seqs):
+        last = seq_col[k] + built[k][0] - 1                       # the prompt's last column
+        for i in u:
             s, n = starts[i], len(episodes[i].response_ids)
-            mask4[k, 0, s:s + n, s:s + n] = causal[:n, :n]
+            mask4[seq_row[k], 0, s:s + n, s:s + n] = causal[:n, :n]
             resp[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
-            pred_row += [k] * n
-            pred_col += [plen - 1] + list(range(s, s + n - 1))    # the first token is predicted
-            target_col += list(range(s, s + n))                    # by the prompt's last token
+            pred_seq += [k] * n
+            pred_col += [last] + list(range(s, s + n - 1))       # the first token is predicted
+            target_col += list(range(s, s + n))                   # by the prompt's last token
             offset += list(range(n))
+    seq_row_t = torch.tensor(seq_row)
     out = dict(input_ids=ids, attention_mask=attn, attention_mask_4d=mask4, response_mask=resp,
-               engine_logprobs=engine_lp, prompt_len=torch.tensor([p for p, _ in rows]),
-               pred_row=torch.tensor(pred_row), pred_col=torch.tensor(pred_col),
+               engine_logprobs=engine_lp, prompt_len=torch.tensor([built[k][0] for k in range(len(seqs))]),
+               seq_row=seq_row_t, seq_col=torch.tensor(seq_col), pred_seq=torch.tensor(pred_seq),
+               pred_row=seq_row_t[torch.tensor(pred_seq)], pred_col=torch.tensor(pred_col),
                target_col=torch.tensor(target_col), offset=torch.tensor(offset),
-               episode_tokens=torch.tensor(sum(rows[k][0] + len(episodes[i].response_ids)
-                                               for k, r in enumerate(runs) for i in r)), **mm)
+               episode_tokens=torch.tensor(sum(built[k][0] + len(episodes[i].response_ids)
+                                               for k, u in enumerate(seqs) for i in u)),
+               episode_pairs=torch.tensor(sum((built[k][0] + len(episodes[i].response_ids)) ** 2
+                                              for k, u in enumerate(seqs) for i in u)), **mm)
     return {k: v.to(device) for k, v in out.items()}

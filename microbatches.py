@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import inputs as I
+from errors import ConfigError
 
 
 def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
@@ -43,36 +44,111 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
     return mbs
 
 
+def layout_note(tc, procs: I.Processors, model_path: str) -> str | None:
+    """At start: `train.packing` refused (ConfigError) for a model whose layers take no 4-D mask
+    (linear attention: its recurrent state would run from one packed sequence into the next);
+    the note that `train.share_prompt` falls back to one row per episode for such a model."""
+    if procs.packs_exactly:
+        return None
+    if tc.packing:
+        raise ConfigError(f"train.packing: {model_path} has linear-attention layers, whose state "
+                          "would cross packed sequences; use train.packing = false")
+    return (f"note: {model_path} has layers that take no 4D mask (linear attention): "
+            "train.share_prompt falls back to one row per episode" if tc.share_prompt else None)
+
+
 def shares_prompt(tc, procs: I.Processors) -> bool:
     """One packed row per prompt: `train.share_prompt`, where the model's layers allow it
     exactly (model.packs_exactly; else one row per episode, said at start)."""
     return tc.share_prompt and procs.packs_exactly
 
 
+def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
+           share: bool) -> tuple[list[list[int]], list[int]]:
+    """The sequences of this rank's episodes `idx` (positions into `idx`): the runs of one
+    prompt with `share` (prompt once + every response), else one episode each; and each one's
+    tokens (images expanded)."""
+    units: list[list[int]] = []
+    for j, i in enumerate(idx):
+        if share and units and episodes[idx[units[-1][0]]].group == episodes[i].group:
+            units[-1].append(j)
+        else:
+            units.append([j])
+    lengths = [sequence_tokens(episodes, [idx[j] for j in u], images, procs) for u in units]
+    return units, lengths
+
+
+def sequence_tokens(episodes: list, members: list[int], images: Mapping[int, Any],
+                    procs: I.Processors) -> int:
+    """Tokens of one sequence: the episodes `members` (one prompt) after one copy of the prompt."""
+    e = episodes[members[0]]
+    ims = images[e.index]
+    return (len(e.prompt_ids) - len(ims) + I.image_tokens(procs, ims)
+            + sum(len(episodes[i].response_ids) for i in members))
+
+
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
                tc, count: int | None = None) -> list[list[int]]:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`).
 
-    With `train.share_prompt` and a token budget, the units are the runs of consecutive episodes
-    of one prompt (a packed row: prompt once + every response) so the budget counts what is
-    really computed; else each episode is a unit (prompt + response). Fixed-size micro-batches
-    take the episodes in order, so G-aligned sizes keep each group in one packed row."""
-    n_img = [I.image_tokens(procs, images[episodes[i].index]) for i in idx]
-    if not (shares_prompt(tc, procs) and tc.micro_batch_tokens > 0):
-        lengths = [len(episodes[i].prompt_ids) - 1 + len(episodes[i].response_ids) + n
-                   for i, n in zip(idx, n_img)]
+    With `train.packing`, the sequences (:func:`_units`) first-fit into rows no wider than the
+    longest, and each micro-batch takes as many rows as `micro_batch_tokens` slots hold. With
+    `train.share_prompt` and a token budget, the units are the runs of consecutive episodes of
+    one prompt (a packed row: prompt once + every response) so the budget counts what is really
+    computed; else each episode is a unit (prompt + response). Fixed-size micro-batches take the
+    episodes in order, so G-aligned sizes keep each group in one packed row."""
+    share = shares_prompt(tc, procs)
+    if tc.packing:
+        units, lengths = _units(episodes, idx, images, procs, share)
+        cap = max(lengths)
+        rows = I.first_fit(lengths, cap)
+        per = max(1, tc.micro_batch_tokens // cap)                  # rows per micro-batch
+        mbs = [[j for r in rows[k:k + per] for u in sorted(r) for j in units[u]]
+               for k in range(0, len(rows), per)]
+        return _split_to(mbs, count, len(idx))
+    if not (share and tc.micro_batch_tokens > 0):
+        lengths = [sequence_tokens(episodes, [i], images, procs) for i in idx]
         return plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens, count)
-    units: list[list[int]] = []
-    for j, i in enumerate(idx):
-        if units and episodes[idx[units[-1][0]]].group == episodes[i].group:
-            units[-1].append(j)
-        else:
-            units.append([j])
-    lengths = [len(episodes[idx[u[0]]].prompt_ids) - 1 + n_img[u[0]]
-               + sum(len(episodes[idx[j]].response_ids) for j in u) for u in units]
+    units, lengths = _units(episodes, idx, images, procs, True)
     mbs = [[j for k in mb for j in units[k]]
            for mb in plan_micro_batches(lengths, len(units), tc.micro_batch_tokens)]
     return _split_to(mbs, count, len(idx))
+
+
+def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc,
+                n_trainers: int) -> tuple[list[list[list[int]]], float]:
+    """Every mini-batch's episodes per trainer rank (`shares[j][r]`, positions in the step), and
+    the step's `train/rank_token_imbalance` (max over ranks / mean of their tokens). Contiguous
+    equal slices; with `train.packing` balanced by tokens: longest sequence first to the rank
+    with the fewest tokens that has room, every rank the same number of sequences (verl's and
+    AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
+    size = len(episodes) // tc.mini_batches
+    per = size // n_trainers
+    shares, tokens = [], [0] * n_trainers
+    for j in range(tc.mini_batches):
+        mb = list(range(j * size, (j + 1) * size))
+        if tc.packing:
+            units, lengths = _units(episodes, mb, images, procs, shares_prompt(tc, procs))
+            if len(units) % n_trainers:  # prompt groups that do not divide evenly: episodes
+                units, lengths = _units(episodes, mb, images, procs, False)
+            part = _balance(lengths, n_trainers)
+        else:
+            units, lengths = _units(episodes, mb, images, procs, False)
+            part = [list(range(r * per, (r + 1) * per)) for r in range(n_trainers)]
+        shares.append([sorted(mb[k] for u in p for k in units[u]) for p in part])
+        for r, p in enumerate(part):
+            tokens[r] += sum(lengths[u] for u in p)
+    return shares, max(tokens) / max(1e-9, sum(tokens) / n_trainers)
+
+
+def _balance(lengths: list[int], n: int) -> list[list[int]]:
+    """Indices into `n` parts of equal count, longest first to the lightest part with room."""
+    room, load, parts = len(lengths) // n, [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min((r for r in range(n) if len(parts[r]) < room), key=lambda r: (load[r], r))
+        parts[r].append(i)
+        load[r] += lengths[i]
+    return parts
 
 
 def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, Any],

@@ -40,7 +40,7 @@ import loss as L
 import model as M
 import registry
 from failures import fault_active
-from microbatches import agree_plans, shares_prompt
+from microbatches import agree_plans, rank_shares, shares_prompt
 from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
                      reshard)
 
@@ -121,11 +121,9 @@ def plan(s: Step) -> None:
                          exclude_truncated=lc.exclude_truncated)                      # [N]
     s.metrics["train/dropped_groups"] = float(
         L.zero_variance_groups(s.scores, rc.group_size).sum() if lc.drop_zero_variance else 0)
-    n_mb = s.tc.mini_batches
-    size = len(eps) // n_mb                      # episodes per mini-batch (all ranks)
-    per = size // len(world.trainers)            # ... per trainer rank
-    shares = [list(range(j * size + world.trainer_index * per,
-                         j * size + (world.trainer_index + 1) * per)) for j in range(n_mb)]
+    every, imbalance = rank_shares(eps, s.images, s.procs, s.tc, len(world.trainers))
+    s.metrics["train/rank_token_imbalance"] = imbalance
+    shares = [sh[world.trainer_index] for sh in every]          # this rank's, per mini-batch
     plans = agree_plans(shares, eps, s.images, s.procs, s.tc, world.train_group)
     s.updates = [Update(sh, p) for sh, p in zip(shares, plans)]
     s.kl_coef = s.tr.kl_coef if lc.kl_target > 0 and s.tr.kl_coef is not None else lc.kl_coef
@@ -166,7 +164,8 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
         batch = I.collate(eps, [images[e.index] for e in eps], procs, tr.device,
-                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels)
+                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels,
+                          packing=tc.packing)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
         out.append((lp, ref, batch["response_mask"]))
@@ -282,13 +281,14 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     kl_coef = 0.0 if lc.kl_in_reward else s.kl_coef   # with the KL in the reward: no KL term
     entropy_grad = lc.entropy_coef > 0  # the entropy keeps its graph only for the bonus
     sums = dict.fromkeys(("loss", "entropy", "tokens", "episode_tokens", "slots", "resp_tokens",
-                          "kept_tokens"), 0.0)
+                          "kept_tokens", "pairs", "episode_pairs"), 0.0)
     lp_diff = 0.0
     for k, mb in enumerate(u.plan):
         chunk = [u.idx[j] for j in mb]
         eps = [s.episodes[i] for i in chunk]
         batch = I.collate(eps, [s.images[e.index] for e in eps], s.procs, tr.device,
-                          share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels)
+                          share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels,
+                          packing=s.tc.packing)
         mask = batch["response_mask"].float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
@@ -328,6 +328,8 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
     sums["tokens"] += float(batch["attention_mask"].sum())
     sums["episode_tokens"] += float(batch["episode_tokens"])
     sums["slots"] += float(batch["attention_mask"].numel())
+    sums["pairs"] += float(batch["attention_mask"].numel() * batch["attention_mask"].shape[1])
+    sums["episode_pairs"] += float(batch["episode_pairs"])
     sums["resp_tokens"] += float(rmask.sum())
     if not rmask.any():
         return 0.0
@@ -350,6 +352,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
            "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
+           # query-key pairs a dense kernel computes (rows x W^2) over one unpadded row per episode
+           "train/attention_frac": tot["pairs"] / max(1.0, tot["episode_pairs"]),
            "train/tokens": tot["episode_tokens"],
            "train/micro_batches": tot["micro_batches"] / n_tr,
            "train/updates": float(n_updates)}

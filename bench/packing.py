@@ -1,0 +1,132 @@
+"""Packed rows against padded micro-batches of the same token budget, on long-tailed lengths.
+
+    python bench/packing.py                      # tiny Qwen2.5-VL, CPU, fp32
+    python bench/packing.py --no-share-prompt    # one sequence per episode (no shared prompts)
+
+The workload: `--prompts` synthetic geometry prompts x `--group` responses whose lengths are
+long-tailed as GRPO's are (half 8-32 tokens, a tenth at `--max-new-tokens`, the rest between;
+seeded), random ordinary tokens. Both variants run the trainer's own path
+(`update.plan` -> `update.accumulate_gradients`: forward + backward of every micro-batch, one
+mini-batch) with `train.micro_batch_tokens = --budget`, alternating, `--reps` times each; the
+median time counts. `rank_token_imbalance` is `microbatches.rank_shares` over 2 trainer ranks:
+contiguous slices (padded) against the balanced split (packed). Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def lengths(n: int, max_new: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        u = rng.random()
+        out.append(rng.randint(8, 32) if u < 0.5 else max_new if u < 0.6 else rng.randint(33, max_new - 1))
+    return out
+
+
+def workload(a, procs):
+    import data
+    import inputs as I
+    import rollout as R
+    import synthetic
+    problems = synthetic.make_synthetic(a.prompts, seed=3)
+    rng = random.Random(a.seed)
+    top = min(procs.tokens.image_pad, procs.tokens.vision_start, procs.tokens.pad, procs.tokens.eos) - 1
+    lens = lengths(a.prompts * a.group, a.max_new_tokens, a.seed)
+    eps = []
+    for g, p in enumerate(problems):
+        prompt = I.prompt_ids(procs, data.user_text(p), len(p.images))
+        for k in range(a.group):
+            n = lens[g * a.group + k]
+            eps.append(R.Episode(p.index, g, prompt, [rng.randrange(3, top) for _ in range(n)],
+                                 [0.0] * n, float(rng.random() < 0.5), {}, 0, n == a.max_new_tokens))
+    return eps, {p.index: p.images for p in problems}
+
+
+def run(a) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import families as F
+    import inputs as I
+    import microbatches as MB
+    import model as M
+    import update as U
+    import world as W
+    from train import load_config
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(W.free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    path = str(F.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny"))
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    eps, images = workload(a, procs)
+    policy = M.apply_fsdp(M.load_model(path).train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
+    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=torch.device("cpu"),
+                         pixels={}, kl_coef=None)
+    base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
+            f"--train.micro_batch_tokens={a.budget}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
+    variants = {"padded": base, "packed": base + ["--train.packing=true"]}
+    steps, times, stats = {}, {k: [] for k in variants}, {}
+    for name, over in variants.items():
+        cfg = load_config(None, over)
+        s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
+        U.plan(s)
+        U.denominators(s)
+        U.advantages(s)
+        steps[name] = s
+    for _ in range(a.reps):
+        for name, s in steps.items():
+            policy.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            stats[name] = U.accumulate_gradients(s, s.updates[0])
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, st in stats.items():
+        t = statistics.median(times[name])
+        out[name] = {"tokens_per_s": round(st["episode_tokens"] / t, 1), "step_s": round(t, 4),
+                     "padding_frac": round(1 - st["tokens"] / st["slots"], 4),
+                     "attention_frac": round(st["pairs"] / st["episode_pairs"], 4),
+                     "micro_batches": int(st["micro_batches"])}
+    imb = {}
+    for name, over in (("padded", base), ("balanced", variants["packed"])):
+        imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, over).train, 2)[1], 4)
+    dist.destroy_process_group()
+    return {"workload": {"model": "tiny qwen2_5_vl", "prompts": a.prompts, "group": a.group,
+                         "max_new_tokens": a.max_new_tokens, "budget": a.budget,
+                         "share_prompt": a.share_prompt, "tokens": int(stats["padded"]["episode_tokens"]),
+                         "reps": a.reps},
+            "padded": out["padded"], "packed": out["packed"],
+            "speedup": round(out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"], 3),
+            "rank_token_imbalance": imb}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=4096, help="train.micro_batch_tokens")
+    ap.add_argument("--no-share-prompt", dest="share_prompt", action="store_false")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    print(json.dumps(run(ap.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()
