@@ -1,21 +1,11 @@
-"""Datasets and prompts: Geometry3K (local folder or hub id), the synthetic set, the step stream.
+"""Datasets and prompts: Geometry3K (local folder or hub id), the synthetic sets, the step stream.
 
-Every split is a list of `Problem` (stable index, zero or more RGB images in order, question text,
-gold answer spelled the way the dataset spells it, and every other column of its row). Loading
-never crashes on a bad row: a row with a missing or unreadable image, an empty / non-string
-problem or answer, or a JSONL line that is not UTF-8, is dropped and reported as (index,
-reason). A schema problem (missing split file, missing column, a JSONL line that is not an
-object) is a ValueError naming the file: it means the folder does not hold the dataset at all.
-`data.source = "synthetic"` draws the offline geometry set of `synthetic.py`,
-`"synthetic-text"` its text-only arithmetic set.
+Every split is a list of `Problem`. A bad row (missing or unreadable image, empty problem or
+answer, a JSONL line that is not UTF-8, images and `<image>` markers that disagree) is dropped
+and reported as (index, reason); a schema problem (missing split file or column, a JSONL line
+that is not an object) is a ValueError naming the file. The accepted layouts: docs/data.md.
 
-Images: the images column (`data.images_column`; "" = a text-only set) holds one image or a list
-of them. A problem text may mark where each image goes with `<image>` (Geometry3K starts every
-problem with one); without markers the images come first. Markers and images must agree in
-number (model.chat_messages), else the row is skipped.
-
-CLI (kept here for compatibility; see synthetic.py): python data.py --write-synthetic DIR
-     [--n-train N --n-val N --n-test N --seed S --format jsonl|parquet]
+CLI (kept for compatibility; see synthetic.py): python data.py --write-synthetic DIR [...]
 """
 
 from __future__ import annotations
@@ -31,8 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from PIL import Image
 
-# The record and the split names live in synthetic.py, the lower module (imports run one way:
-# data -> synthetic); they are data's names as much as its own.
+# the record and the split names live in synthetic.py, the lower module (data -> synthetic)
 from config import DEFAULT_TEMPLATE
 from errors import ConfigError, ModelError
 from synthetic import IMAGE_MARKER, SPLITS, SYNTHETIC, Problem, _pyarrow, synthetic_split
@@ -119,11 +108,9 @@ def _to_problem(index: int, row: Any) -> Problem:
 def skip_bad_rows(
     rows: Iterable[Problem | Mapping], is_too_long: Callable[[Problem], bool] | None = None
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
-    """Kept rows (as Problems, original index) and (index, reason) for each dropped row.
-
-    Rows are Problems (index kept) or Geometry3K records {"images", "problem", "answer"}
-    (index = position). `is_too_long` is the trainer's prompt-length check.
-    """
+    """Kept rows (as Problems, original index) and (index, reason) for each dropped row. Rows are
+    Problems (index kept) or records {"images", "problem", "answer"} (index = position);
+    `is_too_long` is the trainer's prompt-length check."""
     kept, skipped = [], []
     for pos, row in enumerate(rows):
         index = row.index if isinstance(row, Problem) else pos
@@ -170,9 +157,8 @@ def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
 
 
 def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict | _BadRow]:
-    # Lines are split as bytes and decoded one by one: a line that is not UTF-8 is one bad row
-    # (skipped and counted), not an unreadable file; and a U+2028 inside a JSON string, which
-    # str.splitlines() would cut at, stays in its row.
+    # split as bytes, decoded per line: a line that is not UTF-8 is one bad row, and a U+2028
+    # inside a JSON string (where str.splitlines() would cut) stays in its row
     cols = _mapping(columns)
     for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         try:
@@ -226,12 +212,9 @@ def load_split(
     source: str, split: str, *, seed: int = 0, n_synthetic: int = 256, image_size: int = 112,
     columns: Mapping[str, str] | None = None,
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
-    """(problems, skipped) for one split of "synthetic", a local folder, or a hub id.
-
-    `columns` maps the canonical names ("problem", "answer", "images") to the dataset's own
-    column names ("images": "" for a text-only set); a mapped column that is missing is a
-    ValueError naming the file and column. The images column may hold one image per row or a
-    list of them."""
+    """(problems, skipped) for one split of "synthetic", a local folder, or a hub id. `columns`
+    maps the canonical names ("problem", "answer", "images") to the dataset's own ("images": ""
+    for a text-only set); a missing mapped column is a ValueError naming the file and column."""
     if source in SYNTHETIC:
         return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
                                text=source == "synthetic-text"), []
@@ -266,12 +249,9 @@ def check_source(source: str) -> None:
 
 
 def source_problem(source: str) -> str | None:
-    """Why `source` can be neither "synthetic", a local folder nor a hub dataset id, or None.
-
-    A hub id is `owner/name`. Anything else that is not an existing folder is a path that does
-    not exist: a relative path too (`data/g3k` whose `data/` exists here, `g3k`, `a/b/c`), which
-    would otherwise be sent to the hub and fail there with a message about repo ids; so is an
-    `owner/name` that looks like a path (`data/g3k`, `runs/x`: see _LOCAL_FIRST; `x/train.jsonl`)."""
+    """Why `source` can be neither "synthetic", a local folder nor a hub dataset id (`owner/name`),
+    or None. A missing path is named as one, also a relative one or an `owner/name` that looks
+    like a path (`data/g3k`, `runs/x`: _LOCAL_FIRST; `x/train.jsonl`), not sent to the hub."""
     if source in SYNTHETIC or Path(source).expanduser().is_dir():
         return None
     path = Path(source).expanduser()

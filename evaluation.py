@@ -1,11 +1,5 @@
-"""Evaluation for any task: the engines generate, the `[eval]` reward functions grade.
-
-Greedy decoding when `eval.n = 1` (Geometry3K-style), else n samples per problem at
-`eval.temperature`: every reward part's mean over all samples (pass@1 for a 0/1 part such as the
-verifier's `accuracy`) and, with n > 1, the mean over problems of the best of its n samples
-(pass@n). `eval.max_new_tokens` and `eval.top_p` override the rollout's for evaluation (0: the
-rollout's; verl's `val_kwargs`, EasyR1's `val_override_config`). Collective over the world; the
-generation ranks split the problems.
+"""Evaluation for any task (docs/evaluation.md): the engines generate, the `[eval]` reward
+functions grade. Collective over the world; the generation ranks split the problems.
 """
 from __future__ import annotations
 

@@ -1,28 +1,10 @@
-"""Model families: the one table of what differs between Qwen generations.
+"""Model families: the one table of what differs between Qwen generations (docs/families.md).
 
-The family of a model folder is its `config.json` `model_type`. Almost everything else is asked
-of the config or the model, never of the family's name (model.py): the Auto class (a config with
-a `vision_config` is a vision-language model), the image / vision token ids (`config.*_token_id`),
-the patch size and merge (the image processor's config), the FSDP units (`_no_split_modules`),
-mRoPE (the model's own `get_rope_index`), whether one packed row per prompt is exact (every text
-layer full attention), the MoE expert layout (transformers' fused `experts.gate_up_proj`).
-
-What is truly per family sits in :data:`FAMILIES`, one row each:
-- `tiny`: the config of a tiny random model of that family (`model.path = "tiny-<model_type>"`),
-  for the CPU tests and demos; nothing is downloaded;
-- `chat_template`: the template written into such a tiny folder. It reproduces the parts of the
-  family's published chat template that a prompt uses (a default system turn or none, image
-  placeholders, `enable_thinking`); a real model folder's own template is always what is used;
-- `processor`: the transformers processor class vLLM's loader for the family asks for (VLMs), so
-  that the one image-only hook in vllm_engine.py is checked against the table;
-- `linear_attention`: some text layers are linear attention (no packed rows, no prefix caching).
-
-Also here: :data:`IMAGE_PROCESSOR`, the tiny tokenizer's tokens (:data:`TINY_SPECIALS`),
-:func:`build_tiny` (a tiny random model as a Hugging Face folder: the CPU demos and the tests) and
-:func:`write_weights` (the hub checkpoint layout, also the exports'). torch, transformers and
-tokenizers are imported inside functions only: light modules import this one.
-
-Adding a family: one row here plus its tests (tests/test_families.py runs every row).
+The family of a model folder is its `config.json` `model_type`; everything else is asked of the
+config or the model, never of the family's name. :data:`FAMILIES` holds what is truly per
+family, one row each. Also here: :data:`IMAGE_PROCESSOR`, :func:`build_tiny` (a tiny random
+model of any family, for the CPU demos and tests) and :func:`write_weights` (the hub checkpoint
+layout). torch, transformers and tokenizers are imported inside functions only.
 """
 from __future__ import annotations
 
@@ -107,9 +89,8 @@ def _vision3(hidden: int, **extra) -> dict:
 
 
 def _moe(hidden: int) -> dict:
-    # expert size 96 != hidden 64 and 2 x 96 != 64: a transposed or swapped expert weight cannot
-    # load by accident (model-families.md); norm_topk_prob as the released MoE configs set it
-    # (vLLM's loaders read it; transformers' Qwen3-VL-MoE config class has no default)
+    # expert size 96 != hidden 64 and 2 x 96 != 64: a transposed expert weight cannot load by
+    # accident; norm_topk_prob as the released MoE configs set it (vLLM's loaders read it)
     return dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
                 norm_topk_prob=True)
 
@@ -156,8 +137,10 @@ def _tiny_text(ids, hidden, layers, moe=False, tied=False):
 class Family:
     model_type: str                  # config.json's model_type
     tiny: Callable[..., dict]        # (token ids, hidden, layers) -> tiny config kwargs
-    chat_template: str               # the tiny folder's template (see the module docstring)
-    processor: str = ""              # vLLM's HF processor class for the family (VLMs)
+    # the tiny folder's template: the parts of the family's published one a prompt uses (a real
+    # folder's own template is always what is used)
+    chat_template: str
+    processor: str = ""              # the HF processor class vLLM's loader asks for (VLMs)
     notes: str = ""                  # what a user should know (README's families table)
     linear_attention: bool = False   # some text layers are linear attention (Gated DeltaNet)
 
@@ -186,10 +169,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
 
 DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
 TINY = "tiny"  # `model.path = "tiny"`: the default family's tiny model; "tiny-<model_type>" any
-# The one image processor class on every device and family, in the trainer and (forced and
-# checked by vllm_engine.checked_processor) in every vLLM process: the torchvision-backed one
-# cannot import beside the CPU torch build, and its pixels differ slightly from the PIL one's.
-# Every VLM family of the table uses it; its patch and merge sizes come from the folder.
+# The one image processor class, in the trainer and every vLLM process (vllm_engine.checked_processor):
+# the torchvision-backed one cannot import beside the CPU torch build, and its pixels differ.
 IMAGE_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil"
 # The tiny tokenizer: 256 byte tokens (no merges), these special tokens in this order (keyed by
 # the role the tiny config gives their ids), then these plain ones
@@ -281,15 +262,10 @@ def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):
 # ----------------------------------------------------------------------------- tiny models
 def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
                model_type: str = DEFAULT_TINY) -> Path:
-    """Write a random tiny model of `model_type`, its tokenizer, chat template and (VLMs) image
-    processor to `out_dir`.
-
-    Deterministic in `seed`. The tokenizer is byte-level (256 byte tokens, no merges) plus the
-    chat / vision special tokens (:data:`TINY_SPECIALS`) and `<think>`, `</think>`, `<answer>`,
-    `</answer>` as single tokens, so a tiny policy can learn the answer format. Returns the
-    folder. Safe to call from several processes at once (a file lock; the folder appears
-    complete or not at all).
-    """
+    """Write a random tiny model of `model_type`, its tokenizer (:data:`TINY_SPECIALS`,
+    :data:`TINY_WORDS`), chat template and (VLMs) image processor to `out_dir`; returns the
+    folder. Deterministic in `seed`; safe from several processes at once (a file lock; the folder
+    appears complete or not at all)."""
     get(model_type)
     out = Path(out_dir)
     if (out / "model.safetensors").exists():
@@ -332,17 +308,14 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str)
     torch.manual_seed(seed)
     model = auto_class(config).from_config(config).to(torch.float32)
     config.architectures = [type(model).__name__]
-    # transformers' default init (std 0.02) gives a nearly uniform policy; a larger init makes
-    # the tiny random model's samples varied enough for GRPO groups to disagree (the embeddings
-    # too where they are the LM head as well: tied)
+    # std 0.08, not transformers' 0.02 (a nearly uniform policy): samples varied enough for
+    # GRPO groups to disagree (the embeddings too where they are the LM head: tied)
     tied = _ties(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and ("embed" not in name or tied):
                 p.normal_(0.0, 0.08)
-    # Written directly (transformers' save_pretrained silently skips non-zero ranks once
-    # torch.distributed is initialised, and any rank may be the one building), in the checkpoint
-    # layout a hub folder of the family has (MoE experts per expert), as save_pretrained would.
+    # not save_pretrained: it silently skips non-zero ranks once torch.distributed is initialised
     write_weights(tmp, model, model.state_dict(), torch.float32)
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
@@ -358,14 +331,9 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str)
 
 def write_weights(folder: Path, model, state: dict, dtype) -> None:
     """`state` (the model's in-memory names) as `model.safetensors` (of torch `dtype`) in the
-    checkpoint layout of the family's hub folders (transformers' `revert_weight_conversion`, as `save_pretrained`), so
-    transformers and vLLM load it as they load a released model; tied weights are written once.
-
-    One mend: transformers 5.24 reverses a load-time `Transpose(check_dims=True)` (Qwen3-VL-MoE's
-    fused experts: hub [E, H, 2I], memory [E, 2I, H]) by comparing the tensor with the in-memory
-    shape, which always matches, so save_pretrained writes the memory layout; vLLM's loader then
-    transposes it wrongly. Reversed, such an op always transposes here (transformers still loads
-    it: its check sees the hub shape)."""
+    checkpoint layout of the family's hub folders (transformers' `revert_weight_conversion`), so
+    transformers and vLLM load it as a released model; tied weights are written once. A reversed
+    `Transpose` always transposes here: transformers 5.24 skips it (docs/families.md, MoE)."""
     from safetensors.torch import save_file
     from transformers import core_model_loading as cml
     tied = set(getattr(model, "_tied_weights_keys", None) or {}) if _ties(model.config) else set()

@@ -1,16 +1,7 @@
-"""LoRA through the peft library: which layers get adapters, the wrapped policy, and the model
-the engines and exports get from it (adapted weights merged).
-
-- :func:`lora_targets` / :func:`add_lora`: `[model] lora_*` -> a peft model over the transformers
-  one, its base frozen (the trainer shards it with FSDP2: model.shard_from_rank0);
-- :func:`engine_tensors`: what weight sync sends and `sync.verify` checks, for any policy: every
-  parameter of a plain model; for an adapted one, the plain model's parameters with each adapted
-  weight merged (W + (B A) * alpha / r), and which of them change in training;
-- :func:`merged_state_dict` / :func:`write_adapter`: the checkpoint's HF export (merged) and the
-  adapter folder beside it (PEFT's format).
-
-No family's name appears here: the language model is `get_decoder()`, the vision tower the rest,
-the output head `get_output_embeddings()`.
+"""LoRA through the peft library (docs/lora.md): which layers get adapters (:func:`add_lora`),
+what the engines get (:func:`engine_tensors`: adapted weights merged) and the exports
+(:func:`merged_state_dict`, :func:`write_adapter`). The language model is `get_decoder()`, the
+vision tower the rest, the output head `get_output_embeddings()`.
 """
 from __future__ import annotations
 
@@ -41,13 +32,9 @@ def linear_layers(model) -> dict[str, str]:
 
 
 def lora_targets(model, mc) -> list[str]:
-    """The full names of the linear layers `[model]` (mc) puts adapters on: every linear layer of
-    the language model for "all-linear", and those whose name is, or ends with "." + , one of
-    `lora_target_modules`; the vision tower's too with `lora_vision`. The output head only when
-    named (`["all-linear", "lm_head"]`; as peft's "all-linear", that never includes it), and not
-    when it is tied to the input embeddings (its merged weight would change them too). A
-    ConfigError names the key and the model's linear layers when a target matches none, and
-    `lora_vision` on a text-only model."""
+    """The full names of the linear layers `[model]` (mc) puts adapters on (the rules of
+    docs/lora.md, "What gets adapters"). ConfigError naming the key for a target that matches
+    no linear layer (listing them), a tied output head, and `lora_vision` on a text-only model."""
     layers = linear_layers(model)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     if mc.lora_vision and not is_vlm(model.config):
@@ -158,11 +145,9 @@ class EngineTensor:
 
 def engine_tensors(model) -> list[EngineTensor]:
     """The engines' model as the trainer holds it, in the plain model's parameter order: every
-    parameter as it is, or with LoRA adapters the base model's parameters with each adapted
-    weight merged (:func:`merge`), the adapters themselves left out. With adapters only the
-    linear layers that share a parent module with an adapted one change: the adapted ones and
-    their siblings, which vLLM fuses into one layer with them (q/k/v -> qkv_proj, gate/up ->
-    gate_up_proj) and reloads only whole (a layer loaded in part is refilled with garbage)."""
+    parameter, or with adapters the base model's with each adapted weight merged (:func:`merge`).
+    Marked as changing: the adapted linear layers and their siblings under the same parent,
+    which vLLM fuses with them (qkv_proj, gate_up_proj) and reloads only whole."""
     layers = dict(lora_layers(model))
     if not layers:
         return [EngineTensor(n, tuple(p.shape), (p,)) for n, p in model.named_parameters()]

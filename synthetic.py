@@ -1,15 +1,8 @@
-"""The offline synthetic geometry set: diagrams with exact gold answers in Geometry3K's spelling.
+"""The offline synthetic sets (docs/data.md): geometry diagrams with exact gold answers in
+Geometry3K's spelling (`4 \\sqrt { 3 }`, `\\frac { 40 } { 3 }`), and text-only arithmetic.
+Deterministic in the seed; a problem's split is a hash of its parameters (disjoint splits).
 
-Right triangles, rectangles, circles, angle problems and similar triangles, drawn with PIL's
-default font. Answers are computed exactly (Fraction, square-free decomposition) and spelled like
-the real set: `5`, `4 \\sqrt { 3 }`, `\\frac { 40 } { 3 }`, `10 \\pi`, `18.8`. A problem's
-split is a hash of its parameters, so train, validation and test never share a problem whatever
-the seeds (within one split a problem may repeat). Deterministic in the seed.
-Left out: multi-image rows, Geometry3K's rarer answer forms (sums, ratios, text).
-
-CLI: write the set in Geometry3K's layout (what `data.source = <folder>` reads):
-    python synthetic.py --write DIR [--n-train N --n-val N --n-test N --seed S
-                                      --format jsonl|parquet]
+CLI, the set in Geometry3K's layout: python synthetic.py --write DIR [--n-train N ...]
 """
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ SYNTHETIC = ("synthetic", "synthetic-text")  # the offline sets of this module
 
 @dataclass
 class Problem:
-    """One row of any split (data.py loads every source into these; defined here, the lower
-    module, so that imports run one way: data -> synthetic)."""
+    """One row of any split (data.py loads every source into these; here, the lower module)."""
     index: int  # position in its split; kept when other rows are skipped
     images: list  # RGB PIL images, in prompt order (none for a text-only set)
     problem: str  # question text without "<image>" markers (what rewards and records see)

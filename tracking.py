@@ -1,27 +1,6 @@
-"""What a run writes about itself: files, the console, experiment trackers.
-
-- :class:`Recorder` (rank 0): `metrics.jsonl` (one object per step), `samples.jsonl` (a few or,
-  with `run.log_samples = -1`, every episode), `eval.jsonl` (one object per evaluation) and
-  `eval/step_N.jsonl` (every evaluation's generations), one console line per step (step k/N,
-  ETA, throughput, the configured reward parts), and the trackers below.
-- :func:`quiet_other_ranks`: library warnings are printed once (by rank 0), not once per rank.
-
-Experiment trackers: TensorBoard, Weights & Biases, SwanLab (any subset, `run.report_to`).
-
-Rank 0 opens them once; each gets every metric of every step under its key (`reward/mean`,
-`time/step_s`, ...), the resolved config as hyperparameters, and a few decoded samples per step
-as a table (W&B Table, SwanLab echarts table, TensorBoard markdown text). What a tracker writes
-about the run goes under the run folder: `<out_dir>/tensorboard/`, `<out_dir>/wandb/`,
-`<out_dir>/swanlog/`.
-
-Each package is imported only when its tracker is asked for, so the CPU demo never needs one.
-A tracker that cannot start is a one-line `TrackerError` naming it; one that fails later is
-reported once on stderr and skipped from then on: a plotting problem never stops training.
-
-Online or offline is each library's own switch, read from the environment:
-`WANDB_MODE=offline` (runs land in `<out_dir>/wandb/offline-run-*`, `wandb sync` uploads them)
-and `SWANLAB_MODE=offline` (`swanlab sync <out_dir>/swanlog/run-*`). Online without credentials
-is refused at start rather than left to a login prompt that would hang a torchrun job.
+"""What a run writes about itself (docs/metrics.md): :class:`Recorder` (rank 0: the record files,
+one console line per step, the trackers), :class:`Trackers` (TensorBoard, W&B, SwanLab, each
+package imported only when asked for), and :func:`quiet_other_ranks` (library warnings once).
 """
 from __future__ import annotations
 
@@ -121,7 +100,9 @@ class Trackers:
 
 # ----------------------------------------------------------------------------- the run's records
 class Recorder:
-    """Everything rank 0 writes about the run while it trains (see the module docstring)."""
+    """Everything rank 0 writes about the run while it trains: `metrics.jsonl`, `samples.jsonl`
+    (`run.log_samples`; -1: every episode), `eval.jsonl`, `eval/step_N.jsonl`, the console line
+    and the trackers."""
 
     def __init__(self, out_dir: Path, n_samples: int, start: int, total: int, trackers: Trackers):
         self.out_dir, self.n_samples, self.total, self.trackers = Path(out_dir), n_samples, total, trackers
@@ -276,11 +257,9 @@ def _params_text(mc, n: int | dict) -> str:
 
 def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, rows: list[dict],
                      checkpoint: str | None = None, settings: dict | None = None) -> Path:
-    """An evaluation's metrics as one line of `eval.jsonl`, with the `settings` it was made with
-    (split, n, temperature, top_p, max_new_tokens: evaluation.settings) and the `checkpoint` an
-    `--eval-only` named; its generations (one row per sample: problem index and text, gold
-    answer, sample, response, reward parts, length) as `eval/step_<after>.jsonl` (`after` rollout
-    steps), or `eval/<checkpoint folder>.eval-only.jsonl` for `--eval-only`."""
+    """An evaluation's metrics as one line of `eval.jsonl`, with its `settings`
+    (evaluation.settings) and the `checkpoint` an `--eval-only` named; its generations (`rows`)
+    as `eval/step_<after>.jsonl`, or `eval/<checkpoint folder>.eval-only.jsonl`."""
     folder = Path(out_dir) / "eval"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (f"{Path(checkpoint).name}.eval-only.jsonl" if checkpoint else f"step_{after:06d}.jsonl")
@@ -297,10 +276,9 @@ RECORDS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
 
 
 def _kept(name: str, row: dict, start: int) -> bool:
-    """Whether a row stays when the run resumes at step `start`. A step's rows are written before
-    its checkpoint is committed (train.py), so the rows of the steps before `start` are the ones
-    the checkpoint covers; the evaluation `after` k optimizer steps ran in step k - 1 (k = 0:
-    before the first step, run again by a fresh start); `--eval-only` rows always stay."""
+    """Whether a row stays when the run resumes at step `start`: a step's rows precede its
+    checkpoint; the evaluation `after` k steps ran in step k - 1 (k = 0: before the first step,
+    run again by a fresh start); `--eval-only` rows always stay."""
     if name == "eval.jsonl":
         return "checkpoint" in row or row["after"] < start or row["after"] == start > 0
     return row["step"] < start
@@ -308,11 +286,9 @@ def _kept(name: str, row: dict, start: int) -> bool:
 
 def resume_records(out_dir: Path, start: int) -> None:
     """A run starting at step `start` keeps exactly the rows of the steps before it in every
-    record file; the other rows (a stopped run's steps that this one does again) move to
-    `<name>.abandoned.jsonl`: nothing is lost. A last line cut off mid-write (a full disk, a
-    kill) is dropped, said in one line naming the file. Every file is read and checked before
-    anything is moved: a line that is no record of this run stops the start (:class:`Fatal`,
-    naming the file and line) with every file as it was."""
+    record file; the others move to `<name>.abandoned.jsonl`. A torn last line is dropped, said
+    in one line. Every file is checked before anything moves: a line that is no record of this
+    run is a :class:`Fatal` naming the file and line."""
     plans = []
     for name in RECORDS:
         path = out_dir / name
