@@ -164,6 +164,12 @@ class Progress:
     kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target), None: loss.kl_coef
 
 
+class Export(NamedTuple):  # what the HF export (export_hf) is made of besides the weights
+    procs: Any
+    source: str         # the model folder the run started from (its generation config)
+    dtype: torch.dtype
+
+
 def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
                   progress: Progress) -> None:
     """The training loop's save: every `run.save_every` steps and at the end, trainer `tr`'s
@@ -174,26 +180,23 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
     if r.keep_last <= 0 or not due or tr is None:
         return
     meta = {k: v for k, v in vars(progress).items() if k != "resumed_from"}  # step = done
-    save(root(out_dir) / f"step_{done:06d}", policy=tr.policy, opt=tr.opt, sched=tr.sched,
-         rng=D.rng_state(dev), ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one
+    save(root(out_dir) / f"step_{done:06d}", (tr.policy, tr.opt, tr.sched), rng=D.rng_state(dev),
+         ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one
          meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
-         procs=procs, source=source, dtype=getattr(torch, cfg.model.dtype), train_group=world.train_group,
+         export=Export(procs, source, getattr(torch, cfg.model.dtype)), train_group=world.train_group,
          is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
-def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, source: str,
-         dtype: torch.dtype, train_group, is_root: bool, keep_last: int,
-         protect: str | Path | None = None, ref=None) -> None:
-    """Collective over the trainer ranks; `ref`: a reference policy whose state is saved too (one
-    that moves). Rank 0 writes the HF export and the manifest, and
-    renames at the end. A failure raises :class:`failures.Fatal` naming the cause (a full disk
-    is named as such); the previous checkpoint stays. Rotation keeps the last `keep_last`, and
-    never deletes `protect` (the checkpoint this run resumed from)."""
+def save(path_final: Path, state: tuple, *, meta: dict, rng: dict, export: Export, train_group,
+         is_root: bool, keep_last: int, protect: str | Path | None = None, ref=None) -> None:
+    """Collective over the trainer ranks; `state`: (policy, optimizer, LR schedule), as :func:`load`
+    takes it; `ref`: a reference policy whose state is saved too (one that moves). Rank 0 writes
+    the HF export and the manifest, and renames at the end. A failure raises `failures.Fatal`
+    naming the cause (a full disk is named as such); the previous checkpoint stays. Rotation keeps
+    the last `keep_last`, and never deletes `protect` (the checkpoint this run resumed from)."""
     tmp = path_final.with_name(path_final.name + ".tmp")
     try:
-        _write(tmp, policy=policy, opt=opt, sched=sched, meta=meta, rng=rng, procs=procs,
-               source=source, dtype=dtype, train_group=train_group,
-               is_root=is_root, ref=ref)
+        _write(tmp, state, meta, rng, export, train_group, is_root, ref)
     except (Exception, CheckpointException) as e:
         raise Fatal(_save_failed(path_final, tmp, e, is_root)) from e
     if fault_active("checkpoint_before_rename", meta["step"]):  # tests: die mid-write
@@ -210,8 +213,8 @@ def save(path_final: Path, *, policy, opt, sched, meta: dict, rng: dict, procs, 
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
-           train_group, is_root, ref=None) -> None:
+def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_root, ref) -> None:
+    policy, opt, sched = state
     if is_root:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
@@ -220,14 +223,14 @@ def _write(tmp: Path, *, policy, opt, sched, meta, rng, procs, source, dtype,
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
     if is_root:
-        export_hf(tmp / "hf", full, policy, procs, source, dtype)
+        export_hf(tmp / "hf", full, policy, export.procs, export.source, export.dtype)
     del full
     # (b) the training state, sharded: every trainer rank writes its own part.
     model_sd, optim_sd = _trained_state(policy, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    sharded = {"model": model_sd, "optim": optim_sd}
     if ref is not None:
-        state["ref"] = get_model_state_dict(ref)
-    dcp.save(state, checkpoint_id=str(tmp / "state"), process_group=train_group)
+        sharded["ref"] = get_model_state_dict(ref)
+    dcp.save(sharded, checkpoint_id=str(tmp / "state"), process_group=train_group)
     if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state"))
     metas: list = [None] * dist.get_world_size(train_group)

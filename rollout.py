@@ -18,7 +18,7 @@ import importlib
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -110,16 +110,12 @@ def engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def build_engine(rc, mc, path: str, procs: I.Processors, *, dev: D.Device, device: torch.device,
-                 local_rank: int, seed: int, timeout_s: float, max_images: int = 1,
-                 verbose: bool = False) -> Engine:
-    """This generation rank's engine, from `[rollout]` (rc) and `[model]` (mc); `max_images`:
-    the most images one prompt of the run holds; `verbose` (run.verbose): the engine's own INFO
-    logging too."""
-    return engine_class(rc.engine).from_config(rc, mc, path, procs, dev=dev, device=device,
-                                               local_rank=local_rank, seed=seed,
-                                               timeout_s=timeout_s, max_images=max_images,
-                                               verbose=verbose)
+def build_engine(cfg, path: str, procs: I.Processors, *, dev: D.Device, device: torch.device,
+                 seed: int, max_images: int = 1) -> Engine:
+    """This generation rank's engine, from the run's config (`[rollout]`, `[model]`,
+    cluster.timeout_s, run.verbose); `max_images`: the most images one prompt holds."""
+    return engine_class(cfg.rollout.engine).from_config(cfg, path, procs, dev=dev, device=device,
+                                                        seed=seed, max_images=max_images)
 
 
 class HFEngine:
@@ -135,10 +131,9 @@ class HFEngine:
         return ""  # no prefix cache, nothing decided
 
     @classmethod
-    def from_config(cls, rc, mc, path: str, procs: I.Processors, *, dev: D.Device,
-                    device: torch.device, local_rank: int, seed: int, timeout_s: float,
-                    max_images: int = 1, verbose: bool = False) -> "HFEngine":
-        return cls(path, M.DTYPES[mc.dtype], procs, device)
+    def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
+                    device: torch.device, seed: int, max_images: int = 1) -> "HFEngine":
+        return cls(path, M.DTYPES[cfg.model.dtype], procs, device)
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
@@ -255,9 +250,14 @@ def refill_problems(pool: list, n: int, seed: int, round: int) -> list:
     return [pool[i] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
 
 
+class Refill(NamedTuple):  # DAPO's refills (rollout_refilled)
+    pool: list   # where they are drawn from: the whole split
+    rounds: int  # at most this many extra rounds (0: none)
+
+
 def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sampling,
                      template: str, scorer: rewards.RewardRunner, version: int, group_offset: int,
-                     seed: int, pool: list, rounds: int) -> tuple[list[Episode], dict[str, float]]:
+                     seed: int, refill: Refill) -> tuple[list[Episode], dict[str, float]]:
     """DAPO dynamic sampling: `len(problems)` groups whose rewards are not all equal.
 
     `rounds = 0`: exactly :func:`rollout`. Else round 0 is :func:`rollout` on `problems` (same
@@ -272,7 +272,7 @@ def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sa
     every share keeps its size. Stats: summed timings, `prompts` (drawn in all),
     `refill_rounds` (extra rounds run).
     """
-    if not rounds:
+    if not refill.rounds:
         return rollout(engine, problems, procs, sp, template, scorer, version, group_offset, seed)
     need = len(problems)
     valid: list[list[Episode]] = []
@@ -289,10 +289,10 @@ def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sa
             is_zero = L.zero_variance_groups(flat, sp.n).tolist()
             for i, z in enumerate(is_zero):
                 (zero if z else valid).append(eps[i * sp.n:(i + 1) * sp.n])
-        if len(valid) >= need or rnd >= rounds:
+        if len(valid) >= need or rnd >= refill.rounds:
             break
         rnd += 1
-        batch = refill_problems(pool, need, seed, rnd)
+        batch = refill_problems(refill.pool, need, seed, rnd)
     stats["refill_rounds"] = rnd
     kept = (valid + zero)[:need]
     for k, group in enumerate(kept):

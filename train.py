@@ -250,8 +250,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = (trainer.build(model_path, world, device, cfg.model, cfg.train, cfg.loss, cfg.sync,
-                  cfg.run.steps, channel, full, seed=cfg.run.seed) if world.is_trainer else None)
+    tr = trainer.build(model_path, world, device, cfg, channel, full) if world.is_trainer else None
     del full  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc = cfg.reward
@@ -273,10 +272,9 @@ def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.de
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
         failures.inject_start(cfg.cluster.timeout_s)
-        engine = rollout.build_engine(cfg.rollout, cfg.model, model_path, procs, dev=dev, device=device,
-                                local_rank=world.local_rank, seed=cfg.run.seed + world.gen_index,
-                                timeout_s=cfg.cluster.timeout_s, verbose=cfg.run.verbose,
-                                max_images=max((len(p.images) for p in problems), default=0))
+        engine = rollout.build_engine(cfg, model_path, procs, dev=dev, device=device,
+                                      seed=cfg.run.seed + world.gen_index,
+                                      max_images=max((len(p.images) for p in problems), default=0))
     live.phase(None, "start: waiting for every engine to start")
     failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
     live.phase(None, "start-up")
@@ -387,9 +385,10 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int,
     sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
     return rollout.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
-                              version, group_offset=world.gen_index * per_gen, pool=s.problems,
+                              version, group_offset=world.gen_index * per_gen,
                               seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
-                              rounds=cfg.loss.drop_zero_variance and ro.max_refill_rounds)
+                              refill=rollout.Refill(s.problems, cfg.loss.drop_zero_variance
+                                                    and ro.max_refill_rounds))
 
 
 def exchange(world: World, local: tuple[list, dict]) -> tuple[list[rollout.Episode], list[dict]]:

@@ -41,16 +41,16 @@ class Trainer:
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
 
 
-def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_steps: int,
-          channel: S.CommChannel | None = None, full=None, seed: int = 0) -> Trainer:
-    """Policy (FSDP2), optional reference, AdamW, LR schedule over `total_steps` rollout steps,
-    weight sender, from `[model]` (mc), `[train]` (tc), `[loss]` (lc) and `[sync]` (sc).
-    `full`: the model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks),
-    whose weights are scattered to every trainer's shards (model.shard_from_rank0). With
-    `mc.lora_rank > 0`: adapters from `seed` on the meta skeleton and `full` (wrapped in place)
-    before FSDP, no reference copy."""
+def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
+          full=None) -> Trainer:
+    """Policy (FSDP2), optional reference, AdamW, LR schedule over `run.steps` rollout steps and
+    weight sender, from the run's config (`[model]`, `[train]`, `[loss]`, `[sync]`). `full`: the
+    model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks), scattered to
+    every trainer's shards (model.shard_from_rank0). With `model.lora_rank > 0`: adapters from
+    `run.seed` on the meta skeleton and `full` (wrapped in place) before FSDP, no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
     if full is None and world.trainer_index == 0:  # scripts and tests: load it here
         full = M.load_model(model_path, dtype=torch.float32)
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
@@ -58,8 +58,8 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     quiet_view_warning()
     policy = M.model_from_config(model_path, meta=True, device_type=device.type)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
-        policy = lora.add_lora(policy, mc, seed)
-        full = lora.add_lora(full, mc, seed) if full is not None else None
+        policy = lora.add_lora(policy, mc, cfg.run.seed)
+        full = lora.add_lora(full, mc, cfg.run.seed) if full is not None else None
     # train(): transformers builds in eval mode, where activation checkpointing never runs
     policy = M.shard_from_rank0(policy, full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision,
@@ -76,7 +76,7 @@ def build(model_path: str, world, device: torch.device, mc, tc, lc, sc, total_st
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=tc.lr,
                             betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
-    sender = S.Sender(policy, mc.dtype, sc.bucket_mb, group=world.sync_group, src=0,
+    sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)

@@ -298,9 +298,8 @@ class VLLMEngine:
         return f"vLLM prefix caching {'on' if on else 'off'} ({why})"
 
     @classmethod
-    def from_config(cls, rc, mc, path: str, procs: I.Processors, *, dev: D.Device,
-                    device: torch.device, local_rank: int, seed: int, timeout_s: float,
-                    max_images: int = 1, verbose: bool = False) -> "VLLMEngine":
+    def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
+                    device: torch.device, seed: int, max_images: int = 1) -> "VLLMEngine":
         # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
         # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
@@ -308,42 +307,40 @@ class VLLMEngine:
             print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
                   f"{type(procs.image_processor).__name__}; every vLLM process checks it loads "
                   "the same", flush=True)
-        return cls(path, mc.dtype, procs.tokens, rc, mc.min_pixels, mc.max_pixels, seed=seed,
-                   timeout_s=timeout_s, max_images=max_images if procs.vision else None,
-                   verbose=verbose, device_kind=dev.kind)
+        return cls(path, procs.tokens, cfg.rollout, cfg.model, seed=seed,
+                   timeout_s=cfg.cluster.timeout_s, max_images=max_images if procs.vision else None,
+                   verbose=cfg.run.verbose, device_kind=dev.kind)
 
-    def __init__(self, path: str, dtype, tokens: I.Tokens, rollout_cfg, min_pixels: int,
-                 max_pixels: int, seed: int, timeout_s: float | None = None,
-                 llm_kwargs: dict | None = None, max_images: int | None = 1,
-                 verbose: bool = False, device_kind: str | None = None):
-        """`max_images`: the most images a prompt holds (None: a text-only model, no
-        multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests:
-        `distributed_executor_backend`); `verbose` (run.verbose): vLLM's INFO lines too, else its
-        warnings only; `device_kind`: the device vLLM runs on (device.TABLE's row: how its
-        processes start; None: this machine's)."""
+    def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
+                 timeout_s: float | None = None, llm_kwargs: dict | None = None,
+                 max_images: int | None = 1, verbose: bool = False, device_kind: str | None = None):
+        """From `[rollout]` (rc) and `[model]` (mc: dtype, pixel bounds); `max_images`: the most
+        images a prompt holds (None: a text-only model, no multimodal arguments); `llm_kwargs`:
+        more `vllm.LLM` arguments (tests: `distributed_executor_backend`); `verbose` (run.verbose):
+        vLLM's INFO lines too, else its warnings only; `device_kind`: the device vLLM runs on
+        (device.TABLE's row: how its processes start; None: this machine's)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         dev = D.TABLE[device_kind] if device_kind else D.detect()
-        _prepare_spawn(rollout_cfg.start_timeout_s, verbose, dev.vllm_workers,
-                       eager_helpers=dev.vllm_eager_helpers and rollout_cfg.enforce_eager,
+        _prepare_spawn(rc.start_timeout_s, verbose, dev.vllm_workers,
+                       eager_helpers=dev.vllm_eager_helpers and rc.enforce_eager,
                        cpu_moe_fix=dev.vllm_cpu_moe_fix)
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 
-        rc = rollout_cfg
         self.tokens = tokens
         # at least one image even for text-only prompts: with every limit 0 vLLM would not build
         # the vision tower, and the weight sync sends it
         mm = ({} if max_images is None else dict(
             limit_mm_per_prompt={"image": max(1, max_images), "video": 0},
-            mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+            mm_processor_kwargs={"min_pixels": mc.min_pixels, "max_pixels": mc.max_pixels},
             # vLLM's processor cache runs the HF processor on text alone, which transformers
             # 5.x rejects for text with image placeholders; the encoder cache still shares one
             # image's features among its G samples.
             mm_processor_cache_gb=0))
         with _environ_restored():
             self.llm = LLM(
-                model=path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                model=path, dtype=mc.dtype, seed=seed,
                 tensor_parallel_size=rc.tensor_parallel_size,
                 gpu_memory_utilization=rc.gpu_memory_utilization,
                 max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,

@@ -431,7 +431,7 @@ def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
     sp = R.Sampling(n=G)
     mine = _problems([0, 1, 2, 4])          # only problem 0 has reward variance
     eps, st = R.rollout_refilled(None, mine, None, sp, "", None, 7, group_offset=8, seed=123,
-                                 pool=pool, rounds=50)
+                                 refill=R.Refill(pool, rounds=50))
     assert len(eps) == 4 * G
     assert [e.group for e in eps] == [g for g in range(8, 12) for _ in range(G)]   # renumbered
     groups = [eps[i:i + G] for i in range(0, len(eps), G)]
@@ -447,7 +447,8 @@ def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
     # deterministic: the same call gives the same episodes
     calls2 = []
     monkeypatch.setattr(R, "rollout", _fake_rollout(calls2))
-    eps2, _ = R.rollout_refilled(None, _problems([0, 1, 2, 4]), None, sp, "", None, 7, 8, 123, pool, 50)
+    eps2, _ = R.rollout_refilled(None, _problems([0, 1, 2, 4]), None, sp, "", None, 7, 8, 123,
+                                 R.Refill(pool, 50))
     assert calls2 == calls and [(e.index, e.group) for e in eps2] == [(e.index, e.group) for e in eps]
 
 
@@ -456,7 +457,7 @@ def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
     monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
     pool = _problems([1, 2, 4, 5, 7, 8])       # no problem of the pool has reward variance
     eps, st = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
-                                 group_offset=0, seed=5, pool=pool, rounds=2)
+                                 group_offset=0, seed=5, refill=R.Refill(pool, rounds=2))
     assert st["refill_rounds"] == 2 and len(calls) == 3 and st["prompts"] == 6
     # a full share: the valid group first, then the first dropped one (the trainer masks it)
     assert [e.index for e in eps] == [3] * G + [1] * G
@@ -465,7 +466,7 @@ def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
     # rounds = 0: exactly rollout()
     calls.clear()
     eps0, st0 = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
-                                   group_offset=4, seed=5, pool=pool, rounds=0)
+                                   group_offset=4, seed=5, refill=R.Refill(pool, rounds=0))
     assert len(calls) == 1 and st0["refill_rounds"] == 0 and [e.group for e in eps0] == [4] * G + [5] * G
     assert [e.index for e in eps0] == [1] * G + [3] * G              # order kept, nothing moved
 

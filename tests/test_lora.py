@@ -138,8 +138,8 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
                                                                               targets):
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    tr = T.build(path, world, CPU, _mc(lora_target_modules=targets), C.TrainConfig(lr=1e-2),
-                 C.LossConfig(kl_coef=0.1), C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, C.Config(model=_mc(lora_target_modules=targets),
+                                            train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)))
     # no reference copy: the parameters held are the policy's (base + adapters)
     counts = T.parameter_counts(tr)
     n_base = sum(p.numel() for p in M.load_model(path).parameters())
@@ -183,8 +183,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
 
 def test_without_lora_the_kl_reference_is_a_second_copy(world, tiny_dir):
     path = tiny_dir("qwen3")
-    tr = T.build(path, world, CPU, C.ModelConfig(), C.TrainConfig(), C.LossConfig(kl_coef=0.1),
-                 C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)))
     counts = T.parameter_counts(tr)
     assert tr.ref is not None and counts["held"] == 2 * counts["total"]
     assert counts["trainable"] == counts["total"] and len(tr.sender.plans) == 1
@@ -195,8 +194,7 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(world, tiny_dir)
     and vision block recomputed in backward, gradients on the adapters only, fp32 masters."""
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    tr = T.build(path, world, CPU, _mc(mixed_precision=True, activation_checkpointing=True),
-                 C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)))
     count = CheckpointCounter(tr.policy)
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
@@ -211,14 +209,14 @@ def test_startup_summary_says_trainable_total_and_optimizer_state(world, tiny_di
     import tracking
     path = tiny_dir("qwen3")
     cfg = C.load(None, ["--model.lora_rank=8", "--model.lora_alpha=32"])
-    tr = T.build(path, world, CPU, cfg.model, C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, cfg)
     counts = T.parameter_counts(tr)
     plan = {"progress": SimpleNamespace(step=0, version=0), "path": None}
     text = tracking.startup_summary(cfg, ["trainer"], "cpu", counts, 8, 0, 0, plan, "defaults")
     want = (f"({counts['total'] / 1e6:.2f}M parameters, {counts['trainable'] / 1e6:.3g}M trainable "
             f"(LoRA rank 8, alpha 32), AdamW state {counts['optimizer_bytes'] / 2**20:.3g} MiB;")
     assert want in text and counts["optimizer_bytes"] == 8 * counts["trainable"]
-    full = T.build(path, world, CPU, C.ModelConfig(), C.TrainConfig(), C.LossConfig(), C.SyncConfig(), 10)
+    full = T.build(path, world, CPU, C.Config())
     text = tracking.startup_summary(C.load(None), ["trainer"], "cpu", T.parameter_counts(full),
                                     8, 0, 0, plan, "defaults")
     assert "M parameters, all trainable, AdamW state" in text
@@ -276,9 +274,9 @@ def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_pa
 # ----------------------------------------------------------------------------- checkpoints
 def _save(tr, procs, path: Path, out: Path) -> Path:
     folder = out / "step_000001"
-    ckpt.save(folder, policy=tr.policy, opt=tr.opt, sched=tr.sched, rng={"cpu": torch.get_rng_state()},
+    ckpt.save(folder, (tr.policy, tr.opt, tr.sched), rng={"cpu": torch.get_rng_state()},
               meta={"step": 1, "version": 1, "skipped_in_row": 0, "skipped_total": 0.0},
-              procs=procs, source=path, dtype=torch.float32, train_group=dist.group.WORLD,
+              export=ckpt.Export(procs, path, torch.float32), train_group=dist.group.WORLD,
               is_root=True, keep_last=5)
     return folder
 
@@ -289,7 +287,7 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
-    tr = T.build(path, world, CPU, mc, C.TrainConfig(lr=1e-2), C.LossConfig(), C.SyncConfig(), 10)
+    tr = T.build(path, world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)))
     eps, images = _episodes(path, procs)
     _update(tr, I.collate(eps, images, procs, CPU), procs.tokens, kl=False)
     folder = _save(tr, procs, path, tmp_path / "checkpoints")
@@ -337,8 +335,9 @@ def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(world,
     batch = I.collate(eps, images, procs, CPU)
 
     def trainer(seed):
-        return T.build(path, world, CPU, _mc(), C.TrainConfig(lr=1e-2), C.LossConfig(kl_coef=0.1),
-                       C.SyncConfig(), 10, seed=seed)
+        cfg = C.Config(run=C.RunConfig(seed=seed), model=_mc(), train=C.TrainConfig(lr=1e-2),
+                       loss=C.LossConfig(kl_coef=0.1))
+        return T.build(path, world, CPU, cfg)
     a = trainer(0)
     _update(a, batch, procs.tokens)
     a.sched.step()

@@ -176,8 +176,7 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     path, procs = tiny
     tokens = procs.tokens
     mc = C.ModelConfig(activation_checkpointing=checkpointing)
-    tr = T.build(path, one_rank_world, torch.device("cpu"), mc, C.TrainConfig(), C.LossConfig(),
-                 C.SyncConfig(), total_steps=20)
+    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc))
     assert tr.policy.training
     count = CheckpointCounter(tr.policy)
     batch = _batch(tiny)

@@ -55,15 +55,13 @@ def _step(policy, opt, sched) -> None:
 
 
 def _save(out_dir: Path, step: int, tr, keep_last: int = 10, protect=None) -> Path:
-    policy, opt, sched = tr
     path = ckpt.root(out_dir) / f"step_{step:06d}"
-    ckpt.save(path, policy=policy, opt=opt, sched=sched, rng={"cpu": torch.get_rng_state()},
+    procs = SimpleNamespace(tokenizer=_Saves("tokenizer"), image_processor=_Saves("preprocessor"),
+                            chat=SimpleNamespace(template="{{ messages }}"))
+    ckpt.save(path, tr, rng={"cpu": torch.get_rng_state()},
               meta={"step": step, "version": step, "skipped_in_row": 0, "skipped_total": 0.0},
-              procs=SimpleNamespace(tokenizer=_Saves("tokenizer"), image_processor=_Saves("preprocessor"),
-                                    chat=SimpleNamespace(template="{{ messages }}")),
-              source=str(path.parent),
-              dtype=torch.float32, train_group=dist.group.WORLD, is_root=True,
-              keep_last=keep_last, protect=protect)
+              export=ckpt.Export(procs, str(path.parent), torch.float32),
+              train_group=dist.group.WORLD, is_root=True, keep_last=keep_last, protect=protect)
     return path
 
 

@@ -176,11 +176,11 @@ def test_the_reference_moves_as_trl_sync_ref_model_and_is_checkpointed(s):
 
     # the moved reference is in the checkpoint; a fresh trainer's initial one is replaced by it
     meta = {"step": 2, "version": 2, "skipped_in_row": 0, "skipped_total": 0.0, "config": {}}
-    kw = dict(opt=tr.opt, sched=tr.sched, meta=meta, rng={}, procs=s.procs, source=s.path,
-              dtype=torch.float32,
+    kw = dict(meta=meta, rng={}, export=ckpt.Export(s.procs, s.path, torch.float32),
               train_group=dist.group.WORLD, is_root=True, keep_last=5)
-    ckpt.save(s.tmp / "checkpoints" / "step_000002", policy=tr.policy, ref=tr.ref, **kw)
-    ckpt.save(s.tmp / "checkpoints" / "step_000003", policy=tr.policy, **{**kw, "meta": {**meta, "step": 3}})
+    state = (tr.policy, tr.opt, tr.sched)
+    ckpt.save(s.tmp / "checkpoints" / "step_000002", state, ref=tr.ref, **kw)
+    ckpt.save(s.tmp / "checkpoints" / "step_000003", state, **{**kw, "meta": {**meta, "step": 3}})
     for name, want in (("step_000002", moved), ("step_000003", ref0)):   # without: as built
         fresh = trainer(s, cfg, ref_noise=0.05)
         ckpt.load(s.tmp / "checkpoints" / name, (fresh.policy, fresh.opt, fresh.sched),

@@ -92,8 +92,8 @@ def engine(world, tiny):
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.perf_counter()
-    eng = V.VLLMEngine(tiny.path, torch.float32, tiny.tokens, C.RolloutConfig(max_model_len=1024),
-                       MIN_PX, MAX_PX, seed=0,
+    eng = V.VLLMEngine(tiny.path, tiny.tokens, C.RolloutConfig(max_model_len=1024),
+                       C.ModelConfig(min_pixels=MIN_PX, max_pixels=MAX_PX), seed=0,
                        llm_kwargs={"distributed_executor_backend": UniProcExecutor})
     print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f} s")
     # vLLM's engine core (and anything it started); not multiprocessing's resource tracker,

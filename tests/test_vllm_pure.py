@@ -266,7 +266,8 @@ def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch, fake_llm
     import sys
 
     import config as C
-    V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm"), 1, 2, seed=0)
+    V.VLLMEngine("m", TOKENS, C.RolloutConfig(engine="vllm"), C.ModelConfig(min_pixels=1, max_pixels=2),
+                 seed=0)
     assert fake_llm["async_scheduling"] is False
     monkeypatch.delitem(sys.modules, "vllm")
     spec = importlib.util.find_spec("vllm")
@@ -579,8 +580,8 @@ def test_engine_passes_the_prefix_caching_decision(fake_llm):
     import config as C
     captured = fake_llm
     for setting, want in (("auto", True), ("off", False), ("on", True)):
-        V.VLLMEngine("m", torch.float32, TOKENS, C.RolloutConfig(engine="vllm", prefix_caching=setting),
-                     1, 2, seed=0)
+        V.VLLMEngine("m", TOKENS, C.RolloutConfig(engine="vllm", prefix_caching=setting),
+                     C.ModelConfig(min_pixels=1, max_pixels=2), seed=0)
         assert captured["enable_prefix_caching"] is want, setting
 
 

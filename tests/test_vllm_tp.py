@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from tests.test_vllm import (CPU, MAX_PX, MIN_PX, _max_diff, _perturb,  # noqa: F401
                              cpu_build,
@@ -33,9 +32,9 @@ def tp_engine(world, tiny):  # noqa: F811
     # vLLM's default ("auto") wants one NUMA node per worker; give each worker a core instead
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     t0 = time.perf_counter()
-    eng = V.VLLMEngine(tiny.path, torch.float32, tiny.tokens,
+    eng = V.VLLMEngine(tiny.path, tiny.tokens,
                        C.RolloutConfig(engine="vllm", max_model_len=512, tensor_parallel_size=2),
-                       MIN_PX, MAX_PX, seed=0, timeout_s=300)
+                       C.ModelConfig(min_pixels=MIN_PX, max_pixels=MAX_PX), seed=0, timeout_s=300)
     print(f"\nvLLM tp=2 engine start: {time.perf_counter() - t0:.1f} s")
     try:
         yield eng
