@@ -69,3 +69,26 @@ def test_no_family_name_or_special_token_outside_families_py():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
             for i, line in enumerate(p.read_text().splitlines(), 1) if FAMILY_WORDS.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_rooms_are_small():
+    """Every core module (top-level *.py, rewards/) at most 600 lines; every function in it
+    (nested ones too) at most 60 lines of code, from its first statement after the docstring to
+    its end, and at most 10 parameters (self / cls aside)."""
+    big = []
+    for p in sorted(ROOT.glob("*.py")) + sorted((ROOT / "rewards").glob("*.py")):
+        name, text = p.relative_to(ROOT).as_posix(), p.read_text()
+        if len(text.splitlines()) > 600:
+            big.append(f"{name}: {len(text.splitlines())} lines")
+        for f in ast.walk(ast.parse(text)):
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = f.body[1:] if len(f.body) > 1 and ast.get_docstring(f) is not None else f.body
+            a = f.args
+            params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x]
+            n_params = len(params) - (params[:1] in (["self"], ["cls"]))
+            if f.end_lineno - body[0].lineno + 1 > 60:
+                big.append(f"{name}:{f.name}: {f.end_lineno - body[0].lineno + 1} lines")
+            if n_params > 10:
+                big.append(f"{name}:{f.name}: {n_params} parameters")
+    assert not big, "\n".join(big)
