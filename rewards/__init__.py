@@ -5,15 +5,10 @@ dict[str, float]``. ``sample`` carries the gold answer (``"answer"``), the probl
 (``"problem"``), the dataset index (``"index"``) and the response length in tokens
 (``"response_len"``), ``"truncated"``, ``"max_new_tokens"`` and every other column of the
 dataset's row (``"columns"``: name -> value; the synthetic sets have none); each call gets its own
-shallow copy. The returned dict MUST contain
-``"reward"`` (this function's total); every other key is a part that is logged as
-``reward/<part>``. All values must be finite numbers. A function is called from worker threads,
-several calls at once (:class:`RewardRunner`), so it must be thread-safe.
-
-The configured rewards (``[reward] functions``) are summed with their weights by
-:class:`RewardRunner`, once per step for all of a generation rank's responses. It turns a
-raising, hanging or misbehaving reward function into reward 0 and an error count, so one bad
-sample never stops a run, and a function that keeps hanging is switched off (logged).
+shallow copy. The returned dict MUST contain ``"reward"`` (this function's total); every other
+key is a part that is logged as ``reward/<part>``. All values must be finite numbers. A function
+is called from worker threads, several calls at once, so it must be thread-safe.
+:class:`RewardRunner` sums the configured ones (docs/data.md, "Reward functions").
 """
 from __future__ import annotations
 
@@ -62,26 +57,15 @@ def names() -> list[str]:
 
 
 def _load_builtin() -> None:
-    # Every module in this package registers its functions on import; imported here, not at
-    # module top, so that `register` exists before they use it. A fork adds a reward by adding
-    # a file.
+    # every module of this package registers its functions on import (after `register` exists)
     import importlib
     import pkgutil
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
 
 
-
-
 # ============================================================================ the runner
-# Why per call and not one deadline for a whole step: the GIL runs pure-Python rewards one at a
-# time, so a step's batch of a valid function needs the SUM of its calls' CPU time (256
-# responses x 20 ms = 5 s); one deadline for the batch would turn a big batch into timeouts of a
-# valid function. So `timeout_s` keeps its meaning "a call that has run this long", counted from
-# the call's own start. A step still waits about timeout_s at most for a function that hangs,
-# whatever the number of samples: its `workers` calls hang together, and once every worker holds
-# an overdue call the calls still queued are given up at once (they count as timeouts).
-
+# timeout_s is per call, from the call's own start, not per step (docs/data.md says why)
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 _TIMEOUT = object()  # the outcome of a call that ran past timeout_s or could not start
 
@@ -98,12 +82,8 @@ class _Call:
 
 
 class _Function:
-    """One configured reward function: its worker threads and its state across steps.
-
-    `workers` daemon threads take its calls from a queue. They are started once and never
-    replaced, so a function whose calls never return holds at most `workers` threads, ever; daemon
-    threads, so a hung call never blocks the interpreter's exit.
-    """
+    """One configured reward function: its `workers` daemon threads (started once, never
+    replaced: a hung function holds at most that many, ever) and its state across steps."""
 
     def __init__(self, spec: dict[str, Any], workers: int) -> None:
         self.name: str = spec["name"]
@@ -192,24 +172,12 @@ class _Function:
 class RewardRunner:
     """Scores a step's responses with the configured reward functions; lives for the whole run.
 
-    ``functions`` is a list of ``{"name": str, "weight": float, **params}``. Each function gets
-    ``workers_per_function`` threads of its own, so a hung function never starves the others;
-    all functions and all samples of a step run at once. A call that runs past ``timeout_s``
-    (counted from its own start), raises, or returns anything but a dict with a finite numeric
-    ``"reward"`` and finite numeric parts, contributes 0 for that sample and counts in
-    ``errors``; the first such failure of each function is logged once (logger ``rewards``),
-    every one is counted. A function that times out ``max_consecutive_timeouts`` times in a row
-    (its calls taken in sample order, step after step; any call that returns resets the count;
-    0: never) is switched off for the runner's life, logged once: from then on it is not called,
-    scores 0 and counts one error for every sample, so that ``reward/errors`` keeps showing
-    that those steps' rewards lack it.
-
-    Threads cannot be killed: a hung call keeps its thread. Each function has a fixed set of
-    workers, so the threads lost to hung calls are at most ``workers_per_function`` per function
-    for the whole run (and a switched-off function stops getting new calls at all). Reward
-    functions must be thread-safe: up to ``workers_per_function`` calls of one function run at
-    once (all built-in ones are pure). Because of the GIL, CPU-bound calls running together
-    share one core: keep ``timeout_s`` well above ``workers x functions x`` one call's CPU time.
+    ``functions`` is a list of ``{"name": str, "weight": float, **params}``; each gets
+    ``workers_per_function`` threads of its own. A call that runs past ``timeout_s`` (from its
+    own start), raises, or returns anything but a dict of finite numbers with a ``"reward"``
+    scores 0 and counts in ``errors`` (the first of each function logged); one that times out
+    ``max_consecutive_timeouts`` times in a row (0: never) is switched off for the runner's
+    life, scoring 0 and one error per sample. The rules in full: docs/data.md.
     """
 
     def __init__(self, functions: list[dict[str, Any]], timeout_s: float,
@@ -344,12 +312,8 @@ _RUNNERS_LOCK = threading.Lock()
 
 def score(response: str, sample: dict[str, Any], functions: list[dict[str, Any]],
           timeout_s: float = 5.0) -> dict[str, float]:
-    """One response scored as by :meth:`RewardRunner.score`, for one-off use and tests.
-
-    One runner per distinct ``(functions, timeout_s)`` is kept for the process's life (so a
-    hung function's threads stay bounded, and a function switched off stays off); a training
-    loop should hold its own :class:`RewardRunner`.
-    """
+    """One response scored as by :meth:`RewardRunner.score`, for one-off use and tests; one
+    runner per distinct ``(functions, timeout_s)`` is kept for the process's life."""
     key = (repr(functions), float(timeout_s))
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(key)

@@ -23,9 +23,7 @@ class Reject(Exception):
     """The text is not a value this verifier reads."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Exact values: sum of q * sqrt(r) * pi^k, or a float where that form cannot hold the value
-# ----------------------------------------------------------------------------------------------
+# ---- Exact values: sum of q * sqrt(r) * pi^k, or a float where that form cannot hold the value
 
 def _primes(n: int) -> list[int]:
     sieve = bytearray([1]) * (n + 1)
@@ -204,10 +202,7 @@ def within(p: Num, g: Num, tol: Fraction) -> bool:
     return abs(x - y) <= float(tol) + 1e-12 * max(1.0, abs(y))
 
 
-
-# ----------------------------------------------------------------------------------------------
-# Tokens and a recursive-descent parser
-# ----------------------------------------------------------------------------------------------
+# ---- Tokens and a recursive-descent parser
 
 _TOKEN = re.compile(r"\s*(?:(\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                     r"|\\([A-Za-z]+)|([A-Za-z]+)|(\S))")

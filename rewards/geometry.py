@@ -1,8 +1,5 @@
-"""Geometry3K answer verifier and the ``geometry`` reward.
-
-Owns: which part of a response is the answer (:func:`extract_answer`), the anchors' format check
-(:func:`format_ok`), whether the answer equals the gold (:func:`is_correct`), and the registered
-reward built on them.
+"""Geometry3K answer verifier (:func:`extract_answer`, :func:`format_ok`, :func:`is_correct`) and
+the ``geometry`` reward built on them.
 
 Which answer counts. Text inside ``<think>...</think>`` never counts: the answer is looked for
 after the last ``</think>`` (or in the whole response when there is no think tag at all; an
@@ -46,13 +43,8 @@ Tolerance (prediction p, gold g):
   must be correct on its own; after a name, a formula on the way (``A = \\pi r^2 = 25\\pi``) is
   skipped, but the last part must be a value (``5x = 15`` is wrong for 15).
 
-Bounded work: the response is only scanned with ``str`` methods and linear regexes; the
-candidate answer is capped at 400 characters once runs of whitespace are collapsed (a longer
-gold is judged unmatched), a ``\\boxed{`` at 2,000 characters, the parser at 160 tokens and
-depth 40, powers at exponent 64, coefficients at 600 bits, radicands at 1e12; factorials are
-refused. Any input up to 200,000 characters is judged in about a millisecond (the bound is
-50 ms), with no signal or thread, so it works in any thread or process; nothing raises (garbage
-is judged false).
+Bounded work (the caps: docs/data.md): a candidate answer over 400 characters once runs of
+whitespace are collapsed, or a longer gold, is unmatched; nothing raises (garbage is false).
 """
 from __future__ import annotations
 
@@ -68,9 +60,7 @@ MAX_ANSWER = 400       # characters of a candidate answer; no real answer is lon
 MAX_SCAN = 2000        # characters scanned for a \boxed{...} closing brace
 
 
-# ----------------------------------------------------------------------------------------------
-# Which answer counts
-# ----------------------------------------------------------------------------------------------
+# ---- Which answer counts
 
 def _outside_think(response: str) -> str | None:
     close = response.rfind("</think>")
@@ -210,9 +200,7 @@ def format_ok(response: str) -> bool:
     return bool(s[7:t_end].strip()) and bool(s[a + 8:-9].strip())
 
 
-# ----------------------------------------------------------------------------------------------
-# Normalisation
-# ----------------------------------------------------------------------------------------------
+# ---- Normalisation
 
 _REPLACE = [
     ("$", " "), ("**", " "), ("`", " "), ("\\(", " "), ("\\)", " "), ("\\[", " "), ("\\]", " "),
@@ -288,9 +276,7 @@ def _strip_tail(s: str, strip_units: bool) -> str:
     return s.strip()
 
 
-# ----------------------------------------------------------------------------------------------
-# Comparison
-# ----------------------------------------------------------------------------------------------
+# ---- Comparison
 
 class _Gold:
     """The gold, parsed once: kind is num, ratio, expr (has letters) or text."""
