@@ -1,10 +1,6 @@
-"""What goes into the model: prompts, images and the trainer's batches.
-
-- `Processors`: what the engines and the trainer must agree on (tokenizer, token ids, image
-  processor, chat template with `data.system_prompt` / `data.enable_thinking`).
-- `prompt_ids` / `expand_images`: the prompt rendered by the model's own chat template, with ONE
-  unexpanded placeholder per image (what vLLM wants), or expanded to each image's patch count
-  (what transformers wants); `collate`: the trainer's batch (model.sequence_logprobs).
+"""What goes into the model: `Processors` (what the engines and the trainer must agree on), the
+prompt ids (`prompt_ids`: ONE placeholder per image, as vLLM takes them; `expand_images`: one
+per image token, as transformers does) and the trainer's batches (`collate`).
 """
 from __future__ import annotations
 
@@ -149,9 +145,8 @@ class Tokens:
 def chat_messages(user_text: str, n_images: int, system_prompt: str = "",
                   vision: bool = True) -> list[dict]:
     """The chat messages of one prompt: an optional system turn, then the user turn with
-    `n_images` image items where `user_text` has `<image>` markers (in order), else first. A
-    marker count other than `n_images` is a ValueError (more images than placeholders, or
-    fewer)."""
+    `n_images` image items where `user_text` has `<image>` markers (in order), else first; a
+    ValueError when markers and images differ in number."""
     parts = user_text.split(IMAGE_MARKER)
     markers = len(parts) - 1
     if markers and markers != n_images:
@@ -188,10 +183,7 @@ def prompt_ids(procs: Processors, user_text: str, n_images: int) -> list[int]:
 
 def image_inputs(image_processor, images: list, cache: dict | None = None) -> dict[str, torch.Tensor]:
     """pixel_values [sum patches, C*T*P*P] and image_grid_thw [n_images, 3] for PIL images ({}
-    for none).
-
-    `cache` (keyed by `id(image)`, so it holds the images alive: keep it as long as the dataset):
-    each image is processed once per run instead of once per step and micro-batch."""
+    for none). `cache` (by `id(image)`, holding the images alive): each image processed once."""
     if not images:
         return {}
     if cache is None:
