@@ -391,20 +391,7 @@ def validate(cfg: Config) -> None:
                     ("train.ref_update_every", cfg.train.ref_update_every > 0)):
         need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
              "with 0 there is no reference policy)")
-    need(not ro.max_staleness or lo.tis_cap > 0,
-         "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
-         "the engine's logprobs corrects the one-step-stale samples")
-    need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
-         "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
-         "one device)")
-    if ro.engine == "vllm":
-        need(ro.top_p == 1.0 and ro.top_k == 0,
-             "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
-             "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
-        need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
-             "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
-    need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
-         f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
+    _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     need(not cfg.train.packing or cfg.train.micro_batch_tokens > 0,
          "train.packing needs train.micro_batch_tokens > 0 (the token slots of one micro-batch)")
@@ -426,6 +413,25 @@ def validate(cfg: Config) -> None:
             w = spec.get("weight", 1.0)  # a nan or inf weight would make every reward non-finite
             need(type(w) in (int, float) and math.isfinite(w),
                  f"{key}[{i}].weight must be a finite number, got {w!r}")
+
+
+def _check_rollout(cfg: Config, need) -> None:
+    """validate's rules for the engines and their sampling."""
+    ro, lo = cfg.rollout, cfg.loss
+    need(not ro.max_staleness or lo.tis_cap > 0,
+         "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
+         "the engine's logprobs corrects the one-step-stale samples")
+    need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
+         "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
+         "one device)")
+    if ro.engine == "vllm":
+        need(ro.top_p == 1.0 and ro.top_k == 0,
+             "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
+             "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
+        need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
+             "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
+    need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
+         f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
 
 
 def check_lora(mc: ModelConfig) -> None:

@@ -25,14 +25,20 @@ class Device:
     # vLLM 0.23's CPU MoE activation, replaced by its native formula (vllm_engine._cpu_moe_activation)
     vllm_cpu_moe_fix: bool = False
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
+    # train.packing's rows: "mask" = rows no wider than their longest sequence under a 4-D block
+    # mask (SDPA); "varlen" = every sequence of a micro-batch in one row, no mask, positions
+    # restarting per sequence, run by flash_attention_2 (flash-attn's varlen kernel on CUDA,
+    # npu_fusion_attention's TND layout on NPU: transformers' packed-sequence path)
+    packed_attention: str = "mask"
 
 
 TABLE = {
     "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True),
-    "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl"),
+    "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
+                   packed_attention="varlen"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                  experts="eager"),
+                  experts="eager", packed_attention="varlen"),
 }
 
 

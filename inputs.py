@@ -241,7 +241,7 @@ def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tupl
 
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
             share_prompt: bool = False, pixels: dict | None = None,
-            packing: bool = False) -> dict[str, torch.Tensor]:
+            packing: str | None = None) -> dict[str, torch.Tensor]:
     """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
     for model.sequence_logprobs.
 
@@ -256,9 +256,11 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
       response see the prompt and itself only, so the result equals one row per episode while the
       prompt (and its images) is encoded once per group instead of G times. T = longest response.
       Only for models whose layers all take the mask (model.packs_exactly).
-    - packed rows (`packing=True`, :func:`pack`): those units (a prompt run, or one episode each
-      without `share_prompt`) of different prompts side by side in rows no wider than the longest
-      unit (first-fit decreasing), each attending only within itself, positions restarted.
+    - packed rows (`packing`, :func:`pack`; device.Device.packed_attention): "mask": those units
+      (a prompt run, or one episode each without `share_prompt`) of different prompts side by
+      side in rows no wider than the longest (first-fit decreasing) under a 4-D block mask;
+      "varlen": every episode (its prompt copied: a varlen kernel cannot share one) in one row,
+      no mask; each attends only within itself, positions restarted.
     `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
     """
     if share_prompt or packing:
@@ -320,75 +322,105 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack(episodes, images: list[list], procs: Processors, device: torch.device,
          pixels: dict | None = None, share_prompt: bool = True,
-         packing: bool = False) -> dict[str, torch.Tensor]:
+         packing: str | None = None) -> dict[str, torch.Tensor]:
     """Packed rows (see :func:`collate`): each row holds whole sequences ([prompt | response 1 |
     response 2 | ...], :func:`units`), one per row unless `packing`, then padding.
 
-    Extra keys: `attention_mask_4d` [rows, 1, W, W] (bool: a prompt token sees its prompt
-    causally; a response token its prompt and itself causally; nothing crosses a sequence;
-    padding sees itself), per sequence its row, first column and prompt length (`seq_row`,
-    `seq_col`, `prompt_len` [S]), and for every response token (episode-major) its sequence, the
-    column whose hidden state predicts it, its own column and its index in its response:
-    `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row` = the sequence's row).
+    Extra keys: `attention_mask_4d` [rows, 1, W, W] (not for "varlen"; bool: a prompt token sees
+    its prompt causally; a response token its prompt and itself causally; nothing crosses a
+    sequence; padding sees itself), per sequence its row, first column and prompt length
+    (`seq_row`, `seq_col`, `prompt_len` [S]), and for every response token (episode-major) its
+    sequence, the column whose hidden state predicts it, its own column and its index in its
+    response: `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row`: its row).
     """
-    tokens = procs.tokens
-    seqs = units(episodes, images, share_prompt)
+    varlen = packing == "varlen"
+    seqs = units(episodes, images, share_prompt and not varlen)
+    layout, built, mm = _place(episodes, images, procs, seqs, packing, pixels)
+    W = max(sum(len(built[k][1]) for k in row) for row in layout)
+    ids = torch.full((len(layout), W), procs.tokens.pad, dtype=torch.long)     # [R, W]
+    attn = torch.zeros(len(layout), W, dtype=torch.long)
+    seq_row, seq_col = [0] * len(seqs), [0] * len(seqs)
+    for r, row in enumerate(layout):
+        col = 0
+        for k in row:
+            toks = built[k][1]
+            seq_row[k], seq_col[k] = r, col
+            ids[r, col:col + len(toks)] = torch.tensor(toks)
+            attn[r, col:col + len(toks)] = 1
+            col += len(toks)
+    out = _response_index(episodes, seqs, built, seq_row, seq_col)
+    out |= dict(input_ids=ids, attention_mask=attn, seq_col=torch.tensor(seq_col),
+                prompt_len=torch.tensor([built[k][0] for k in range(len(seqs))]),
+                episode_tokens=torch.tensor(sum(built[k][0] + len(episodes[i].response_ids)
+                                                for k, u in enumerate(seqs) for i in u)),
+                episode_pairs=torch.tensor(sum((built[k][0] + len(episodes[i].response_ids)) ** 2
+                                               for k, u in enumerate(seqs) for i in u)), **mm)
+    if not varlen:
+        out["attention_mask_4d"] = _block_mask(out, W)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: str | None,
+           pixels: dict | None) -> tuple[list[list[int]], dict, dict]:
+    """Which sequences share a row (one row for "varlen", first-fit decreasing into rows no wider
+    than the longest for "mask", else one each), every sequence's (prompt length, tokens), and
+    the image inputs in row-major order (the order the model meets the image tokens in)."""
     prompts = [len(episodes[u[0]].prompt_ids) - len(images[u[0]]) for u in seqs]
     n_img = [[n_image_tokens_of(procs.image_processor, im) for im in images[u[0]]] for u in seqs]
     lengths = [p + sum(n) + sum(len(episodes[i].response_ids) for i in u)
                for p, n, u in zip(prompts, n_img, seqs)]
-    layout = first_fit(lengths, max(lengths)) if packing else [[k] for k in range(len(seqs))]
-    order = [k for row in layout for k in row]                    # sequences in row-major order
+    layout = ([list(range(len(seqs)))] if packing == "varlen" else
+              first_fit(lengths, max(lengths)) if packing else [[k] for k in range(len(seqs))])
+    order = [k for row in layout for k in row]
     mm, counts = _vision_inputs(procs, [im for k in order for im in images[seqs[k][0]]], pixels)
     it = iter(counts)
-    built = {}                                                    # sequence -> (prompt len, tokens)
+    built = {}
     for k in order:
         u = seqs[k]
         row = expand_images(episodes[u[0]].prompt_ids, [next(it) for _ in images[u[0]]],
-                            tokens.image_pad)
+                            procs.tokens.image_pad)
         built[k] = (len(row), row + [t for i in u for t in episodes[i].response_ids])
-    W, R, B = max(sum(len(built[k][1]) for k in row) for row in layout), len(layout), len(episodes)
-    T = max(len(e.response_ids) for e in episodes)
-    ids = torch.full((R, W), tokens.pad, dtype=torch.long)
-    attn = torch.zeros(R, W, dtype=torch.long)
-    mask4 = torch.zeros(R, 1, W, W, dtype=torch.bool)
-    mask4[:, 0, range(W), range(W)] = True                        # padding sees itself: no empty row
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    seq_row, seq_col, starts = [0] * len(seqs), [0] * len(seqs), [0] * B
-    for r, row in enumerate(layout):
-        col = 0
-        for k in row:
-            plen, toks = built[k]
-            seq_row[k], seq_col[k], n = r, col, len(toks)
-            ids[r, col:col + n] = torch.tensor(toks)
-            attn[r, col:col + n] = 1
-            mask4[r, 0, col:col + n, col:col + plen] = causal[:n, :plen]  # the prompt, causally
-            at = col + plen
-            for i in seqs[k]:
-                starts[i], at = at, at + len(episodes[i].response_ids)
-            col += n
+    return layout, built, mm
+
+
+def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.Tensor]:
+    """Per response token (episode-major): its sequence, predicting column, own column, offset;
+    the episode-major response mask and engine logprobs [B, T]."""
+    B, T = len(episodes), max(len(e.response_ids) for e in episodes)
     resp = torch.zeros(B, T, dtype=torch.long)
     engine_lp = torch.zeros(B, T, dtype=torch.float32)
     pred_seq, pred_col, target_col, offset = [], [], [], []
     for k, u in enumerate(seqs):
-        last = seq_col[k] + built[k][0] - 1                       # the prompt's last column
+        s = seq_col[k] + built[k][0]                                # the first response's column
         for i in u:
-            s, n = starts[i], len(episodes[i].response_ids)
-            mask4[seq_row[k], 0, s:s + n, s:s + n] = causal[:n, :n]
+            n = len(episodes[i].response_ids)
             resp[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
             pred_seq += [k] * n
-            pred_col += [last] + list(range(s, s + n - 1))       # the first token is predicted
-            target_col += list(range(s, s + n))                   # by the prompt's last token
+            pred_col += [seq_col[k] + built[k][0] - 1] + list(range(s, s + n - 1))  # the first
+            target_col += list(range(s, s + n))            # is predicted by the prompt's last
             offset += list(range(n))
-    seq_row_t = torch.tensor(seq_row)
-    out = dict(input_ids=ids, attention_mask=attn, attention_mask_4d=mask4, response_mask=resp,
-               engine_logprobs=engine_lp, prompt_len=torch.tensor([built[k][0] for k in range(len(seqs))]),
-               seq_row=seq_row_t, seq_col=torch.tensor(seq_col), pred_seq=torch.tensor(pred_seq),
-               pred_row=seq_row_t[torch.tensor(pred_seq)], pred_col=torch.tensor(pred_col),
-               target_col=torch.tensor(target_col), offset=torch.tensor(offset),
-               episode_tokens=torch.tensor(sum(built[k][0] + len(episodes[i].response_ids)
-                                               for k, u in enumerate(seqs) for i in u)),
-               episode_pairs=torch.tensor(sum((built[k][0] + len(episodes[i].response_ids)) ** 2
-                                              for k, u in enumerate(seqs) for i in u)), **mm)
-    return {k: v.to(device) for k, v in out.items()}
+            s += n
+    seq_row_t, pred_seq_t = torch.tensor(seq_row), torch.tensor(pred_seq)
+    return dict(response_mask=resp, engine_logprobs=engine_lp, seq_row=seq_row_t,
+                pred_seq=pred_seq_t, pred_row=seq_row_t[pred_seq_t], pred_col=torch.tensor(pred_col),
+                target_col=torch.tensor(target_col), offset=torch.tensor(offset))
+
+
+def _block_mask(b: dict, W: int) -> torch.Tensor:
+    """[rows, 1, W, W] bool: each prompt causally to itself, each response to its prompt and
+    itself causally, nothing across sequences; padding sees itself (no empty row)."""
+    R = b["input_ids"].shape[0]
+    mask = torch.zeros(R, 1, W, W, dtype=torch.bool)
+    mask[:, 0, range(W), range(W)] = True
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    for k, (r, c, plen) in enumerate(zip(b["seq_row"].tolist(), b["seq_col"].tolist(),
+                                         b["prompt_len"].tolist())):
+        end = c + plen + int((b["pred_seq"] == k).sum())               # the sequence's last column + 1
+        mask[r, 0, c:end, c:c + plen] = causal[:end - c, :plen]
+    cols, rows = b["target_col"], b["pred_row"]
+    bounds = (b["offset"] == 0).nonzero().flatten().tolist() + [len(cols)]  # responses' first tokens
+    for a, z in zip(bounds, bounds[1:]):
+        r, s, n = int(rows[a]), int(cols[a]), z - a
+        mask[r, 0, s:s + n, s:s + n] = causal[:n, :n]
+    return mask

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+import device as D
 import inputs as I
 from errors import ConfigError
 
@@ -55,6 +56,11 @@ def layout_note(tc, procs: I.Processors, model_path: str) -> str | None:
                           "would cross packed sequences; use train.packing = false")
     return (f"note: {model_path} has layers that take no 4D mask (linear attention): "
             "train.share_prompt falls back to one row per episode" if tc.share_prompt else None)
+
+
+def packing(tc, device: torch.device) -> str | None:
+    """How `train.packing` lays rows out on `device` (device.Device.packed_attention), or None."""
+    return D.TABLE[device.type].packed_attention if tc.packing else None
 
 
 def shares_prompt(tc, procs: I.Processors) -> bool:

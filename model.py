@@ -117,7 +117,7 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
     `entropy_grad` (the entropy bonus). Only the positions that predict a response token go
     through the LM head."""
-    if "attention_mask_4d" in batch:
+    if "pred_seq" in batch:  # packed rows (inputs.pack)
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch["input_ids"]
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
@@ -140,7 +140,8 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
-    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch["attention_mask_4d"],
+    # no 4-D mask ("varlen"): the attention finds the sequences from the restarting positions
+    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch.get("attention_mask_4d"),
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,
                         **_model_inputs(batch, tokens))
     where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
@@ -197,7 +198,16 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
     pr, tc = batch["pred_row"], batch["target_col"]
     # a response token j tokens into its response, of sequence k: position nxt[k] + j
     out[:, pr, tc] = (nxt[batch["pred_seq"]] + batch["offset"]).expand(pos.shape[0], -1)
-    return out if rope_index is not None else out[0]
+    if rope_index is None:
+        return out[0]
+    if "attention_mask_4d" in batch:
+        return out
+    # varlen: a first row of text positions restarting per sequence, which is where transformers'
+    # VL models find packed sequences ([4, rows, W]: text + the 3 mRoPE rows)
+    text = torch.zeros(1, *ids.shape, dtype=torch.long, device=dev)
+    text[0, r_idx, cols[am]] = torch.arange(P, device=dev)[None, :].expand(S, P)[am]
+    text[0, pr, tc] = plen.to(dev)[batch["pred_seq"]] + batch["offset"]
+    return torch.cat([text, out])
 
 
 def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
@@ -242,13 +252,13 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
 
 
 def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool = False,
-                      device_type: str = "cpu"):
+                      device_type: str = "cpu", attention: str = "sdpa"):
     """The architecture of `path` with random (or, `meta`, no) weights: no weight file is read.
     `device_type`: where it will run ("cpu", "cuda", "npu"; its kernels: device.Device.experts)."""
     config = load_config(path)
     refuse_dropout(config, path)
     with torch.device("meta") if meta else torch.device("cpu"):
-        return F.auto_class(config).from_config(config, dtype=dtype, attn_implementation="sdpa",
+        return F.auto_class(config).from_config(config, dtype=dtype, attn_implementation=attention,
                                                 **_kernels(device_type))
 
 

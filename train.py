@@ -49,6 +49,7 @@ import failures
 import families
 import inputs
 import loss  # noqa: F401  (registers the built-in objectives before registry.check)
+import microbatches
 import model
 import registry
 import rewards
@@ -239,9 +240,9 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
-    if world.is_root and cfg.train.share_prompt and not procs.packs_exactly:
-        print(f"note: {model_path} has layers that take no 4D mask (linear attention): "
-              "train.share_prompt falls back to one row per episode", flush=True)
+    note = microbatches.layout_note(cfg.train, procs, model_path)  # packing refused: ConfigError
+    if world.is_root and note:
+        print(note, flush=True)
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None

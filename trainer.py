@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import inputs as I
 import lora
+from microbatches import packing
 import model as M
 import sync as S
 from errors import ModelError
@@ -56,7 +57,10 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
-    policy = M.model_from_config(model_path, meta=True, device_type=device.type)  # skeleton
+    # train.packing on an accelerator: one row per micro-batch for flash-attention's varlen kernel
+    attention = "flash_attention_2" if packing(tc, device) == "varlen" else "sdpa"
+    policy = M.model_from_config(model_path, meta=True, device_type=device.type,
+                                 attention=attention)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
         policy = lora.add_lora(policy, mc, cfg.run.seed)
         full = lora.add_lora(full, mc, cfg.run.seed) if full is not None else None
@@ -66,7 +70,8 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
-        ref = M.shard_from_rank0(M.model_from_config(model_path, meta=True, device_type=device.type),
+        ref = M.shard_from_rank0(M.model_from_config(model_path, meta=True, device_type=device.type,
+                                                     attention=attention),
                                  full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)

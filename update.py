@@ -40,7 +40,7 @@ import loss as L
 import model as M
 import registry
 from failures import fault_active
-from microbatches import agree_plans, rank_shares, shares_prompt
+from microbatches import agree_plans, packing, rank_shares, shares_prompt
 from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
                      reshard)
 
@@ -165,7 +165,7 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
         eps = [episodes[idx[j]] for j in mb]
         batch = I.collate(eps, [images[e.index] for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels,
-                          packing=tc.packing)
+                          packing=packing(tc, tr.device))
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
         out.append((lp, ref, batch["response_mask"]))
@@ -288,7 +288,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         eps = [s.episodes[i] for i in chunk]
         batch = I.collate(eps, [s.images[e.index] for e in eps], s.procs, tr.device,
                           share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels,
-                          packing=s.tc.packing)
+                          packing=packing(s.tc, tr.device))
         mask = batch["response_mask"].float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]

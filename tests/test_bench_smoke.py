@@ -18,7 +18,7 @@ from tests.util import ROOT, env, torchrun_parts
 BENCH = ROOT / "bench"
 # script -> where its smoke test is
 SMOKED = {"sync.py": "here", "step.py": "here", "e2e.py": "here", "verifier.py": "here",
-          "sync_memory.py": "here",
+          "sync_memory.py": "here", "packing.py": "here",
           "vs_trl.py": "here + tests/test_bench_vs_trl.py",
           "device_check.sh": "tests/test_device_check.py"}
 
@@ -50,6 +50,19 @@ def test_sync_memory():  # the meta device: shapes only
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_packing():
+    """Both layouts on the same long-tailed episodes: the keys the README quotes, packed rows
+    no more padded than the padded ones' worst, balanced ranks no worse than contiguous."""
+    r = run(BENCH / "packing.py", "--prompts", "4", "--max-new-tokens", "64", "--budget", "1024",
+            "--reps", "1")
+    assert set(r) == {"workload", "padded", "packed", "speedup", "rank_token_imbalance"}
+    for side in ("padded", "packed"):
+        assert r[side]["tokens_per_s"] > 0 and 0 <= r[side]["padding_frac"] < 1
+    assert r["speedup"] > 0 and r["workload"]["tokens"] > 0
+    assert 1.0 <= r["rank_token_imbalance"]["balanced"] <= r["rank_token_imbalance"]["padded"]
+
+
 def test_step():
     """With `--lora-rank` the script runs its plain step (the `full` part, what a run without the
     flag prints) and the LoRA one, each in a process of its own, and puts them side by side."""

@@ -14,9 +14,10 @@ from tests.util import ROOT
 def test_table_rows():
     assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                                       vllm_eager_helpers=True, vllm_cpu_moe_fix=True)
-    assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl")
+    assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
+                                       packed_attention="varlen")
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                                      experts="eager")
+                                      experts="eager", packed_attention="varlen")
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 

@@ -147,7 +147,7 @@ def _packed_gap(path, procs, eps, images) -> float:
     """Largest |logprob packed - logprob alone| over the response tokens of `eps`."""
     policy = M.load_model(path).eval()
     with torch.no_grad():
-        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, packing=True)
+        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, packing="mask")
         assert both["input_ids"].shape[0] < len(eps)             # rows hold several sequences
         lp = M.sequence_logprobs(policy, both, procs.tokens, 1.0)[0]
         gap = 0.0
@@ -173,3 +173,24 @@ def test_demo_learns_with_packing_and_two_trainer_ranks(tmp_path):
     assert all(r["logprob_diff/max"] <= 1e-4 for r in packed)
     assert all(r["train/rank_token_imbalance"] >= 1.0 for r in packed)
     assert packed[-1]["reward/mean"] > 0.3 and flat[-1]["reward/mean"] > 0.3
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
+def test_varlen_rows_need_no_mask(family, tiny_dir, group):
+    """The accelerators' layout (device.Device.packed_attention = "varlen"): every sequence of a
+    micro-batch in one row with no mask, positions restarting per sequence (with the text row a
+    VL model finds packed sequences by); transformers' SDPA finds them the same way on the CPU,
+    so the logprobs equal each sequence's alone."""
+    path = tiny_dir(family)
+    procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+    policy = M.load_model(path).eval()
+    with torch.no_grad():
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
+                        packing="varlen")
+        assert row["input_ids"].shape[0] == 1 and "attention_mask_4d" not in row
+        assert int(row["attention_mask"].sum()) == row["input_ids"].numel()   # no padding at all
+        lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
+        for i, e in enumerate(eps):
+            one = I.collate([e], [images[e.index]], procs, CPU)
+            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
+            torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
