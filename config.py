@@ -24,7 +24,6 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.aggregate
 KL_ESTIMATORS = ("k1", "k2", "k3")   # loss.kl_penalty
 ADVANTAGES = ("grpo", "rloo")        # loss.group_advantages
-ENGINES = ("hf", "vllm")             # rollout.engine_class
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
@@ -370,13 +369,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(msg)
 
     check_ranges(cfg)
-    ro, lo = cfg.rollout, cfg.loss
+    lo = cfg.loss
     need(cfg.model.dtype in ("float32", "bfloat16"),
          f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     need(cfg.model.min_pixels <= cfg.model.max_pixels,
          f"model.min_pixels ({cfg.model.min_pixels}) must be <= model.max_pixels "
          f"({cfg.model.max_pixels})")
-    need(ro.engine in ENGINES, f"rollout.engine must be 'hf' or 'vllm', got {ro.engine!r}")
     check_lora(cfg.model)
     need(lo.aggregation in AGGREGATIONS,
          f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(AGGREGATIONS)})")

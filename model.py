@@ -38,16 +38,11 @@ def load_config(path: str):
     except Exception as e:  # noqa: BLE001 - an unknown model_type, a broken config.json, ...
         kind = F.model_type_of(path)
         if kind and kind not in F.FAMILIES:
-            raise ModelError(_unsupported(path, kind)) from None
+            raise ModelError(f"model.path={path}: {F.unsupported(kind)}") from None
         raise ModelError(f"model.path={path}: cannot read its config ({one_line(e, 240, typed=False)})") from None
     if config.model_type not in F.FAMILIES:
-        raise ModelError(_unsupported(path, config.model_type))
+        raise ModelError(f"model.path={path}: {F.unsupported(config.model_type)}")
     return config
-
-
-def _unsupported(path: str, kind: str) -> str:
-    return (f"model.path={path}: model_type {kind!r} is not a supported family (supported: "
-            f"{', '.join(F.supported())})")
 
 
 def text_config(config):

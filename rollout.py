@@ -29,6 +29,7 @@ import loss as L
 import model as M
 import rewards
 import sync as S
+from errors import ConfigError
 
 
 @dataclass
@@ -105,7 +106,10 @@ ENGINES = {"hf": "rollout.HFEngine", "vllm": "vllm_engine.VLLMEngine"}
 
 
 def engine_class(name: str) -> type:
-    """The engine class for `[rollout] engine` (imported on demand: vLLM only where used)."""
+    """The engine class for `[rollout] engine` (imported on demand: vLLM only where used); a
+    ConfigError for a name that is none of ENGINES."""
+    if name not in ENGINES:
+        raise ConfigError(f"rollout.engine must be {' or '.join(map(repr, ENGINES))}, got {name!r}")
     module, _, cls = ENGINES[name].rpartition(".")
     return getattr(importlib.import_module(module), cls)
 

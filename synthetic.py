@@ -438,7 +438,7 @@ def write_synthetic(
             for p in rows:
                 rel = f"images/{split}/{p.index}.png"
                 (out / rel).write_bytes(_png(p.image))
-                row = {"images": [rel], "problem": "<image>" + p.problem, "answer": p.answer}
+                row = {"images": [rel], "problem": IMAGE_MARKER + p.problem, "answer": p.answer}
                 lines.append(json.dumps(row))
             (out / f"{split}.jsonl").write_text("".join(line + "\n" for line in lines))
         else:
@@ -447,7 +447,7 @@ def write_synthetic(
             schema = pa.schema([("images", pa.list_(image_type)), ("problem", pa.string()),
                                 ("answer", pa.string())])
             records = [{"images": [{"bytes": _png(p.image), "path": f"{p.index}.png"}],
-                        "problem": "<image>" + p.problem, "answer": p.answer} for p in rows]
+                        "problem": IMAGE_MARKER + p.problem, "answer": p.answer} for p in rows]
             (out / "data").mkdir(exist_ok=True)
             table = pa.Table.from_pylist(records, schema=schema)
             pq.write_table(table, out / "data" / f"{split}-00000-of-00001.parquet")

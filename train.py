@@ -59,8 +59,7 @@ import tracking
 import trainer
 import update
 from channel import check_channel, open_engine_channel
-from device import Device, manual_seed_all, set_rng_state, torch_device
-from device import detect as detect_device
+from device import Device, manual_seed_all, set_rng_state, torch_device, detect as detect_device
 from errors import ConfigError
 from world import World, dry_run, launched_size, validate_world
 from world import setup as setup_world
@@ -127,12 +126,13 @@ def main(argv: list[str] | None = None) -> int:
 def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> config.Config:
     """config.load (the tree, its ranges, the cross-key rules), then the checks that need the
     modules config.py does not import: the [loss] parts (after importing loss.plugins), the
-    reward functions' names, model.path's family and data.source; each a one-line ConfigError."""
+    reward functions' names, model.path's family, the engine and data.source; each one line."""
     cfg = config.load(paths, overrides)
     registry.check(cfg.loss)
-    rewards.check_functions("reward.functions", cfg.reward.functions)
-    rewards.check_functions("eval.functions", cfg.eval.functions)
+    for key in ("reward", "eval"):
+        rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
+    rollout.engine_class(cfg.rollout.engine)  # a known engine (rollout.ENGINES)
     data.check_source(cfg.data.source)
     return cfg
 
