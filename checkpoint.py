@@ -1,38 +1,8 @@
 """Checkpoints: an HF-format export for evaluation tools, and the exact training state to resume.
 
-A checkpoint is a folder `<out_dir>/checkpoints/step_<N>/` (N = rollout steps done):
-- `hf/`: safetensors weights (the checkpoint layout `save_pretrained` writes: MoE experts per
-  expert), config, generation config, tokenizer, chat template and (VLMs) image-processor files. `transformers`
-  `from_pretrained`, vLLM and VLMEvalKit load it directly. With LoRA: the merged model (each
-  adapted weight W + (B A) * alpha / r, what the engines serve).
-- `adapter/` (LoRA only): the adapters in PEFT's format (`PeftModel.from_pretrained(base, it)`).
-- `state/`: the sharded policy and optimizer through `torch.distributed.checkpoint` (each trainer
-  rank writes its own shards; with LoRA the adapters and their optimizer state only: the frozen
-  base is `model.path`'s), and the reference policy's when it moves (`train.ref_update_every`;
-  a frozen one is rebuilt from the model), plus `meta.pt`: step, weight version, LR schedule,
-  RNG states of every trainer rank, consecutive skipped steps, optimizer steps taken, the
-  adaptive KL coefficient. The data position is the step itself (the
-  problem stream is a pure function of seed and step).
-- `manifest.json`: every other file's size and CRC-32, written last; a resume checks them first,
-  so a deleted, truncated or overwritten file is named before anything is loaded.
-
-Written to `step_<N>.tmp/`, renamed when every trainer rank has finished: a folder without the
-suffix is complete. Killing the job mid-write leaves a `.tmp` folder that is ignored (and
-removed by the next save); a save that fails (a full disk) removes it and names the cause. The
-last `keep_last` complete checkpoints are kept, and never the one this run resumed from.
-
-Resume (:func:`resume`): `--resume PATH`, else the newest checkpoint that checks out and loads; a
-damaged one is named and skipped (a named one stops the run instead). The run then owns its
-branch: checkpoints newer than the resume point are moved aside, never deleted, into
-`checkpoints/abandoned-<time>/`. A checkpoint written by another number of trainer ranks is
-resharded (DCP reads any layout); the RNG states then stay as seeded.
-
-The run folder belongs to one job at a time (:func:`claim_run_dir`): rank 0 holds an exclusive
-`flock` on `<out_dir>/run.lock` for the process's life (the kernel releases it when the process
-ends, crash included). Only rank 0 takes it, so it does not matter on which node the other
-ranks run. On NFS the Linux client turns `flock` into a lock on the server, so a job on another
-node sees it too (not with the `local_lock=flock` or `nolock` mount options, where it is local
-to a node); a file system without locks is warned about, not refused.
+A checkpoint is `<out_dir>/checkpoints/step_<N>/` (`hf/`, `adapter/` with LoRA, `state/`,
+`manifest.json`), written to `step_<N>.tmp/` and renamed when complete; resume picks the newest
+intact one; rank 0 locks the run folder. Layout and protocol: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -91,10 +61,9 @@ def latest(out_dir: str | Path) -> Path | None:
 
 # ----------------------------------------------------------------------------- the run folder
 def claim_run_dir(run, world, resume: str | None = None, eval_checkpoint: str | None = None) -> None:
-    """Before anything is built: rank 0 locks the run folder (`run.out_dir`), checks that it
-    (and `checkpoints/` when this run saves) is writable, and that the folders named by
-    `--resume` / `--checkpoint` exist; every rank raises the same :class:`StartError` (one
-    line, exit 2). Collective over `world.ctrl`."""
+    """Before anything is built, collective over `world.ctrl`: rank 0 locks `run.out_dir` and
+    checks that it (and `checkpoints/` when saving) is writable and that `--resume` /
+    `--checkpoint` exist; every rank raises the same :class:`StartError`."""
     saves = run.keep_last > 0 and eval_checkpoint is None
     problem = _bcast(_claim(Path(run.out_dir), saves, resume, eval_checkpoint)
                      if world.is_root else None, world.ctrl)
@@ -172,9 +141,8 @@ class Export(NamedTuple):  # what the HF export (export_hf) is made of besides t
 
 def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
                   progress: Progress) -> None:
-    """The training loop's save: every `run.save_every` steps and at the end, trainer `tr`'s
-    state at `progress` (collective over the trainer ranks; a no-op elsewhere); `source` is the
-    model folder the run started from (its generation config goes into the export)."""
+    """The loop's save, every `run.save_every` steps and at the end: trainer `tr` at `progress`
+    (collective over the trainer ranks, a no-op elsewhere); `source`: the starting model folder."""
     r, done = cfg.run, progress.step
     due = (r.save_every and done % r.save_every == 0) or done == r.steps
     if r.keep_last <= 0 or not due or tr is None:
@@ -189,11 +157,9 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
 
 def save(path_final: Path, state: tuple, *, meta: dict, rng: dict, export: Export, train_group,
          is_root: bool, keep_last: int, protect: str | Path | None = None, ref=None) -> None:
-    """Collective over the trainer ranks; `state`: (policy, optimizer, LR schedule), as :func:`load`
-    takes it; `ref`: a reference policy whose state is saved too (one that moves). Rank 0 writes
-    the HF export and the manifest, and renames at the end. A failure raises `failures.Fatal`
-    naming the cause (a full disk is named as such); the previous checkpoint stays. Rotation keeps
-    the last `keep_last`, and never deletes `protect` (the checkpoint this run resumed from)."""
+    """Collective over the trainer ranks; `state`: (policy, optimizer, LR schedule); `ref`: a
+    moving reference policy, saved too. A failure raises `failures.Fatal` naming the cause (the
+    previous checkpoint stays). Keeps the last `keep_last`, never `protect` (the resume point)."""
     tmp = path_final.with_name(path_final.name + ".tmp")
     try:
         _write(tmp, state, meta, rng, export, train_group, is_root, ref)
@@ -242,8 +208,7 @@ def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_r
 
 
 def write_manifest(folder: Path, train_group, is_root: bool) -> None:
-    """`manifest.json`: every file's size and CRC-32; each trainer rank sums a share of the
-    files (collective), rank 0 writes it, last."""
+    """`manifest.json` (every file's size and CRC-32), collective: the ranks share the sums."""
     files = _bcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                           if p.is_file()) if is_root else None, train_group)
     sums: list = [None] * dist.get_world_size(train_group)
@@ -256,8 +221,7 @@ def write_manifest(folder: Path, train_group, is_root: bool) -> None:
 
 
 def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str:
-    """One line: which checkpoint was not saved and why (a full disk named as such); rank 0
-    removes the partial folder, so the space it took is free again."""
+    """One line: which checkpoint was not saved and why; rank 0 removes the partial folder."""
     try:
         free = shutil.disk_usage(final.parent).free
     except OSError:
@@ -274,21 +238,16 @@ def _save_failed(final: Path, tmp: Path, e: BaseException, is_root: bool) -> str
 
 
 def _trained_state(policy, opt) -> tuple[dict, dict]:
-    """The (model, optimizer) state dicts of what trains: with LoRA the adapters and their
-    optimizer state (the frozen base is read from `model.path` again at resume; a tied alias of
-    a frozen weight, e.g. a tied lm_head, is left out too); without LoRA every parameter (none
-    is frozen: the state dicts as they are)."""
+    """The (model, optimizer) state dicts of what trains: with LoRA the adapters only (every
+    frozen name left out, tied aliases too); without LoRA the state dicts as they are."""
     model_sd, optim_sd = get_state_dict(policy, opt)
     frozen = {n for n, p in policy.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dtype) -> None:
-    """The model folder `from_pretrained`, vLLM and VLMEvalKit load: `full` (in-memory names;
-    with LoRA merged, lora.merged_state_dict, and the adapters written to `adapter/` beside
-    `out` in PEFT's format) written in the checkpoint layout (families.write_weights), the config,
-    the source folder's generation config (its stop ids), the tokenizer, the chat template the
-    run used, the image processor with the run's pixel bounds."""
+    """Write `hf/` (docs/checkpoints.md, "Layout") from `full` (in-memory names; with LoRA
+    merged, and the adapters to `adapter/` beside `out`); `source`: its generation config."""
     out.mkdir(parents=True, exist_ok=True)
     F.write_weights(out, lora.plain_model(model), lora.merged_state_dict(model, full), dtype)
     if lora.has_lora(model):
@@ -316,16 +275,10 @@ def read_meta(path: Path) -> dict:
 
 
 def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
-    """Where a run starts (rank 0, before anything is built): the picked checkpoint (:func:`pick`),
-    its progress, whether the run is already finished, and what changed.
-
-    Keys that change what the run means (config.MEANING_KEYS, and the trainer / world counts) must
-    match the checkpoint's saved config unless `run.allow_config_change`: otherwise "error" holds
-    the one line naming every difference. Optimizer keys (config.OPTIMIZER_KEYS) may change;
-    they are listed in "optimizer_changes" (the trainer applies them after the restore), with
-    run.steps when a decaying schedule is stretched or shortened by it. Every other key that
-    differs is in "other_changes" (the start-up summary lists them in one line).
-    """
+    """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
+    finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
+    unless `run.allow_config_change`), "optimizer_changes" (config.OPTIMIZER_KEYS, and run.steps
+    under a decaying schedule), "other_changes" (docs/checkpoints.md, "Resume")."""
     plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
             "optimizer_changes": [], "other_changes": [], "error": None}
     if picked is None:
@@ -356,10 +309,9 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
     return plan
 
 def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
-    """Where the run starts, before anything is built: the newest intact checkpoint (or `named`,
-    `--resume`; :func:`pick`), its config compared with this one (:func:`resume_plan`, rank 0),
-    every rank learns it, with its :class:`Progress` under "progress". A refused resume is a
-    config error on every rank. Collective over the world."""
+    """Collective over the world, before anything is built: :func:`pick`, then
+    :func:`resume_plan` on rank 0, on every rank with its :class:`Progress` under "progress"; a
+    refused resume is a ConfigError on every rank."""
     picked = pick(out_dir, named, ctrl=world.ctrl, train_group=world.train_group,
                   is_root=world.is_root, is_trainer=world.is_trainer)
     p = _bcast(resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None,
@@ -375,13 +327,9 @@ def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
 
 def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
          is_trainer: bool) -> tuple[Path, dict] | None:
-    """The checkpoint to resume from, before anything is built; collective over every rank.
-
-    The candidates are `named` alone, else every complete checkpoint newest first. Each is
-    verified (the manifest's sizes and CRC-32, shared over the trainer ranks, and a readable
-    meta.pt); rank 0 decides for everyone. A damaged candidate is named and skipped, or, when it
-    was named by `--resume`, stops the run (:class:`StartError`). Returns (path, meta without the
-    RNG and schedule states) or None when there is no checkpoint at all."""
+    """The checkpoint to resume from, collective over every rank: `named`, else the newest
+    whose manifest and meta.pt check out (a damaged one is named and skipped; a damaged `named`
+    raises :class:`StartError`). Returns (path, meta without RNG and schedule) or None."""
     cands = _bcast(([str(p) for p in reversed(complete(out_dir))] if named is None else [named])
                    if is_root else None, ctrl)
     damaged = []
@@ -417,13 +365,9 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
 
 def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: int,
          ref=None) -> dict | None:
-    """Restore (policy, optimizer, schedule) in place from the picked checkpoint on every trainer
-    rank (collective over them), and `ref` (the reference policy) when the checkpoint holds its
-    state (it moved; else `ref` stays as built, which is what it was then). Returns this rank's
-    RNG state, or None when the checkpoint was
-    written by another number of trainer ranks: weights and optimizer state are resharded by
-    DCP, each rank keeps its seeded RNG (said once). A load that fails stops the run naming the
-    checkpoint (:class:`StartError`)."""
+    """Restore `state` (policy, optimizer, schedule), and `ref` when saved, in place; collective
+    over the trainer ranks. Returns this rank's RNG state, or None when another number of
+    trainer ranks wrote it (resharded; the seeded RNG stays). A failure raises :class:`StartError`."""
     problem, meta = _load(path, state, train_group, is_root, ref)  # the same problem on every rank
     if problem is not None:
         raise StartError(f"checkpoint {path} is damaged: {problem}; move it aside to resume from "
@@ -440,9 +384,8 @@ def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: in
 
 def resume(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
            rank_in_group: int, state: tuple | None) -> Resumed | None:
-    """:func:`pick`, :func:`abandon_newer` and :func:`load` in one call (for scripts and tests;
-    train.py runs them apart: the pick before anything is built, the load after). `state` is
-    (policy, optimizer, schedule) on trainer ranks, None elsewhere."""
+    """:func:`pick`, :func:`abandon_newer` and :func:`load` in one call (scripts and tests);
+    `state`: (policy, optimizer, schedule) on trainer ranks, None elsewhere."""
     picked = pick(out_dir, named, ctrl=ctrl, train_group=train_group, is_root=is_root,
                   is_trainer=state is not None)
     if picked is None:
@@ -497,8 +440,7 @@ def _verify(path: Path, train_group, is_root: bool) -> str | None:
 
 
 def _legacy_problem(path: Path) -> str | None:
-    """A checkpoint without a manifest: the required files exist, and the shards that DCP's
-    `.metadata` lists are there and long enough."""
+    """A checkpoint without a manifest: its required files and DCP's listed shards are whole."""
     for name in ("state/.metadata", "state/meta.pt", "hf/model.safetensors", "hf/config.json"):
         if not (path / name).is_file():
             return f"{name}: missing"
@@ -531,9 +473,7 @@ def _load(path: Path, state: tuple, train_group, is_root: bool,
         if ref is not None and any(k.startswith("ref.") for k in saved):
             sd["ref"] = get_model_state_dict(ref)
         dcp.load(sd, checkpoint_id=str(path / "state"), process_group=train_group)
-        # dcp.load found every trained parameter requested; the frozen ones (LoRA's base) are
-        # left out on purpose: not strict then
-        frozen = any(not p.requires_grad for p in policy.parameters())
+        frozen = any(not p.requires_grad for p in policy.parameters())  # LoRA's base: not saved
         set_state_dict(policy, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=not frozen))
         if "ref" in sd:

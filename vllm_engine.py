@@ -1,13 +1,8 @@
 """The vLLM / vllm-ascend engine and its worker extension (the receiving side of weight sync).
 
-vLLM runs in processes of its own (engine core; on CPU also a separate worker); this process (a
-torchrun rank with torch.distributed initialised) only sends them requests. The engine core is
-SPAWNED: it starts with fresh interpreter state, so vLLM builds a private one-rank world in its
-worker and never sees the torchrun world (the workers are spawned from the engine core too, or
-forked from it on CPU: device.Device.vllm_workers). Weights reach vLLM's worker over a
-communicator of their own (`channel.open_channel`: gloo on CPU, PyNccl on CUDA, PyHccl on
-Ascend); only metadata crosses `collective_rpc`. vLLM is imported lazily: the pure helpers
-here need no vLLM installed.
+vLLM runs in processes it spawns, outside the torchrun world; this rank only sends requests.
+Weights reach the worker over `channel.open_channel`, only metadata crosses `collective_rpc`
+(docs/vllm.md). vLLM is imported lazily: the pure helpers here need no vLLM installed.
 """
 from __future__ import annotations
 
@@ -32,14 +27,9 @@ from rollout import Completion, Prompt, Sampling
 def vllm_sampling_kwargs(sp: Sampling, tokens: I.Tokens, seed: int) -> dict:
     """`vllm.SamplingParams` arguments for one prompt, equal in effect to HFEngine's.
 
-    Suppressed ids get a logit bias of -inf, applied before temperature. With
-    `logprobs_mode="processed_logprobs"` vLLM then reports log_softmax((masked logits) /
-    temperature): model.py's convention exactly, while top-p / top-k are off (with them on,
-    vLLM reports the logprob AFTER truncation, renormalised over the kept tokens). The bias
-    costs O(len(suppressed)) per request; `allowed_token_ids` would cost O(vocab) per sample
-    (a 151k-entry list copied, validated and scattered for each of the G samples).
-    top_k: 0 means off in vLLM 0.23 as here. Greedy: temperature 0 and n=1 (vLLM requires
-    it); its logprob is at temperature 1, as in HFEngine. Sample j of a prompt uses seed + j.
+    Suppressed ids get a logit bias of -inf (before temperature), so processed_logprobs are
+    model.py's log_softmax(masked logits / temperature) while top-p / top-k are off. Greedy:
+    temperature 0, n=1, logprob at temperature 1 as in HFEngine. Sample j uses seed + j.
     """
     kw = dict(max_tokens=sp.max_new_tokens, logprobs=0, seed=seed,
               logit_bias={i: float("-inf") for i in tokens.suppressed},
@@ -77,24 +67,10 @@ IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor
 
 
 def _image_only_processor() -> None:
-    """Every vLLM process loads each Qwen VLM family's HF processor with the trainer's image
-    processor class (`families.IMAGE_PROCESSOR`, PIL) and no video processor, on every device.
-
-    One hook for every family: `InputProcessingContext.get_hf_processor` is the one place every
-    family's `...ProcessingInfo.get_hf_processor` goes through (a patch of one family's info class
-    would not reach the others); a processor class that takes a video processor is swapped for
-    its image-only subclass (:func:`image_only_processor_cls`).
-    - One class on both sides: vLLM asks transformers for `use_fast=True`, i.e. the torchvision
-      image processor wherever torchvision is installed (GPU/NPU), while the trainer uses the PIL
-      one: same grids, slightly different pixels, a systematic logprob gap. `use_fast=False` is
-      forced here (a model-level setting loses to vLLM's explicit True; `backend="pil"` would
-      also reach the tokenizer), and the class is checked: anything else stops the engine.
-    - transformers 5.x loads a video processor with every Qwen VL processor, and the only one it
-      has needs torchvision (missing on CPU): the subclass without the `video_processor` argument
-      loads from the same folder; videos are off (limit_mm_per_prompt).
-    Needed in every vLLM process (the front end here, the engine core, the worker):
-    `_VLLMProcessHook` carries it into the spawned ones.
-    """
+    """Patch `InputProcessingContext.get_hf_processor` (every family's processor goes through
+    it) so every vLLM process loads the trainer's PIL image processor class and no video
+    processor; why: docs/vllm.md, "The image processor". `_VLLMProcessHook` carries it into
+    the spawned processes."""
     from vllm.multimodal.processing.context import InputProcessingContext
 
     if getattr(InputProcessingContext.get_hf_processor, "image_only", False):
@@ -121,10 +97,9 @@ _IMAGE_ONLY: dict[type, type] = {}
 
 
 def image_only_processor_cls(processor_cls: type) -> type:
-    """`processor_cls` (a Qwen VL processor) without its video processor: same folder, same
-    image processor and tokenizer, `video_processor=None`. Its `video_processor` attribute is the
-    image processor: videos are off (limit_mm_per_prompt), but vLLM's processing info still sizes
-    a video token budget from a video processor's `size` and patch fields at start-up."""
+    """`processor_cls` (a Qwen VL processor) built with `video_processor=None`; its
+    `video_processor` attribute is the image processor, from which vLLM still sizes a video
+    token budget at start-up."""
     if processor_cls not in _IMAGE_ONLY:
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             processor_cls.__init__(self, image_processor, tokenizer, None, chat_template, **kwargs)
@@ -151,10 +126,8 @@ def checked_processor(load, **kwargs):
 
 
 def prefix_caching(setting: str, config) -> tuple[bool, str]:
-    """`rollout.prefix_caching` -> (on, why). The G samples of a prompt share its KV when on;
-    "auto" leaves it off for a model with linear-attention layers (model.has_linear_attention),
-    whose recurrent state vLLM 0.23 caches only through its experimental mamba "align" mode,
-    never run here. `config`: the model's (None: not known yet, a dry run of a hub id)."""
+    """`rollout.prefix_caching` -> (on, why); "auto" is off for a model with linear-attention
+    layers. `config`: the model's (None: not known yet, a dry run of a hub id)."""
     if setting != "auto":
         return setting == "on", f"rollout.prefix_caching = {setting}"
     if config is None:
@@ -187,29 +160,23 @@ def _in_vllm_process() -> bool:
 
 
 def _engine_workers_start() -> None:
-    """In a process vLLM spawned (the engine core; not the rank, which keeps "spawn" for the
-    engine core itself): vLLM starts its workers by the method the rank named (WORKERS_ENV)."""
+    """In vLLM's engine core (not the rank): start the workers by WORKERS_ENV's method."""
     method = os.environ.get(WORKERS_ENV)
     if method and _in_vllm_process():
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
 
 
 def _eager_helpers() -> None:
-    """In vLLM's processes, where the rank asked for it (EAGER_ENV): torch.compile'd functions
-    run eagerly (read at each call; the workers forked from the engine core inherit it). What
-    TORCH_COMPILE_DISABLE=1 does, without touching the rank (it builds vLLM's config)."""
+    """In vLLM's processes, where EAGER_ENV asks: TORCH_COMPILE_DISABLE=1's effect, without
+    touching the rank (it builds vLLM's config)."""
     if os.environ.get(EAGER_ENV) == "1" and _in_vllm_process():
         import torch._dynamo
         torch._dynamo.config.disable = True
 
 
 def _cpu_moe_activation() -> None:
-    """vLLM 0.23's CPU MoE fallback (`cpu_fused_moe.forward_torch`, the path of every fp32 MoE on
-    an AMX CPU and of shapes its grouped GEMM does not take) builds a `SiluAndMul` CustomOp inside
-    the forward, outside vLLM's config context, and fails ("Current vLLM config is not set").
-    Here the same activation, silu(gate) * up, is its native formula (what that op's
-    `forward_native` computes). Only where the rank's device row asks (CPU): GPU/NPU MoE never
-    take this path, and their processes do not even import the CPU MoE module."""
+    """vLLM 0.23's CPU MoE fallback gets silu(gate) * up as a plain function instead of a
+    `SiluAndMul` CustomOp built outside vLLM's config context (docs/families.md, "MoE")."""
     try:
         from vllm.model_executor.layers.fused_moe import cpu_fused_moe
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -224,12 +191,8 @@ def _cpu_moe_activation() -> None:
 
 
 class _VLLMProcessHook:
-    """`hf_overrides` for vLLM that changes nothing in the config.
-
-    vLLM pickles its config into every process it spawns; unpickling this object calls
-    `_vllm_process_hook` there, before vLLM loads the processor (the spawned processes run no
-    code of ours otherwise: the engine core never imports the worker extension).
-    """
+    """`hf_overrides` that changes nothing: unpickled in every process vLLM spawns, it runs
+    `_vllm_process_hook` there before the processor loads (no other code of ours runs there)."""
 
     def __call__(self, hf_config):
         return hf_config
@@ -241,11 +204,9 @@ class _VLLMProcessHook:
 def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
                    workers: str = "spawn", eager_helpers: bool = False,
                    cpu_moe_fix: bool = False) -> None:
-    """Environment that vLLM's spawned processes inherit; set before vLLM starts them (and
-    before this process imports vLLM's engine client, which reads its start-up deadline once).
-    `workers`: how the engine process starts vLLM's workers (device.Device.vllm_workers);
-    `eager_helpers`: vLLM's torch.compile'd helpers run eagerly (device.Device.vllm_eager_helpers,
-    with rollout.enforce_eager)."""
+    """Environment that vLLM's spawned processes inherit, set before this process imports
+    vLLM's engine client (it reads its start-up deadline once). `workers`, `eager_helpers`,
+    `cpu_moe_fix`: device.Device's vllm_workers, vllm_eager_helpers, vllm_cpu_moe_fix."""
     if start_timeout_s is not None:  # vLLM's own wait for its engine process: ours, unless set
         os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(start_timeout_s)))
     CH.vllm_log_level(verbose)  # before vLLM is imported here and in every process it spawns
@@ -281,15 +242,9 @@ def _environ_restored():
 
 
 class VLLMEngine:
-    """vLLM / vllm-ascend generation with vLLM's default multiprocess engine.
-
-    The engine (and its worker) run in processes vLLM spawns; this rank never touches the
-    accelerator itself (world.setup narrowed the visible devices to the engine's own).
-    Weights arrive straight in the worker over a communicator of their own (channel.open_channel):
-    `join_weight_channel` once, then `receive_weights` per sync; only metadata crosses
-    `collective_rpc`, each call with a deadline of this rank's own (:meth:`_rpc`). The engine
-    interface of rollout.py (`generate`, `receive_weights`, `shutdown`), like HFEngine.
-    """
+    """vLLM / vllm-ascend generation: rollout.py's engine interface (`generate`,
+    `receive_weights`, `shutdown`) like HFEngine; `join_weight_channel` once before the syncs.
+    This rank never touches the accelerator (vLLM's processes see only its devices)."""
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over channel.open_channel
 
     @classmethod
@@ -300,8 +255,6 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
                     device: torch.device, seed: int, max_images: int = 1) -> "VLLMEngine":
-        # vLLM runs in processes it spawns, which see only this rank's devices (world.setup
-        # narrowed them); this process never touches the accelerator (`device` is the CPU).
         refuse_npu_nz(dev.kind)
         if procs.vision:
             print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
@@ -314,11 +267,9 @@ class VLLMEngine:
     def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
                  timeout_s: float | None = None, llm_kwargs: dict | None = None,
                  max_images: int | None = 1, verbose: bool = False, device_kind: str | None = None):
-        """From `[rollout]` (rc) and `[model]` (mc: dtype, pixel bounds); `max_images`: the most
-        images a prompt holds (None: a text-only model, no multimodal arguments); `llm_kwargs`:
-        more `vllm.LLM` arguments (tests: `distributed_executor_backend`); `verbose` (run.verbose):
-        vLLM's INFO lines too, else its warnings only; `device_kind`: the device vLLM runs on
-        (device.TABLE's row: how its processes start; None: this machine's)."""
+        """From `[rollout]` (rc) and `[model]` (mc); `max_images`: per prompt (None: text-only,
+        no multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests); `verbose`:
+        vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         dev = D.TABLE[device_kind] if device_kind else D.detect()
@@ -334,10 +285,7 @@ class VLLMEngine:
         mm = ({} if max_images is None else dict(
             limit_mm_per_prompt={"image": max(1, max_images), "video": 0},
             mm_processor_kwargs={"min_pixels": mc.min_pixels, "max_pixels": mc.max_pixels},
-            # vLLM's processor cache runs the HF processor on text alone, which transformers
-            # 5.x rejects for text with image placeholders; the encoder cache still shares one
-            # image's features among its G samples.
-            mm_processor_cache_gb=0))
+            mm_processor_cache_gb=0))  # its text-only HF call fails on transformers 5.x
         with _environ_restored():
             self.llm = LLM(
                 model=path, dtype=mc.dtype, seed=seed,
@@ -346,10 +294,7 @@ class VLLMEngine:
                 max_model_len=rc.max_model_len, enforce_eager=rc.enforce_eager,
                 enable_prefix_caching=prefix_caching(rc.prefix_caching, M.peek_config(path))[0],
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
-                # Off on every device: vLLM turns it on by default on GPU/NPU, but its CPU build
-                # forces it off, so generate -> reset_prefix_cache -> reload only ever ran
-                # without it; one behaviour everywhere (the engine's batches are whole steps).
-                async_scheduling=False,
+                async_scheduling=False,  # as vLLM's CPU build forces: docs/vllm.md
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **mm, **(llm_kwargs or {}))
@@ -366,13 +311,9 @@ class VLLMEngine:
                 for o in outs]
 
     def _rpc(self, method: str, *args):
-        """`collective_rpc(method, args)` within `timeout_s`, enforced here.
-
-        vLLM's own `timeout` is ignored by its single-process executor (tp = 1 on GPU/NPU), and
-        where it is honoured (tp > 1) a late reply is left queued for the next call. So the call
-        runs in a daemon thread (a stuck one must not block interpreter exit); past the deadline
-        the engine is stopped and one line names this rank and the method.
-        """
+        """`collective_rpc(method, args)` within `timeout_s`, in a daemon thread (vLLM's own
+        timeout is ignored at tp = 1 and leaves late replies queued at tp > 1); past it the
+        engine is stopped and one line names this rank and the method."""
         box: dict = {}
 
         def run():
@@ -393,23 +334,15 @@ class VLLMEngine:
         return box["result"]
 
     def join_weight_channel(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the weight channel that trainer rank 0 opens at host:port as its rank 0.
-
-        Blocks until every member joined (trainer rank 0 calls channel.open_channel concurrently).
-        This engine's workers take ranks rank_offset + (0 .. tensor_parallel_size-1);
-        world_size = 1 + (number of engines) * tensor_parallel_size. Call once.
-        """
+        """Join, once, the weight channel trainer rank 0 opens at host:port (blocks until all
+        joined): this engine's workers take ranks rank_offset + (0 .. tp-1) of
+        world_size = 1 + engines * tp."""
         self._rpc("init_weight_sync", host, port, rank_offset, world_size, self.timeout_s)
 
     def receive_weights(self, source) -> int:
-        """Receive one sync (trainer rank 0 is sending concurrently) and drop stale caches.
-
-        `source.control()` gives the version and sync.Sender's bucket plan; the bucket data
-        itself goes from trainer rank 0 straight to the worker over the weight channel. After
-        new weights the prefix cache's KV and the encoder cache's vision features (keyed by
-        image hash: GRPO sees every image again next epoch) were computed with the old weights.
-        Returns the version received.
-        """
+        """Receive one sync (`source.control()`: version and bucket plan; the buckets go to
+        the worker over the weight channel), then reset the prefix and encoder caches, computed
+        with the old weights. Returns the version received."""
         version, plan = source.control()
         self._rpc("receive_weights", version, sync.plan_to_plain(plan), source.partial)
         if not self.llm.reset_prefix_cache():
@@ -425,29 +358,19 @@ class VLLMEngine:
 
 
 def refuse_npu_nz(kind: str) -> None:
-    """vllm-ascend stores weights as FRACTAL_NZ unless VLLM_ASCEND_ENABLE_NZ=0 (its default 1 does
-    so for quantized weights, 2 for all): an update in the trainer's plain layout would then be
-    wrong without an error. Checked before vLLM starts (the worker checks the resolved mode)."""
+    """Before vLLM starts: vllm-ascend's FRACTAL_NZ weights (VLLM_ASCEND_ENABLE_NZ != 0) would
+    take a plain-layout update silently wrong (the worker checks the resolved mode too)."""
     if kind == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
         raise RuntimeError(f"VLLM_ASCEND_ENABLE_NZ={os.environ.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
                            "weight sync needs VLLM_ASCEND_ENABLE_NZ=0 (source launch/npu_env.sh)")
 
 
 class PartialReload(logging.Filter):
-    """A reload of only some tensors (`active`; LoRA syncs after the first) through vLLM 0.23's
-    layerwise reload: each layer that gets no weights keeps its own, with a warning per layer
-    per sync ("Failed to load weights", "weights were not loaded"), expected here and held back.
-    A layer that gets only PART of its weights is not fine: the reload refills the rest from
-    uninitialised memory (its "Delayed processing" debug message); that stops the sync naming
-    the layer (sync.py sends every sibling of an adapted layer, which vLLM fuses with it, so
-    this is a guard). Used as a context manager around the reload. The vocabulary layers are
-    exempt: each is one weight, padded to a multiple of 64 rows, so it always loads "in part"
-    (the padding rows, whose logits vLLM drops); they arrive whole or not at all (LoRA of the
-    output head, configs/tiny.toml)."""
+    """Context manager around a partial reload (`active`: LoRA syncs after the first): holds
+    back the per-layer "not loaded" warnings, and stops the sync naming any layer that got only
+    part of its weights (vocabulary layers exempt; docs/vllm.md, "Partial reloads")."""
 
     LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.gpu_model_runner")
-    # vLLM's vocabulary layers, matched as name suffixes: vllm-ascend builds its own subclasses
-    # (AscendParallelLMHead, AscendVocabParallelEmbedding)
     PADDED = ("ParallelLMHead", "VocabParallelEmbedding")
 
     def __init__(self, active: bool):
@@ -484,11 +407,8 @@ class PartialReload(logging.Filter):
 
 
 class VLLMWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in vLLM's worker process.
-
-    Its methods are called by name through `llm.collective_rpc`. `self.device`, `self.rank`,
-    `self.model_config` and `self.model_runner` are the worker's own.
-    """
+    """Mixed into vLLM's worker class (`worker_extension_cls`), called by name through
+    `collective_rpc`; `device`, `rank`, `model_config`, `model_runner` are the worker's."""
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
                          deadline_s: float | None = None) -> None:
@@ -513,14 +433,9 @@ class VLLMWorkerExtension:
                                    "VLLM_ASCEND_ENABLE_NZ=0 (Atlas 300I / 310P is not supported)")
 
     def receive_weights(self, version: int, plan: list, partial: bool = False) -> int:
-        """Receive every bucket of `plan` (plain data) and load it. Returns the tensor count.
-
-        Through vLLM's layerwise reload on every device (the path vLLM's own RL weight updates
-        take): it re-runs each layer's post-load processing (CPU: the oneDNN repack; NPU: the
-        weight layout; quantization), which a bare `load_weights` would skip. `partial` (LoRA:
-        only the tensors that change): the layers that get nothing keep their weights
-        (:class:`PartialReload`).
-        """
+        """Receive every bucket of `plan` (plain data) and load it through vLLM's layerwise
+        reload (which redoes each layer's post-load processing); `partial`: only some tensors
+        (:class:`PartialReload`). Returns the tensor count."""
         buckets = sync.plan_from_plain(plan)
         with torch.device(self.device), PartialReload(partial):
             self.model_runner.reload_weights(weights_iterator=self.weight_stream(buckets),
@@ -539,19 +454,10 @@ class VLLMWorkerExtension:
         return {"peak": self.receive_memory.peak, "now": self.receive_memory.now}
 
     def weight_stream(self, buckets: list):
-        """(HF name, tensor) of every bucket, received in order; each tensor is one the reload
-        owns, so what a sync adds outside vLLM's memory budget stays about two buckets.
-
-        The reload keeps a layer's tensors until the layer is complete (a layer can span buckets;
-        one that never completes, e.g. a padded vocabulary, until the end of the sync) and then
-        drops them. So a bucket of one tensor is received straight into memory of its own (the
-        reload then owns it, no copy), and a packed bucket (tensors under sync's solo size) into
-        one of two receive buffers reused for the whole sync, each of its tensors handed over as
-        a copy: an unfinished layer keeps its own bytes alive, never a whole bucket (views into a
-        fresh buffer per bucket kept each buffer alive until every layer in it was done). The
-        next bucket is received while this one loads: the other ring buffer, or its own memory.
-        `receive_memory` counts the bytes alive (weakref finalizers on the storages).
-        """
+        """(HF name, tensor) of every bucket, in order, the next received while one loads: a
+        one-tensor bucket into memory of its own, a packed one into one of two reused buffers,
+        handed over as copies, so a sync adds about two buckets (docs/vllm.md, "Memory a sync
+        adds"). `receive_memory` counts the bytes alive."""
         live = self.receive_memory = sync.LiveBytes()
         packed = [i for i, b in enumerate(buckets) if len(b) > 1]
         size = max((sync.bucket_size(buckets[i]) for i in packed), default=0)
