@@ -1,19 +1,8 @@
 """Objectives and response filters by name, each with its own `[loss]` keys.
 
-A part is one function registered with its keys beside it (default, range, a cross-key check):
-
-    @registry.objective("gmpo", keys={"clip_log": Key(0.4, "> 0")})
-    def gmpo(logprobs, old_logprobs, advantages, mask, p) -> loss.Term: ...   # p.clip_log
-
-    @registry.response_filter("max_gap", keys={"max_gap": Key(1.0, "> 0")}, needs=("logprobs",))
-    def max_gap(r, p) -> torch.Tensor: ...   # BoolTensor[N]: the responses to keep
-
-It lives in loss.py or in a module of the user's named in `loss.plugins` (a module name, found
-from the working folder too, or a path to a .py file), imported on every rank before the config
-is checked. A part's keys are written in `[loss]` like any other (`--loss.clip_log=0.3`); the
-config accepts them unchecked and :func:`check` checks each against the part that owns it, with
-a one-line ConfigError naming the key. The trainer names no part: it logs whatever per-token
-metrics a term returns, and what each filter removed (`train/filtered/<name>`).
+A part is one function registered (:func:`objective`, :func:`response_filter`) with its keys
+beside it, in loss.py or a `loss.plugins` module; the config accepts its keys unchecked and
+:func:`check` checks each against its owner. Example and rules: docs/loss.md.
 """
 from __future__ import annotations
 
@@ -76,11 +65,9 @@ def objective(name: str, keys: dict[str, Key] | None = None,
 
 def response_filter(name: str, keys: dict[str, Key] | None = None, needs: tuple = (),
                     check: Callable | None = None) -> Callable:
-    """Register ``fn(r, p) -> BoolTensor[N]`` (True: keep) as a name for `loss.filters`. `r` holds
-    every response of the step: `rewards` [N], `truncated` [N], `lengths` [N], `groups` [N], and
-    per response (a list of [T_i] tensors) `engine_logprobs`, plus what `needs` asks for
-    ("logprobs": the proximal policy's, "ref_logprobs": the reference's). It runs after the
-    proximal pass and before the loss denominators; a removed response leaves the loss."""
+    """Register ``fn(r, p) -> BoolTensor[N]`` (True: keep) for `loss.filters`. `r`: every response
+    of the step, `rewards`, `truncated`, `lengths`, `groups` [N], `engine_logprobs` (a list of
+    [T_i]), plus what `needs` asks for ("logprobs": the proximal policy's, "ref_logprobs")."""
     bad = sorted(set(needs) - set(NEEDS))
     if bad:
         raise ValueError(f"filter {name!r}: unknown needs {bad} (known: {', '.join(NEEDS)})")

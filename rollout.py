@@ -1,16 +1,7 @@
-"""Rollout: the `Episode` record and the inference engines that produce it.
-
-`Episode` is the only thing that crosses from generation to training. An engine turns prompts
-(token ids with one unexpanded image placeholder per image, plus PIL images) into G sampled
-responses each, with the generation-time logprob of every sampled token (convention in
-model.py). `rollout()` runs an engine on a step's problems and scores the responses with the
-reward functions: the trainer never calls a reward function. `rollout_refilled()` is DAPO's
-dynamic sampling on top of it: more prompts, in bounded rounds, until the share has enough
-groups whose rewards differ.
-
-Engines (`[rollout] engine`), each satisfying :class:`Engine`:
-- `hf`: :class:`HFEngine`, transformers `generate`, any device; what the CPU tests and demo use.
-- `vllm`: `vllm_engine.VLLMEngine`, vLLM / vllm-ascend in vLLM's own spawned processes.
+"""Rollout: the `Episode` record (the only thing that crosses from generation to training) and
+the engines (:class:`Engine`: :class:`HFEngine`, `vllm_engine.VLLMEngine`) that produce it.
+`rollout()` generates and scores a step's problems (the trainer never calls a reward function);
+`rollout_refilled()` adds DAPO's dynamic sampling.
 """
 from __future__ import annotations
 
@@ -81,11 +72,8 @@ class WeightSource(Protocol):
 
 class Engine(Protocol):
     """What the loop and the sync code need from an inference engine; nothing else is called."""
-    OWN_CHANNEL: bool  # True: bucket data reaches the engine's own processes over
-    #                    channel.open_channel (joined once with `join_weight_channel`); False: it
-    #                    arrives in this process over the torch sync group, and the engine also
-    #                    has `load_weights(named, adopt=False)` for a world of one (the sender
-    #                    hands it each bucket directly)
+    OWN_CHANNEL: bool  # True: buckets go over channel.open_channel (`join_weight_channel`);
+    #                    False: over the torch sync group, plus `load_weights` for a world of one
 
     def generate(self, prompts: list[Prompt], sp: "Sampling", seed: int) -> list[list["Completion"]]:
         """sp.n sampled responses per prompt (1 when greedy), with per-token logprobs."""
@@ -151,8 +139,7 @@ class HFEngine:
             counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
         rows = [I.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
         width = max(map(len, rows))
-        # Left padding: every row's last prompt token sits at the same column, so generated
-        # tokens line up; transformers derives positions (mRoPE) from the attention mask.
+        # left padding: generated tokens line up; positions (mRoPE) come from the mask
         ids = torch.tensor([[tk.pad] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         knobs = (dict(do_sample=False) if sp.greedy else
@@ -184,10 +171,8 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
-        """Copy `named` (checkpoint names, as sync.wire_pieces sends them: MoE experts one by
-        one) into the model, or with `adopt` make a whole tensor the model's storage (it must
-        outlive the model's use of it: sync.Receiver's buffers do, and later syncs then write
-        the new weights in place with no copy at all)."""
+        """Copy `named` (sync.wire_pieces' names) into the model, or with `adopt` make a whole
+        tensor the model's storage (it must outlive the model: sync.Receiver's buffers do)."""
         if not hasattr(self, "_targets"):
             params = list(self.model.named_parameters())
             self._targets = {name: (params[pos][1], index)
@@ -245,11 +230,8 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, t
 
 
 def refill_problems(pool: list, n: int, seed: int, round: int) -> list:
-    """The `n` problems of refill `round` (>= 1): distinct problems drawn from the whole split
-    `pool` by a seed made of exactly (`seed`, `round`), where `seed` is the step's sampling seed
-    (train.py: a function of run seed, step and generation rank), so a resumed run draws the
-    same ones. Independent of the step's own stream (data.step_problems), which it does not
-    advance; a refill problem may also appear there."""
+    """The `n` distinct problems of refill `round` (>= 1) from `pool`, seeded by exactly (`seed`,
+    `round`) (`seed`: the step's sampling seed), so a resumed run draws the same ones."""
     rng = random.Random(f"refill:{seed}:{round}")
     return [pool[i] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
 
@@ -264,17 +246,11 @@ def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sa
                      seed: int, refill: Refill) -> tuple[list[Episode], dict[str, float]]:
     """DAPO dynamic sampling: `len(problems)` groups whose rewards are not all equal.
 
-    `rounds = 0`: exactly :func:`rollout`. Else round 0 is :func:`rollout` on `problems` (same
-    seed: when every group already has reward variance the result is exactly `rollout`'s).
-    While fewer than `len(problems)` groups have non-zero variance (:func:`loss.zero_variance_groups`,
-    the rule the trainer's `keep_mask` applies) and fewer than `rounds` extra rounds have run,
-    round r rolls out `refill_problems(pool, len(problems), seed, r)` with sampling seed
-    `seed + r * 1_000_003`. The first `len(problems)` valid groups, in round order, are kept
-    and renumbered `group_offset + k`, so the exchange's sort by group stays consistent; surplus
-    groups are discarded. If the bound is hit first, the missing groups are the first
-    zero-variance ones, in round order: the trainer masks them out (train/dropped_groups) and
-    every share keeps its size. Stats: summed timings, `prompts` (drawn in all),
-    `refill_rounds` (extra rounds run).
+    Round 0 is :func:`rollout` (exactly it when `rounds = 0` or every group varies); round r
+    rolls out `refill_problems(pool, len(problems), seed, r)` with seed `seed + r * 1_000_003`.
+    The first valid groups in round order are kept, renumbered `group_offset + k`, padded with
+    zero-variance ones at the bound (docs/loss.md). Stats: summed timings, `prompts`,
+    `refill_rounds`.
     """
     if not refill.rounds:
         return rollout(engine, problems, procs, sp, template, scorer, version, group_offset, seed)

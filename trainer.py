@@ -1,15 +1,8 @@
 """The trainer ranks' side: the policy, its reference and optimizer (the update itself: update.py).
 
-- :class:`Trainer`: the record a trainer rank holds (policy sharded with FSDP2, optional frozen
-  reference, AdamW, LR schedule, weight sender); `None` on generation-only ranks. With LoRA
-  (`model.lora_rank > 0`) the policy is the frozen base plus adapters (lora.py), AdamW holds
-  the adapters only, and the reference is the policy with its adapters disabled.
-- :func:`build`: meta skeleton -> adapters (LoRA) -> FSDP2 -> rank 0's weights scattered.
-- :func:`mix_reference`: a reference that moves (`train.ref_update_every`, TRL's sync_ref_model).
-- :func:`lr_factor`: the LR schedule, stepped once per ROLLOUT step (after its updates), as in
-  verl and EasyR1, so `warmup_steps` counts the same steps as `run.steps` whatever
-  mini_batches x ppo_epochs is (TRL steps per optimizer step). `weight_version` advances by one
-  per rollout step.
+:class:`Trainer` is what a trainer rank holds (None on generation-only ranks); :func:`build`
+makes it (meta skeleton -> LoRA adapters -> FSDP2 -> rank 0's weights scattered). The LR
+schedule steps once per rollout step (docs/loss.md); the moving reference: docs/loss.md.
 """
 from __future__ import annotations
 
@@ -44,11 +37,9 @@ class Trainer:
 
 def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
           full=None) -> Trainer:
-    """Policy (FSDP2), optional reference, AdamW, LR schedule over `run.steps` rollout steps and
-    weight sender, from the run's config (`[model]`, `[train]`, `[loss]`, `[sync]`). `full`: the
-    model as trainer rank 0 loaded it (CPU, fp32; None on the other trainer ranks), scattered to
-    every trainer's shards (model.shard_from_rank0). With `model.lora_rank > 0`: adapters from
-    `run.seed` on the meta skeleton and `full` (wrapped in place) before FSDP, no reference copy."""
+    """The :class:`Trainer` from the run's config; `full`: the model as trainer rank 0 loaded it
+    (CPU, fp32; None elsewhere), scattered to every trainer's shards. With LoRA: adapters from
+    `run.seed` on the skeleton and `full` before FSDP, and no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
@@ -76,8 +67,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
-    # foreach: one kernel per group of tensors instead of one per tensor (torch's default on
-    # CUDA; on CPU bitwise the same result as the per-tensor loop, and ~15% faster)
+    # foreach: one kernel per group of tensors (on CPU bitwise the per-tensor result, ~15% faster)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=tc.lr,
                             betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
@@ -88,11 +78,9 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
 
 
 def load_checked(world, model_path: str, mc=None):
-    """Rank 0 loads the model on the CPU (every weight present, no other: model.load_model) and
-    keeps it for the trainers' shards (:func:`build`); every rank learns the verdict, so a folder
-    that does not hold the model's weights, or `[model]` (mc) LoRA targets that match none of
-    its linear layers (lora.lora_targets), stop the run with one line (ConfigError) before
-    anything is built. Collective over `world.ctrl`."""
+    """Rank 0 loads the model on the CPU (kept for :func:`build`) and checks `mc`'s LoRA targets;
+    collective over `world.ctrl`: every rank raises the same ModelError for a folder without the
+    model's weights or targets matching no linear layer."""
     full, problem = None, None
     if world.is_root:
         try:
@@ -137,13 +125,8 @@ def parameter_counts(tr: Trainer) -> dict[str, int]:
 
 
 def quiet_view_warning() -> None:
-    """Silence FSDP2's "returned a view tensor" UserWarning for this process.
-
-    Why harmless here: the view tensors it finds are the image encoder's per-image features
-    (`image_outputs`, split from one tensor) that transformers 5 returns beside the logits; this
-    project reads only `.logits` (not a view: the LM head's output) and never writes to an
-    output in place, which is the only way such a view loses FSDP's pre-backward hook. The fix
-    at the cause (not returning the features) is transformers' output class, not ours."""
+    """Silence FSDP2's "returned a view tensor" UserWarning for this process (harmless here:
+    docs/metrics.md, "Console")."""
     import warnings
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                             category=UserWarning)
@@ -161,12 +144,9 @@ def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
 
 
 def lr_factor(step: int, tc, total_steps: int) -> float:
-    """The LR multiplier at rollout step `step` (0-based; the schedule steps once per rollout
-    step): linear warm-up over `tc.warmup_steps` ((step + 1) / warmup), then
-    `tc.lr_schedule`: "constant" 1; "linear" from 1
-    down to `min_lr_ratio`; "cosine" half a cosine from 1 to `min_lr_ratio`; the decay runs over
-    the steps after the warm-up, t = (step - warmup) / (total - warmup), as transformers'
-    schedules do. A pure function of (step, config): a resumed run continues it exactly."""
+    """The LR multiplier at rollout step `step` (0-based): linear warm-up, then `tc.lr_schedule`
+    from 1 to `min_lr_ratio` over the steps after the warm-up, as transformers' schedules do. A
+    pure function of (step, config): a resumed run continues it exactly."""
     w = tc.warmup_steps
     if w and step < w:
         return (step + 1) / w
@@ -206,11 +186,9 @@ def apply_optimizer_config(tr: Trainer, tc, total_steps: int) -> dict[str, tuple
 
 @torch.no_grad()
 def mix_reference(ref, policy, alpha: float) -> None:
-    """TRL's sync_ref_model: `ref <- alpha * policy + (1 - alpha) * ref`, parameter by parameter
-    (TRL: `target.mul_(1 - alpha).add_(copy, alpha=alpha)`). Both are sharded by the same
-    `apply_fsdp` over the same mesh, so each rank mixes its own local shards elementwise, with
-    no communication. Every FSDP unit is resharded first: after a forward without backward the
-    root unit holds unsharded copies, which a mix would write into and the next reshard drop."""
+    """TRL's sync_ref_model: `ref <- alpha * policy + (1 - alpha) * ref` on each rank's local
+    shards (sharded alike: no communication). Every FSDP unit is resharded first: after a
+    forward without backward the root holds unsharded copies, which the next reshard drops."""
     reshard(ref)
     reshard(policy)
     pairs = zip(ref.named_parameters(), policy.named_parameters(), strict=True)
