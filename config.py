@@ -1,9 +1,6 @@
-"""The configuration: one dataclass tree, loaded from TOML, overridden from the command line.
-
-Precedence: dataclass defaults < the TOML file < `--section.key=value` arguments. Every field is
-documented where it is defined. An unknown section or key, or a value of the wrong type, is a
-one-line `ConfigError` naming the key; `validate()` checks the cross-field rules before any
-process group exists. The resolved tree is written to `<out_dir>/config.toml`.
+"""The configuration: one dataclass tree, defaults < TOML file < `--section.key=value`; every
+field is documented where it is defined. A bad key or value is a one-line `ConfigError`;
+`validate()` checks the cross-field rules before any process group exists.
 """
 from __future__ import annotations
 
@@ -160,18 +157,13 @@ class RolloutConfig:
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
-    # vllm: share a prompt's KV among its G samples. "auto": on, except for a model with
-    # linear-attention layers (families.py), where vLLM 0.23 caches the recurrent state only through
-    # its experimental mamba "align" mode (vllm_engine.prefix_caching says which, once at start).
+    # vllm: share a prompt's KV among its G samples; "auto": off for linear attention (docs/families.md)
     prefix_caching: str = "auto"             # auto | on | off
     # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
     # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
     start_timeout_s: float = num(900.0, "> 0")
-    # DAPO dynamic sampling (with loss.drop_zero_variance): while a generation rank has fewer than
-    # its share of groups with non-zero reward variance, it draws another share of prompts from a
-    # seeded stream (seed, step, round, rank), at most this many extra rounds; zero-variance groups
-    # are then not sent to the trainers. If the bound is hit, the share is filled with dropped
-    # groups, which the update masks out (train/dropped_groups). 0: no refill (they stay masked).
+    # DAPO dynamic sampling (loss.drop_zero_variance): at most this many extra rounds of prompts
+    # per step for groups whose rewards differ (docs/loss.md); 0: no refill (they stay masked)
     max_refill_rounds: int = num(4, ">= 0")
 
 
@@ -195,17 +187,13 @@ class TrainConfig:
     # > 0; refused at start for a model with linear-attention layers (state would cross sequences).
     packing: bool = False
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
-    # Several updates per rollout batch (verl ppo_mini_batch_size / ppo_epochs, TRL
-    # steps_per_generation / num_iterations, EasyR1 global_batch_size < rollout_batch_size): the
-    # step's episodes are split into mini_batches (each with its own global loss denominator),
-    # and ppo_epochs passes over them, in a seeded shuffled order, make mini_batches x ppo_epochs
-    # optimizer steps against logprobs computed once before the first. 1 x 1 = one step, ratio 1.
+    # Several updates per rollout batch (peers' names: docs/loss.md): the step's episodes split into
+    # mini_batches (each its own loss denominator), ppo_epochs seeded shuffled passes over them,
+    # mini_batches x ppo_epochs optimizer steps against logprobs computed once. 1 x 1 = one step.
     mini_batches: int = num(1, ">= 1")
     ppo_epochs: int = num(1, ">= 1")
-    # A reference that moves (TRL's sync_ref_model): every ref_update_every rollout steps, after
-    # the step's updates, ref <- ref_mix_alpha * policy + (1 - ref_mix_alpha) * ref, elementwise
-    # on each rank's shards (TRL counts optimizer steps; the same when mini_batches x ppo_epochs
-    # = 1). Needs loss.kl_coef > 0; the moved reference is saved in every checkpoint. 0: frozen.
+    # A reference that moves (TRL's sync_ref_model; docs/loss.md): every ref_update_every rollout
+    # steps ref <- ref_mix_alpha * policy + (1 - ref_mix_alpha) * ref. Needs loss.kl_coef > 0; 0: frozen.
     ref_update_every: int = num(0, ">= 0")
     ref_mix_alpha: float = num(0.6, "(0, 1]")  # TRL's ref_model_mixup_alpha (its default 0.6)
 
@@ -223,9 +211,7 @@ class LossConfig:
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
     kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
-    # KL in the reward (verl's use_kl_in_reward) instead of a loss term: each response's reward
-    # becomes r - kl_coef x its summed KL (proximal vs reference, kl_estimator; verl's default is
-    # k1) before the advantages.
+    # KL in the reward (verl's use_kl_in_reward) instead of a loss term: r - kl_coef x summed KL
     kl_in_reward: bool = False
     # Adaptive coefficient (verl's / OpenRLHF's AdaptiveKLController), from kl_coef towards this
     # KL per token, over a horizon counted in responses; kl_target 0: fixed coefficient.

@@ -15,13 +15,9 @@ from errors import ConfigError
 
 def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
                        count: int | None = None) -> list[list[int]]:
-    """Group sequence indices into micro-batches.
-
-    `max_tokens > 0`: sort by length and fill each micro-batch while (sequences x longest) stays
-    within the budget (less padding than fixed-size chunks); else chunks of `max_seqs` in order.
-    `count`: split the largest micro-batches until there are `count` of them, because every
-    trainer rank must run the same number of forward/backward passes (FSDP collectives).
-    """
+    """Group sequence indices into micro-batches: `max_tokens > 0`, by length while (sequences x
+    longest) fits the budget; else chunks of `max_seqs` in order. `count`: split the largest
+    until there are that many (every trainer rank runs the same number: FSDP collectives)."""
     if max_tokens > 0:
         mbs: list[list[int]] = [[]]
         for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
@@ -95,14 +91,10 @@ def sequence_tokens(episodes: list, members: list[int], images: Mapping[int, Any
 
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
                tc, count: int | None = None) -> list[list[int]]:
-    """This rank's micro-batches over its episodes `idx` (positions into `idx`).
-
-    With `train.packing`, the sequences (:func:`_units`) first-fit into rows no wider than the
-    longest, and each micro-batch takes as many rows as `micro_batch_tokens` slots hold. With
-    `train.share_prompt` and a token budget, the units are the runs of consecutive episodes of
-    one prompt (a packed row: prompt once + every response) so the budget counts what is really
-    computed; else each episode is a unit (prompt + response). Fixed-size micro-batches take the
-    episodes in order, so G-aligned sizes keep each group in one packed row."""
+    """This rank's micro-batches over its episodes `idx` (positions into `idx`). With
+    `train.packing` the sequences (:func:`_units`) first-fit into rows no wider than the longest,
+    `micro_batch_tokens` slots a micro-batch; with `share_prompt` and a token budget the units
+    are a prompt's runs (what is really computed); else each episode, fixed-size in order."""
     share = shares_prompt(tc, procs)
     if tc.packing:
         units, lengths = _units(episodes, idx, images, procs, share)
