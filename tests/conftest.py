@@ -59,6 +59,29 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def gloo_world():
+    """A gloo world of one (rank 0 of 1) for the module's tests, as `python train.py` starts it:
+    `dist.group.WORLD`, destroyed after the module's last test. A test that needs a group of its
+    own (a fresh store, its own variables) starts one itself, in a module that does not use this."""
+    import torch.distributed as dist
+
+    from world import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank_world(gloo_world):
+    """world.World of that world of one: one trainer that is also the generation rank (FSDP2 over
+    one rank, its control and training groups the whole world)."""
+    import world as W
+    return W.World(0, 1, 0, (0,), (0,), gloo_world, gloo_world, None)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _transformers_config_registry():
     """vLLM's ModelConfig registers its own config classes with transformers' AutoConfig for the

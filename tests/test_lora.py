@@ -23,18 +23,9 @@ import rollout as R
 import sync as S
 import synthetic
 import trainer as T
-from tests.util import CheckpointCounter, free_port
+from tests.util import CheckpointCounter
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def world():
-    """A gloo world of one, as `python train.py` makes it (FSDP2 over one rank)."""
-    import world as W
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield W.World(0, 1, 0, (0,), (0,), dist.group.WORLD, dist.group.WORLD, None)
-    dist.destroy_process_group()
 
 
 def _mc(**kw) -> C.ModelConfig:
@@ -125,20 +116,20 @@ def test_bad_lora_keys_are_config_errors_naming_the_key(override, msg):
         C.load(None, override)
 
 
-def test_targets_that_match_nothing_stop_the_run_before_anything_is_built(world, tiny_dir):
+def test_targets_that_match_nothing_stop_the_run_before_anything_is_built(one_rank_world, tiny_dir):
     mc = _mc(lora_target_modules=["attn.q"])
     with pytest.raises(C.ConfigError, match="model.lora_target_modules: 'attn.q' matches no"):
-        T.load_checked(world, tiny_dir("qwen3"), mc)
+        T.load_checked(one_rank_world, tiny_dir("qwen3"), mc)
 
 
 # ----------------------------------------------------------------------------- training
 @pytest.mark.parametrize("kind, targets", [   # a VLM, a text-only family, the VLM's head too
     ("qwen2_5_vl", "all-linear"), ("qwen3", "all-linear"), ("qwen2_5_vl", ["all-linear", "lm_head"])])
-def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(world, tiny_dir, kind,
-                                                                              targets):
+def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(one_rank_world, tiny_dir,
+                                                                              kind, targets):
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    tr = T.build(path, world, CPU, C.Config(model=_mc(lora_target_modules=targets),
+    tr = T.build(path, one_rank_world, CPU, C.Config(model=_mc(lora_target_modules=targets),
                                             train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)))
     # no reference copy: the parameters held are the policy's (base + adapters)
     counts = T.parameter_counts(tr)
@@ -173,7 +164,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
     assert any(len(t.parts) == 3 and t.changes for t in head) == (targets != "all-linear")
     later = tr.sender.send(2, sink=engine.load_weights)
     assert 0 < later < first
-    assert S.verify(world, tr.policy, engine, "float32")
+    assert S.verify(one_rank_world, tr.policy, engine, "float32")
     with torch.no_grad():
         lp_engine, _ = M.sequence_logprobs(engine.model, batch, procs.tokens, 1.0)
     m = batch["response_mask"].bool()
@@ -181,20 +172,21 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(wo
     assert float((lp_engine - lp_base)[m].abs().max()) > 1e-2  # it is the adapted policy
 
 
-def test_without_lora_the_kl_reference_is_a_second_copy(world, tiny_dir):
+def test_without_lora_the_kl_reference_is_a_second_copy(one_rank_world, tiny_dir):
     path = tiny_dir("qwen3")
-    tr = T.build(path, world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)))
     counts = T.parameter_counts(tr)
     assert tr.ref is not None and counts["held"] == 2 * counts["total"]
     assert counts["trainable"] == counts["total"] and len(tr.sender.plans) == 1
 
 
-def test_mixed_precision_and_checkpointing_over_the_frozen_base(world, tiny_dir):
+def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, tiny_dir):
     """FSDP2 with bf16 compute and activation checkpointing, as without LoRA: every decoder layer
     and vision block recomputed in backward, gradients on the adapters only, fp32 masters."""
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    tr = T.build(path, world, CPU, C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)))
+    tr = T.build(path, one_rank_world, CPU,
+                 C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)))
     count = CheckpointCounter(tr.policy)
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
@@ -205,18 +197,18 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(world, tiny_dir)
         assert p.dtype == torch.float32 and (p.grad is not None) == (".lora_" in n), n
 
 
-def test_startup_summary_says_trainable_total_and_optimizer_state(world, tiny_dir):
+def test_startup_summary_says_trainable_total_and_optimizer_state(one_rank_world, tiny_dir):
     import tracking
     path = tiny_dir("qwen3")
     cfg = C.load(None, ["--model.lora_rank=8", "--model.lora_alpha=32"])
-    tr = T.build(path, world, CPU, cfg)
+    tr = T.build(path, one_rank_world, CPU, cfg)
     counts = T.parameter_counts(tr)
     plan = {"progress": SimpleNamespace(step=0, version=0), "path": None}
     text = tracking.startup_summary(cfg, ["trainer"], "cpu", counts, 8, 0, 0, plan, "defaults")
     want = (f"({counts['total'] / 1e6:.2f}M parameters, {counts['trainable'] / 1e6:.3g}M trainable "
             f"(LoRA rank 8, alpha 32), AdamW state {counts['optimizer_bytes'] / 2**20:.3g} MiB;")
     assert want in text and counts["optimizer_bytes"] == 8 * counts["trainable"]
-    full = T.build(path, world, CPU, C.Config())
+    full = T.build(path, one_rank_world, CPU, C.Config())
     text = tracking.startup_summary(C.load(None), ["trainer"], "cpu", T.parameter_counts(full),
                                     8, 0, 0, plan, "defaults")
     assert "M parameters, all trainable, AdamW state" in text
@@ -282,12 +274,12 @@ def _save(tr, procs, path: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3", "qwen3_moe"])  # VLM; tied head; MoE layout
-def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_peft(world, tiny_dir,
-                                                                                   tmp_path, kind):
+def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_peft(one_rank_world,
+                                                                                   tiny_dir, tmp_path, kind):
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
-    tr = T.build(path, world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)))
     eps, images = _episodes(path, procs)
     _update(tr, I.collate(eps, images, procs, CPU), procs.tokens, kl=False)
     folder = _save(tr, procs, path, tmp_path / "checkpoints")
@@ -328,7 +320,8 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
     assert model_keys and all(".lora_" in k for k in model_keys)
 
 
-def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(world, tiny_dir, tmp_path):
+def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(one_rank_world, tiny_dir,
+                                                                          tmp_path):
     path = tiny_dir("qwen3")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     eps, images = _episodes(path, procs)
@@ -337,7 +330,7 @@ def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(world,
     def trainer(seed):
         cfg = C.Config(run=C.RunConfig(seed=seed), model=_mc(), train=C.TrainConfig(lr=1e-2),
                        loss=C.LossConfig(kl_coef=0.1))
-        return T.build(path, world, CPU, cfg)
+        return T.build(path, one_rank_world, CPU, cfg)
     a = trainer(0)
     _update(a, batch, procs.tokens)
     a.sched.step()

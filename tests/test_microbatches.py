@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import data
 import families as F
@@ -18,7 +18,6 @@ import rollout as R
 import synthetic
 import trainer as T
 import update as U
-from tests.util import free_port
 from train import load_config
 
 
@@ -43,56 +42,51 @@ def test_padding_is_reduced_by_length_grouping():
         pad(MB.plan_micro_batches(lengths, 2)) / 4
 
 
-def test_accumulated_gradient_equals_full_batch(tmp_path):
-    from torch.distributed.device_mesh import DeviceMesh
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        path = str(F.build_tiny(tmp_path / "tiny"))
-        procs = I.load_processors(path, 56 * 56, 112 * 112)
-        engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
-        problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
-                   for i, p in enumerate(problems)]
-        out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
-        eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
-                         c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-        images = {p.index: p.images for p in problems}
-        policy = M.load_model(path)
-        M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-        tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
-        adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
-        keep = torch.ones(len(eps), dtype=torch.bool)
-        denom = sum(len(e.response_ids) for e in eps)
+def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
+    path = str(F.build_tiny(tmp_path / "tiny"))
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    problems = synthetic.make_synthetic(4, seed=3)
+    prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
+               for i, p in enumerate(problems)]
+    out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
+    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
+                     c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    images = {p.index: p.images for p in problems}
+    policy = M.load_model(path)
+    M.apply_fsdp(policy, DeviceMesh.from_group(gloo_world, "cpu"))
+    tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
+    adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
+    keep = torch.ones(len(eps), dtype=torch.bool)
+    denom = sum(len(e.response_ids) for e in eps)
 
-        world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
+    world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=gloo_world)
 
-        def grads(over: list[str]):
-            cfg = load_config(None, over + ["--loss.kl_coef=0", "--rollout.max_new_tokens=12"])
-            policy.zero_grad(set_to_none=True)
-            idx = list(range(len(eps)))
-            step = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images,
-                          keep=keep, adv=adv, kl_coef=0.0)
-            plan = MB.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
-            stats = U.accumulate_gradients(step, U.Update(idx, plan, denom))
-            return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
+    def grads(over: list[str]):
+        cfg = load_config(None, over + ["--loss.kl_coef=0", "--rollout.max_new_tokens=12"])
+        policy.zero_grad(set_to_none=True)
+        idx = list(range(len(eps)))
+        step = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images,
+                      keep=keep, adv=adv, kl_coef=0.0)
+        plan = MB.agree_plans([idx], eps, images, procs, cfg.train, gloo_world)[0]
+        stats = U.accumulate_gradients(step, U.Update(idx, plan, denom))
+        return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
 
-        flat = "--train.share_prompt=false"
-        full, s_full = grads(["--train.micro_batch_size=16", flat])
-        budget, s_budget = grads(["--train.micro_batch_tokens=600", flat])
-        small, _ = grads(["--train.micro_batch_size=3", flat])
-        assert s_full["micro_batches"] == 1 and s_budget["micro_batches"] > 2
-        assert s_budget["slots"] < s_full["slots"]                 # less padding
-        # packed rows (one per prompt, its 4 responses after it): the same gradient, and in
-        # every layout: whole groups, groups split by small micro-batches, a token budget
-        packed, s_packed = grads(["--train.micro_batch_size=16"])
-        p_small, _ = grads(["--train.micro_batch_size=3"])
-        p_budget, s_pbudget = grads(["--train.micro_batch_tokens=900"])
-        assert s_packed["micro_batches"] == 1 and s_pbudget["micro_batches"] >= 2
-        assert s_packed["slots"] < s_full["slots"] / 2             # the prompts encoded once per group
-        assert s_packed["episode_tokens"] == s_full["episode_tokens"] == s_full["tokens"]
-        for a, *others in zip(full, budget, small, packed, p_small, p_budget):
-            for b in others:
-                assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
-        assert any(a.abs().sum() > 0 for a in full)
-    finally:
-        dist.destroy_process_group()
+    flat = "--train.share_prompt=false"
+    full, s_full = grads(["--train.micro_batch_size=16", flat])
+    budget, s_budget = grads(["--train.micro_batch_tokens=600", flat])
+    small, _ = grads(["--train.micro_batch_size=3", flat])
+    assert s_full["micro_batches"] == 1 and s_budget["micro_batches"] > 2
+    assert s_budget["slots"] < s_full["slots"]                 # less padding
+    # packed rows (one per prompt, its 4 responses after it): the same gradient, and in
+    # every layout: whole groups, groups split by small micro-batches, a token budget
+    packed, s_packed = grads(["--train.micro_batch_size=16"])
+    p_small, _ = grads(["--train.micro_batch_size=3"])
+    p_budget, s_pbudget = grads(["--train.micro_batch_tokens=900"])
+    assert s_packed["micro_batches"] == 1 and s_pbudget["micro_batches"] >= 2
+    assert s_packed["slots"] < s_full["slots"] / 2             # the prompts encoded once per group
+    assert s_packed["episode_tokens"] == s_full["episode_tokens"] == s_full["tokens"]
+    for a, *others in zip(full, budget, small, packed, p_small, p_budget):
+        for b in others:
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(a.abs().sum() > 0 for a in full)

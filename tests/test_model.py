@@ -138,20 +138,6 @@ def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny,
 
 
 # --------------------------------------------------------------------- activation checkpointing
-@pytest.fixture
-def one_rank_world(tmp_path):
-    """A gloo world of one, as `python train.py` makes it (FSDP2 over one rank)."""
-    import torch.distributed as dist
-
-    import world as W
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    try:
-        yield W.World(0, 1, 0, (0,), (0,), dist.group.WORLD, dist.group.WORLD, None)
-    finally:
-        dist.destroy_process_group()
-
-
 def _batch(tiny, n: int = 2):
     path, procs = tiny
     tokens = procs.tokens

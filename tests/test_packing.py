@@ -20,19 +20,12 @@ import rollout as R
 import synthetic
 import update as U
 from errors import ConfigError
-from tests.util import TINY, free_port, metrics, torchrun
+from tests.util import TINY, metrics, torchrun
 from train import load_config
 
 CPU = torch.device("cpu")
 PACKING = [f for f, fam in F.FAMILIES.items() if not fam.linear_attention]
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-@pytest.fixture(scope="module")
-def group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 LONG = 300  # one response this long: rows as wide as it hold several of the others
@@ -87,7 +80,7 @@ def _compare(policy, ref, procs, eps, images, over):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", PACKING)
-def test_packed_rows_give_the_loss_and_gradient_of_unpacked_rows(family, tiny_dir, group):
+def test_packed_rows_give_the_loss_and_gradient_of_unpacked_rows(family, tiny_dir, gloo_world):
     path = tiny_dir(family)
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     policy = M.load_model(path)
@@ -104,7 +97,7 @@ def test_packed_rows_give_the_loss_and_gradient_of_unpacked_rows(family, tiny_di
 
 
 @pytest.mark.slow
-def test_packed_rows_with_lora(tiny_dir, group):
+def test_packed_rows_with_lora(tiny_dir, gloo_world):
     path = tiny_dir("qwen2_5_vl")
     procs, eps, images = _episodes(path, True)
     cfg = load_config(None, ["--model.lora_rank=4"])
@@ -128,7 +121,7 @@ def test_plan_fills_rows_to_the_longest_and_ranks_balance_by_tokens():
     assert [len(p) for p in parts] == [32, 32] and max(loads) / (sum(loads) / 2) <= 1.05
 
 
-def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, group):
+def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
@@ -176,7 +169,7 @@ def test_demo_learns_with_packing_and_two_trainer_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
-def test_varlen_rows_need_no_mask(family, tiny_dir, group):
+def test_varlen_rows_need_no_mask(family, tiny_dir, gloo_world):
     """The accelerators' layout (device.Device.packed_attention = "varlen"): every sequence of a
     micro-batch in one row with no mask, positions restarting per sequence (with the text row a
     VL model finds packed sequences by); transformers' SDPA finds them the same way on the CPU,

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 import checkpoint as ckpt
 import failures
-from tests.util import free_port
 
 
 class _Saves:
@@ -30,10 +29,8 @@ class _Saves:
 
 
 @pytest.fixture
-def world():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield SimpleNamespace(is_root=True, ctrl=dist.group.WORLD)
-    dist.destroy_process_group()
+def world(gloo_world):
+    yield SimpleNamespace(is_root=True, ctrl=gloo_world)
     while ckpt._HELD:
         ckpt._HELD.pop().close()
 
