@@ -1,4 +1,5 @@
-"""The Geometry3K verifier: the case set, hand-checked rules, bounds on work, the reward."""
+"""The Geometry3K verifier (rewards/geometry.py): the case set, hand-checked rules, bounds on work,
+the reward."""
 from __future__ import annotations
 
 import concurrent.futures as cf
