@@ -2,6 +2,7 @@
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,6 +81,33 @@ def one_rank_world(gloo_world):
     one rank, its control and training groups the whole world)."""
     import world as W
     return W.World(0, 1, 0, (0,), (0,), gloo_world, gloo_world, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_step(gloo_world, tiny_dir, tmp_path_factory):
+    """One rollout step for update.train_step in a world of one trainer: the tiny Qwen2.5-VL model
+    (`path`, `procs`), 4 synthetic prompts x 4 responses the HF engine sampled (`eps`: at most 10
+    tokens, reward = length % 3; their `images`), the trainers' `world` and FSDP2 `mesh` over
+    gloo_world, and a scratch folder `tmp`. tests/util.py's make_trainer and run_step take it."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import data
+    import inputs as I
+    import rollout as R
+    import synthetic
+    path = tiny_dir("qwen2_5_vl")
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    problems = synthetic.make_synthetic(4, seed=3)
+    prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
+    out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
+    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
+                     c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=gloo_world)
+    return SimpleNamespace(path=path, procs=procs, eps=eps, images={p.index: p.images for p in problems},
+                           world=world, mesh=DeviceMesh.from_group(gloo_world, "cpu"),
+                           tmp=tmp_path_factory.mktemp("ck"))
 
 
 @pytest.fixture(autouse=True, scope="module")

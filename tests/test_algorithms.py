@@ -24,9 +24,6 @@ import config as C
 from train import load_config  # config.load + the checks of the modules config.py does not import
 import world as W
 import rollout as R
-import microbatches as MB
-import trainer as T
-import update as U
 from loss import (OBJECTIVES, group_advantages, kl_penalty, local_denominator, policy_loss,
                   zero_variance_groups)
 from tests.util import ROOT, TINY, env, metrics, train_py
@@ -392,17 +389,6 @@ def test_objectives_registry_and_config_rules():
             W.validate_world(load_config(TINY[1], [f"--train.mini_batches={m}"]), 3)
 
 
-# --------------------------------------------------------------------------- mini-batch order
-def test_update_order_is_seeded_by_seed_step_epoch_only():
-    a = [U.update_order(8, 0, 5, e) for e in range(4)]
-    assert all(sorted(o) == list(range(8)) for o in a)
-    assert a == [U.update_order(8, 0, 5, e) for e in range(4)]        # every rank, a resumed run
-    assert len({tuple(o) for o in a}) > 1                             # reshuffled per epoch
-    assert len({tuple(U.update_order(8, 0, s, 0)) for s in range(5)}) > 1     # and per step
-    assert len({tuple(U.update_order(8, s, 5, 0)) for s in range(5)}) > 1     # and per run seed
-    assert U.update_order(1, 3, 7, 2) == [0]
-
-
 # --------------------------------------------------------------------------- DAPO refill
 G = 4
 
@@ -531,69 +517,6 @@ def test_refill_in_a_run_draws_more_and_stops_at_its_bound(tmp_path):
             assert r["train/dropped_groups"] == 0, r
 
 
-# --------------------------------------------------------------------------- the trainer, one process
-def test_train_step_several_updates_in_one_process(tmp_path):
-    """A world of one trainer: the proximal pass equals the training forward bit for bit (so the
-    first update's ratio is exactly 1), M = E = 1 keeps ratio 1 and no clipping, and M = 2,
-    E = 2 makes four optimizer steps whose later ratios move and get clipped."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    import data
-    import families as F
-    import inputs as I
-    import model as M
-    import synthetic
-    from tests.util import free_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        path = str(F.build_tiny(tmp_path / "tiny"))
-        procs = I.load_processors(path, 56 * 56, 112 * 112)
-        tokens = procs.tokens
-        engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
-        problems = synthetic.make_synthetic(4, seed=3)
-        prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
-        out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
-        eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
-                         c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-        images = {p.index: p.images for p in problems}
-        world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
-
-        def run(over):
-            cfg = load_config(None, ["--loss.kl_coef=0", "--rollout.max_new_tokens=10", *over])
-            policy = M.load_model(path)
-            M.apply_fsdp(policy, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-            opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-            tr = T.Trainer(policy, None, opt, sched, None, torch.device("cpu"))
-            return tr, cfg, U.train_step(tr, eps, images, world=world, procs=procs, tc=cfg.train,
-                                         lc=cfg.loss, rc=cfg.rollout, step=0)[0]
-
-        tr, cfg, one = run([])
-        assert one["train/updates"] == 1 and one["train/ratio_mean"] == 1.0
-        assert one["train/clip_frac_low"] == 0 == one["train/clip_frac_high"]
-
-        # no-grad proximal pass == the training forward, bit for bit
-        idx = list(range(8))
-        plan = MB.agree_plans([idx], eps, images, procs, cfg.train, dist.group.WORLD)[0]
-        prox = U.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
-                                   temperature=1.0)
-        for (old, _, _), mb in zip(prox, plan):
-            batch = I.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
-                              procs, torch.device("cpu"), share_prompt=cfg.train.share_prompt)
-            lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
-            assert torch.equal(lp.detach(), old)
-
-        _, _, four = run(["--train.mini_batches=2", "--train.ppo_epochs=2", "--train.lr=0.05",
-                          "--train.micro_batch_size=3"])
-        assert four["train/updates"] == 4 and four["train/skipped"] == 0
-        assert four["train/approx_kl"] > 0 and four["train/ratio_mean"] != 1.0
-        assert four["train/clip_frac_low"] + four["train/clip_frac_high"] > 0, four
-        assert four["train/micro_batches"] == 4 * 3          # 8 episodes per mini-batch, 3 a pass
-    finally:
-        dist.destroy_process_group()
-
-
 def test_easyr1_recipe_dry_run():
     e = env()
     e["GRPO_DEVICE"] = "cuda"
@@ -715,7 +638,7 @@ def test_entropy_bonus_hand_value_and_gradient():
 def test_a_new_objective_is_one_function_with_its_own_key(monkeypatch):
     """The fork's whole change: one registered function with its key beside it. Config loading,
     checking and policy_loss then take it as it is (no edit to config.py);
-    tests/test_trainer_options.py runs it through trainer.train_step, tests/test_train.py from a
+    tests/test_update.py runs it through update.train_step, tests/test_train.py from a
     plugin module outside the project."""
     import loss as L
     import registry

@@ -1,7 +1,6 @@
 """Bucket plan, pack/unpack round trip, and the Sender/Receiver pair over a real gloo group."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import lora

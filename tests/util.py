@@ -151,6 +151,51 @@ def skip_without_vllm_under_compat_pins() -> None:
         pytest.skip(f"no vLLM under the compat pin set {pins!r} (launch/compat.py installs none)")
 
 
+# ------------------------------------------------------------- update.train_step in one process
+# On conftest's `tiny_step` (the tiny model's sampled step in a world of one trainer): the tests of
+# tests/test_update.py and tests/test_trainer.py.
+def step_config(over: list[str]):
+    """The run's config for a tiny_step update: the defaults, the episodes' 10 new tokens, `over`."""
+    from train import load_config
+    return load_config(None, ["--rollout.max_new_tokens=10", *over])
+
+
+def make_trainer(s, cfg, ref_noise: float | None = None):
+    """A trainer.Trainer for tiny_step `s`: the tiny policy under FSDP2, AdamW and the run's LR
+    schedule; with `ref_noise`, a reference that differs from the policy (Gaussian noise of that
+    scale, seeded), so the KL is not 0."""
+    import torch
+
+    import model as M
+    import trainer as T
+    T.quiet_view_warning()  # as trainer.build does (pytest resets warning filters per test)
+    policy = M.apply_fsdp(M.load_model(s.path), s.mesh)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: T.lr_factor(k, cfg.train, cfg.run.steps))
+    ref = None
+    if ref_noise is not None:
+        ref = M.load_model(s.path)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(ref_noise * torch.randn(p.shape, generator=g))
+        ref = M.apply_fsdp(ref.eval(), s.mesh)
+        ref.requires_grad_(False)
+    return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"))
+
+
+def run_step(s, tr, cfg, eps=None, k: int = 0):
+    """update.train_step of tiny_step `s`'s episodes (or `eps`) as step `k`: (metrics, advantages)."""
+    import update as U
+    return U.train_step(tr, eps or s.eps, s.images, world=s.world, procs=s.procs, tc=cfg.train,
+                        lc=cfg.loss, rc=cfg.rollout, step=k)
+
+
+def full_params(module) -> dict:
+    """Every parameter of an FSDP2 module, gathered whole and copied: {name: tensor}."""
+    return {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
+
+
 class CheckpointCounter:
     """Activation checkpointing at work, counted: `calls` is the number of layer forwards that went
     through the checkpoint function, `recomputes` the number of those the backward ran again
