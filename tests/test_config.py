@@ -1,11 +1,13 @@
 """Config: TOML + overrides, one-line errors naming the key, resolved config round trip."""
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
 
 import config as C
+from loss import OBJECTIVES
 from train import load_config  # config.load + the checks of the modules config.py does not import
 import world as W
 from tests.util import ROOT
@@ -137,3 +139,46 @@ def test_device_aware_world_rules(monkeypatch):
     W.validate_world(vllm, 3, "cuda")
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "100")  # tiny.toml: cluster.timeout_s = 120
     W.validate_world(vllm, 3, "npu")
+
+
+# --------------------------------------------------------------------------- the algorithms' keys
+def test_objectives_registry_and_config_rules():
+    assert {"ppo", "gspo", "cispo"} <= set(OBJECTIVES)   # the built-ins (plugins add more)
+    cfg = load_config(TINY, ["--loss.objective=gspo", "--loss.advantage=rloo", "--loss.kl_clamp=10",
+                            "--train.mini_batches=2", "--train.ppo_epochs=3",
+                            "--rollout.max_refill_rounds=0"])
+    assert (cfg.loss.objective, cfg.loss.advantage, cfg.loss.kl_clamp) == ("gspo", "rloo", 10.0)
+    assert (cfg.train.mini_batches, cfg.train.ppo_epochs, cfg.rollout.max_refill_rounds) == (2, 3, 0)
+    for over, msg in [("--loss.objective=dpo", "loss.objective: unknown 'dpo'"),
+                      ("--loss.advantage=gae", "loss.advantage: unknown 'gae'"),
+                      ("--loss.kl_clamp=-1", "loss.kl_clamp must be >= 0"),
+                      ("--train.mini_batches=0", "train.mini_batches must be >= 1"),
+                      ("--train.ppo_epochs=0", "train.ppo_epochs must be >= 1"),
+                      ("--rollout.max_refill_rounds=-1", "rollout.max_refill_rounds must be >= 0")]:
+        with pytest.raises(C.ConfigError, match=msg.replace("(", r"\(")):
+            load_config(TINY, [over])
+    # tiny: 4 prompts x 4 samples = 16 episodes over 2 trainers: 8 mini-batches of 1 per rank
+    # work, 3 do not (16 % 6), 16 do not (16 % 32)
+    W.validate_world(load_config(TINY, ["--train.mini_batches=8"]), 3)
+    for m in (3, 16):
+        with pytest.raises(C.ConfigError, match=f"train.mini_batches={m}"):
+            W.validate_world(load_config(TINY, [f"--train.mini_batches={m}"]), 3)
+
+
+def test_kl_and_dual_clip_config_rules():
+    for over, msg in [("--loss.clip_dual=1.0", "loss.clip_dual must be > 1"),
+                      ("--loss.objective=gspo --loss.clip_dual=3",
+                       "loss.clip_dual: a key of objective 'ppo', not of the selected objective 'gspo'"),
+                      ("--loss.clip_duall=3", "unknown config key loss.clip_duall"),
+                      ("--loss.clip_dual=x", "loss.clip_dual: expected float, got 'x'"),
+                      ("--loss.kl_in_reward=true", "loss.kl_in_reward needs loss.kl_coef > 0"),
+                      ("--loss.kl_target=0.1", "loss.kl_target needs loss.kl_coef > 0"),
+                      ("--train.ref_update_every=4", "train.ref_update_every needs loss.kl_coef"),
+                      ("--train.ref_mix_alpha=0", "train.ref_mix_alpha must be in (0, 1]"),
+                      ("--loss.entropy_coef=-1", "loss.entropy_coef must be >= 0")]:
+        with pytest.raises(C.ConfigError, match=re.escape(msg)):
+            load_config(TINY, over.split())
+    cfg = load_config(TINY, ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_target=0.1",
+                            "--train.ref_update_every=8", "--loss.clip_dual=3",
+                            "--loss.entropy_coef=0.001"])
+    assert (cfg.loss.kl_horizon, cfg.train.ref_mix_alpha) == (10000, 0.6)

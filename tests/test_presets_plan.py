@@ -1,7 +1,9 @@
-"""Loss presets run in the demo; the reference configs' dry runs print the rank plan."""
+"""Loss presets run in the demo (GRPO, Dr. GRPO, DAPO, GSPO, CISPO; DAPO's refill in a run); the
+reference configs' dry runs print the rank plan (the EasyR1 recipe's too)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -9,6 +11,7 @@ import config as C
 import errors
 import world as W
 from tests.util import ROOT, TINY, env, metrics, train_py
+from train import load_config  # config.load + the checks of the modules config.py does not import
 
 
 @pytest.mark.slow
@@ -29,6 +32,53 @@ def test_demo_runs_with_each_preset(tmp_path, preset):
         assert "reward/overlong" in rows[0] and "train/dropped_groups" in rows[0]
 
 
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gspo", "cispo"])
+def test_demo_runs_with_gspo_and_cispo_presets(tmp_path, preset):
+    p = train_py([*TINY, "--config", str(ROOT / "configs" / "presets" / f"{preset}.toml"), *TOY,
+                  f"--run.out_dir={tmp_path}", "--run.steps=3", "--run.keep_last=0",
+                  "--train.mini_batches=2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 3 and all(r["train/updates"] == 2 for r in rows)
+    assert f'objective = "{preset}"' in (tmp_path / "config.toml").read_text()
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def ok(p):
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+@pytest.mark.slow
+def test_refill_in_a_run_draws_more_and_stops_at_its_bound(tmp_path):
+    # A reward that is 0 for every response (responses are decoded without special tokens, so a
+    # special token is never counted): every group has zero variance, so every step runs all its
+    # refill rounds, then trains on nothing (all groups masked, counted as dropped).
+    zero = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<|im_start|>"}]']
+    # (a world of one: the engine's refill rounds do not depend on the ranks; the 3-rank
+    # exact-resume run of tests/test_checkpoint.py runs refill across ranks)
+    ok(train_py([*TINY, *zero, f"--run.out_dir={tmp_path / 'zero'}", "--run.steps=2",
+                 "--run.keep_last=0", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=2"]))
+    for r in metrics(tmp_path / "zero"):
+        assert r["rollout/refill_rounds"] == 2 and r["rollout/prompts_drawn"] == 4 * 3
+        assert r["train/dropped_groups"] == 4 and r["loss"] == 0.0
+    # The toy reward: early groups are mostly all-zero, so refill draws more prompts; whenever it
+    # stopped before its bound, every group that reached the trainers had reward variance.
+    ok(train_py([*TINY, *TOY, f"--run.out_dir={tmp_path / 'toy'}", "--run.steps=6",
+                 "--run.keep_last=0", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=3"]))
+    rows = metrics(tmp_path / "toy")
+    assert any(r["rollout/prompts_drawn"] > 4 for r in rows), rows
+    for r in rows:
+        assert r["rollout/prompts_drawn"] == 4 * (1 + r["rollout/refill_rounds"])
+        assert r["rollout/refill_rounds"] <= 3
+        if r["rollout/refill_rounds"] < 3:
+            assert r["train/dropped_groups"] == 0, r
+
+
 def test_vl3b_dry_run_prints_config_and_rank_plan():
     e = env()
     e["GRPO_DEVICE"] = "cuda"
@@ -44,6 +94,24 @@ def test_vl3b_dry_run_prints_config_and_rank_plan():
     assert {r["node"] for r in plan[:8]} == {0} and {r["node"] for r in plan[8:]} == {1}
     assert [r["device"] for r in plan[8:]] == [f"cuda:{i}" for i in range(8)]
     assert 'engine = "vllm"' in p.stdout and 'path = "Qwen/Qwen2.5-VL-3B-Instruct"' in p.stdout
+
+
+def test_easyr1_recipe_dry_run():
+    e = env()
+    e["GRPO_DEVICE"] = "cuda"
+    p = train_py(["--config", str(ROOT / "configs" / "vl3b_easyr1.toml"), "--dry-run"], env=e,
+                 timeout=120)
+    assert p.returncode == 0, p.stderr
+    cfg = load_config(str(ROOT / "configs" / "vl3b_easyr1.toml"))
+    W.validate_world(cfg, 16)
+    # 4 updates per rollout batch of 512 prompts x 5 samples, KL 1e-2 low_var_kl, lr 1e-6
+    assert (cfg.train.mini_batches, cfg.train.ppo_epochs) == (4, 1)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (512, 5)
+    assert (cfg.loss.kl_coef, cfg.loss.kl_estimator, cfg.loss.kl_clamp) == (0.01, "k3", 10.0)
+    assert (cfg.train.lr, cfg.loss.clip_low, cfg.loss.clip_high) == (1e-6, 0.2, 0.3)
+    assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_len) == (2048, 2048)
+    assert (cfg.model.min_pixels, cfg.model.max_pixels) == (262144, 4194304)
+    assert "mini_batches = 4" in p.stdout
 
 
 @pytest.mark.parametrize("device", ["cuda", "npu"])

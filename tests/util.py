@@ -151,6 +151,24 @@ def skip_without_vllm_under_compat_pins() -> None:
         pytest.skip(f"no vLLM under the compat pin set {pins!r} (launch/compat.py installs none)")
 
 
+# ------------------------------------------------------------- the loss's hand-computed fixture
+# Two responses of three tokens whose ratios rho = exp(logp - old) lie on both sides of PPO's clips
+# (0.8, 1.28), row 1's last token masked out: tests/test_loss.py works out each token's loss by
+# hand; tests/test_registry.py runs a registered objective on it.
+RHO = [[1.5, 1.1, 0.5], [0.5, 1.5, 10.0]]
+OLD = [[-1.0, -2.0, -0.5], [-1.0, -1.0, -3.0]]
+ADV = [2.0, -1.0]
+MASK = [[1, 1, 1], [1, 1, 0]]
+
+
+def loss_inputs():
+    """The fixture as float64 tensors, fresh each call: (logp requiring grad, old, adv, mask)."""
+    import torch
+    old = torch.tensor(OLD, dtype=torch.float64)
+    logp = (old + torch.tensor(RHO, dtype=torch.float64).log()).requires_grad_(True)
+    return logp, old, torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK, dtype=torch.float64)
+
+
 # ------------------------------------------------------------- update.train_step in one process
 # On conftest's `tiny_step` (the tiny model's sampled step in a world of one trainer): the tests of
 # tests/test_update.py and tests/test_trainer.py.

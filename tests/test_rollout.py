@@ -1,0 +1,94 @@
+"""rollout.py: DAPO's refill (rollout_refilled) with a stand-in rollout, drawing more prompts
+from the seeded refill stream (refill_problems) until enough groups have reward variance, or
+stopping at its bound with the dropped groups filling the share; its metrics. Refill in a real
+run: tests/test_presets_plan.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+import rollout as R
+from loss import zero_variance_groups
+
+F64 = torch.float64
+
+
+# --------------------------------------------------------------------------- DAPO refill
+G = 4
+
+
+def _fake_rollout(calls):
+    """rollout() stand-in: problem p's group has reward variance iff p.index % 3 == 0."""
+    def fake(engine, problems, procs, sp, template, scorer, version, group_offset, seed):
+        calls.append(([p.index for p in problems], seed))
+        eps = []
+        for g, p in enumerate(problems):
+            for k in range(sp.n):
+                r = float(k % 2) if p.index % 3 == 0 else 0.5
+                eps.append(R.Episode(p.index, group_offset + g, [1], [2], [0.0], r, {}, version, False))
+        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0}
+    return fake
+
+
+def _problems(indices):
+    return [SimpleNamespace(index=i) for i in indices]
+
+
+def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
+    calls = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
+    pool = _problems(range(60))
+    sp = R.Sampling(n=G)
+    mine = _problems([0, 1, 2, 4])          # only problem 0 has reward variance
+    eps, st = R.rollout_refilled(None, mine, None, sp, "", None, 7, group_offset=8, seed=123,
+                                 refill=R.Refill(pool, rounds=50))
+    assert len(eps) == 4 * G
+    assert [e.group for e in eps] == [g for g in range(8, 12) for _ in range(G)]   # renumbered
+    groups = [eps[i:i + G] for i in range(0, len(eps), G)]
+    assert not zero_variance_groups(torch.tensor([e.reward for e in eps], dtype=F64), G).any()
+    assert groups[0][0].index == 0                                   # round 0's valid group first
+    assert st["refill_rounds"] == len(calls) - 1 >= 1
+    assert st["prompts"] == 4 * len(calls) and st["generate_s"] == len(calls)
+    # the extra rounds come from the seeded stream, with their own sampling seeds
+    for rnd, (idx, seed) in enumerate(calls[1:], start=1):
+        assert idx == [p.index for p in R.refill_problems(pool, 4, 123, rnd)]
+        assert seed == 123 + rnd * 1_000_003
+    assert calls[0] == ([0, 1, 2, 4], 123)
+    # deterministic: the same call gives the same episodes
+    calls2 = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls2))
+    eps2, _ = R.rollout_refilled(None, _problems([0, 1, 2, 4]), None, sp, "", None, 7, 8, 123,
+                                 R.Refill(pool, 50))
+    assert calls2 == calls and [(e.index, e.group) for e in eps2] == [(e.index, e.group) for e in eps]
+
+
+def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
+    calls = []
+    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
+    pool = _problems([1, 2, 4, 5, 7, 8])       # no problem of the pool has reward variance
+    eps, st = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+                                 group_offset=0, seed=5, refill=R.Refill(pool, rounds=2))
+    assert st["refill_rounds"] == 2 and len(calls) == 3 and st["prompts"] == 6
+    # a full share: the valid group first, then the first dropped one (the trainer masks it)
+    assert [e.index for e in eps] == [3] * G + [1] * G
+    assert [e.group for e in eps] == [0] * G + [1] * G
+    assert zero_variance_groups(torch.tensor([e.reward for e in eps], dtype=F64), G).tolist() == [False, True]
+    # rounds = 0: exactly rollout()
+    calls.clear()
+    eps0, st0 = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+                                   group_offset=4, seed=5, refill=R.Refill(pool, rounds=0))
+    assert len(calls) == 1 and st0["refill_rounds"] == 0 and [e.group for e in eps0] == [4] * G + [5] * G
+    assert [e.index for e in eps0] == [1] * G + [3] * G              # order kept, nothing moved
+
+
+def test_refill_problems_stream():
+    pool = _problems(range(100))
+    a = R.refill_problems(pool, 10, 1, 1)
+    assert [p.index for p in a] == [p.index for p in R.refill_problems(pool, 10, 1, 1)]
+    assert len({p.index for p in a}) == 10                             # distinct
+    assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 1, 2)]
+    assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 2, 1)]
+    assert len(R.refill_problems(pool[:3], 10, 1, 1)) == 3
+    assert R.refill_metrics([{"refill_rounds": 2, "prompts": 12}, {"refill_rounds": 0, "prompts": 4}]) == \
+        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16}
