@@ -36,7 +36,8 @@ def pytest_configure(config):
 # started first, they do not leave one worker running alone at the end.
 LONGEST_FIRST = ["test_failures", "test_e2e", "test_family_runs", "test_checkpoint",
                  "test_bench_smoke", "test_vllm_e2e", "test_vllm", "test_examples", "test_vllm_tp",
-                 "test_researcher", "test_device_check", "test_lora", "test_sync", "test_channel"]
+                 "test_researcher", "test_device_check", "test_presets_plan", "test_lora",
+                 "test_channel"]
 
 
 def pytest_collection_modifyitems(config, items):
