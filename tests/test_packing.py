@@ -187,3 +187,20 @@ def test_varlen_rows_need_no_mask(family, tiny_dir, gloo_world):
             one = I.collate([e], [images[e.index]], procs, CPU)
             alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
             torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_packing_with_every_option_equals_unpacked(tmp_path):
+    """Several updates per batch (the proximal pass), the KL reference in the reward and the
+    loss, DAPO's masked groups and activation checkpointing: the first step equals unpacked."""
+    opts = ["--train.mini_batches=2", "--train.ppo_epochs=2", "--loss.kl_coef=0.05",
+            "--loss.kl_target=0.01", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=0",
+            "--model.activation_checkpointing=true", "--train.micro_batch_tokens=2048"]
+    runs = {}
+    for name, extra in (("flat", []), ("packed", ["--train.packing=true"])):
+        out = tmp_path / name
+        torchrun(3, [*TINY, f"--run.out_dir={out}", "--run.steps=3", "--run.keep_last=0", *opts, *extra])
+        runs[name] = metrics(out)
+    for k in ("loss", "grad_norm", "kl", "train/approx_kl", "train/kl_coef"):
+        assert runs["packed"][0][k] == pytest.approx(runs["flat"][0][k], rel=1e-4, abs=1e-7), k
+    assert runs["packed"][0]["train/updates"] == 4
