@@ -213,6 +213,13 @@ def image_tokens(procs: Processors, images: list) -> int:
     return sum(n_image_tokens_of(procs.image_processor, im) for im in images)
 
 
+def sequence_tokens(procs: Processors, episodes: list, images: list) -> int:
+    """Tokens of one sequence: `episodes` (one prompt, whose images are `images`) after one copy
+    of their prompt, images expanded."""
+    return (len(episodes[0].prompt_ids) - len(images) + image_tokens(procs, images)
+            + sum(len(e.response_ids) for e in episodes))
+
+
 def prompt_len(procs: Processors, user_text: str, images: list) -> int:
     """Tokens of the chat prompt once its image placeholders are expanded."""
     return len(prompt_ids(procs, user_text, len(images))) - len(images) + image_tokens(procs, images)
@@ -365,10 +372,7 @@ def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: 
     """Which sequences share a row (one row for "varlen", first-fit decreasing into rows no wider
     than the longest for "mask", else one each), every sequence's (prompt length, tokens), and
     the image inputs in row-major order (the order the model meets the image tokens in)."""
-    prompts = [len(episodes[u[0]].prompt_ids) - len(images[u[0]]) for u in seqs]
-    n_img = [[n_image_tokens_of(procs.image_processor, im) for im in images[u[0]]] for u in seqs]
-    lengths = [p + sum(n) + sum(len(episodes[i].response_ids) for i in u)
-               for p, n, u in zip(prompts, n_img, seqs)]
+    lengths = [sequence_tokens(procs, [episodes[i] for i in u], images[u[0]]) for u in seqs]
     layout = ([list(range(len(seqs)))] if packing == "varlen" else
               first_fit(lengths, max(lengths)) if packing else [[k] for k in range(len(seqs))])
     order = [k for row in layout for k in row]

@@ -76,17 +76,9 @@ def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.P
             units[-1].append(j)
         else:
             units.append([j])
-    lengths = [sequence_tokens(episodes, [idx[j] for j in u], images, procs) for u in units]
+    lengths = [I.sequence_tokens(procs, [episodes[idx[j]] for j in u],
+                                 images[episodes[idx[u[0]]].index]) for u in units]
     return units, lengths
-
-
-def sequence_tokens(episodes: list, members: list[int], images: Mapping[int, Any],
-                    procs: I.Processors) -> int:
-    """Tokens of one sequence: the episodes `members` (one prompt) after one copy of the prompt."""
-    e = episodes[members[0]]
-    ims = images[e.index]
-    return (len(e.prompt_ids) - len(ims) + I.image_tokens(procs, ims)
-            + sum(len(episodes[i].response_ids) for i in members))
 
 
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
@@ -105,7 +97,7 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
                for k in range(0, len(rows), per)]
         return _split_to(mbs, count, len(idx))
     if not (share and tc.micro_batch_tokens > 0):
-        lengths = [sequence_tokens(episodes, [i], images, procs) for i in idx]
+        lengths = [I.sequence_tokens(procs, [episodes[i]], images[episodes[i].index]) for i in idx]
         return plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens, count)
     units, lengths = _units(episodes, idx, images, procs, True)
     mbs = [[j for k in mb for j in units[k]]
