@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -131,6 +131,7 @@ class Progress:
     resumed_from: str = ""     # the checkpoint this run resumed from (rotation keeps it)
     optimizer_steps: int = 0   # optimizer steps taken (train/optimizer_steps)
     kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target), None: loss.kl_coef
+    stream: list = field(default_factory=list)  # running-ahead engines: [batch, groups taken] each (pipeline.py)
 
 
 class Export(NamedTuple):  # what the HF export (export_hf) is made of besides the weights

@@ -26,6 +26,7 @@ DEFAULT_TEMPLATE = (
     "the final answer in <answer> </answer> tags."
 )
 PREFIX_CACHING = ("auto", "on", "off")
+STALE = ("wait", "drop")
 TRACKERS = ("tensorboard", "wandb", "swanlab")  # run.report_to; tracking.py implements each
 
 
@@ -152,7 +153,14 @@ class RolloutConfig:
     top_p: float = num(1.0, "(0, 1]")        # 1.0 = off; see model.py for why off is the on-policy choice
     top_k: int = num(0, ">= 0")              # 0 = off
     max_new_tokens: int = num(16, ">= 1")
-    max_staleness: int = num(0, "[0, 1]")    # 0: synchronous; 1: generate step k+1 while training step k
+    # k >= 1: the engines generate up to k weight versions ahead of the trainers, into a queue
+    # (pipeline.py, docs/async.md); 0: synchronous. Needs a loss.correction (or loss.tis_cap).
+    max_staleness: int = num(0, ">= 0")
+    # k >= 1: "wait" (an engine starts no batch it could not deliver within k versions) or
+    # "drop" (it never waits; groups older than k versions are dropped and counted)
+    stale: str = "wait"
+    partial: bool = False                    # k >= 1: new weights reach an engine between chunks of its batch
+    partial_chunk: int = num(16, ">= 1")     # partial: tokens generated between two weight checks
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
@@ -218,7 +226,13 @@ class LossConfig:
     kl_target: float = num(0.0, ">= 0")
     kl_horizon: int = num(10000, ">= 1")     # verl and OpenRLHF default 10000
     entropy_coef: float = num(0.0, ">= 0")   # entropy bonus: loss -= coef x aggregated entropy (verl entropy_coeff)
-    tis_cap: float = num(0.0, ">= 0")        # > 0: truncated importance sampling against the engine's logprobs
+    tis_cap: float = num(0.0, ">= 0")        # > 0: correction "token_clamp" with this cap (the older key)
+    # Correction between the trainers' proximal and the engines' (behaviour) logprobs
+    # (loss.CORRECTIONS, docs/async.md): none | token_clamp | token_mask | sequence_mask |
+    # geometric_mask | icepop; low/high 0: the mode's peer bounds
+    correction: str = "none"
+    correction_low: float = num(0.0, ">= 0")
+    correction_high: float = num(0.0, ">= 0")
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
     filters: list = field(default_factory=list)  # response filters by name, in order (registry.response_filter)
@@ -402,9 +416,19 @@ def validate(cfg: Config) -> None:
 def _check_rollout(cfg: Config, need) -> None:
     """validate's rules for the engines and their sampling."""
     ro, lo = cfg.rollout, cfg.loss
-    need(not ro.max_staleness or lo.tis_cap > 0,
-         "rollout.max_staleness=1 needs loss.tis_cap > 0: truncated importance sampling against "
-         "the engine's logprobs corrects the one-step-stale samples")
+    need(not ro.max_staleness or lo.tis_cap > 0 or lo.correction != "none",
+         f"rollout.max_staleness={ro.max_staleness} needs a loss.correction (or loss.tis_cap > 0) "
+         f"between the trainers' and the engines' logprobs for the stale samples")
+    need(ro.stale in STALE, f"rollout.stale must be one of {STALE}, got {ro.stale!r}")
+    need(not ro.partial or ro.max_staleness >= 1, "rollout.partial needs rollout.max_staleness >= 1 "
+         "(synchronous engines never hold a batch across a weight update)")
+    need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
+         "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
+         "its own check points, not at the sync")
+    need(ro.engine != "vllm" or (ro.max_staleness <= 1 and not ro.partial and ro.stale == "wait"),
+         "rollout.max_staleness > 1, rollout.partial and rollout.stale = 'drop' are built for the "
+         "hf engine only (vLLM receives weights in its own worker processes, which cannot load "
+         "them while this rank's generate call runs); use rollout.engine = 'hf' or k <= 1")
     need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
          "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
          "one device)")

@@ -252,8 +252,9 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
     for model.sequence_logprobs.
 
-    Both layouts give `response_mask` and `engine_logprobs` [B, T] in episode order (1 on response
-    tokens; the engine's logprob of each), aligned with what model.sequence_logprobs returns,
+    Both layouts give `response_mask`, `engine_logprobs` and `token_versions` [B, T] in episode
+    order (1 on response tokens; the engine's logprob of each; the weight version it was sampled
+    with, -1 elsewhere), aligned with what model.sequence_logprobs returns,
     plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values and image_grid_thw
     (when there are images), episode_tokens (prompt + response tokens of every episode, however
     laid out) and episode_pairs (the query-key pairs of one unpadded row per episode).
@@ -284,13 +285,16 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     attn = torch.zeros(B, width, dtype=torch.long)
     resp = torch.zeros(B, width, dtype=torch.long)
     engine_lp = torch.zeros(B, width, dtype=torch.float32)
+    versions = torch.full((B, width), -1, dtype=torch.long)
     for i, (p, e) in enumerate(zip(prompts, episodes)):
         n, r = len(p), len(e.response_ids)
         ids[i, :n + r] = torch.tensor(p + e.response_ids)
         attn[i, :n + r] = 1
         resp[i, n:n + r] = 1
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
+        versions[i, n:n + r] = torch.tensor(e.token_versions())
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
+               token_versions=versions,
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
     return {k: v.to(device) for k, v in out.items()}
 
@@ -393,6 +397,7 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
     B, T = len(episodes), max(len(e.response_ids) for e in episodes)
     resp = torch.zeros(B, T, dtype=torch.long)
     engine_lp = torch.zeros(B, T, dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
     pred_seq, pred_col, target_col, offset = [], [], [], []
     for k, u in enumerate(seqs):
         s = seq_col[k] + built[k][0]                                # the first response's column
@@ -400,13 +405,14 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
             n = len(episodes[i].response_ids)
             resp[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
+            versions[i, :n] = torch.tensor(episodes[i].token_versions())
             pred_seq += [k] * n
             pred_col += [seq_col[k] + built[k][0] - 1] + list(range(s, s + n - 1))  # the first
             target_col += list(range(s, s + n))            # is predicted by the prompt's last
             offset += list(range(n))
             s += n
     seq_row_t, pred_seq_t = torch.tensor(seq_row), torch.tensor(pred_seq)
-    return dict(response_mask=resp, engine_logprobs=engine_lp, seq_row=seq_row_t,
+    return dict(response_mask=resp, engine_logprobs=engine_lp, token_versions=versions, seq_row=seq_row_t,
                 pred_seq=pred_seq_t, pred_row=seq_row_t[pred_seq_t], pred_col=torch.tensor(pred_col),
                 target_col=torch.tensor(target_col), offset=torch.tensor(offset))
 

@@ -3,15 +3,15 @@ presets and how each knob maps to TRL, verl and EasyR1).
 
 Owns the maths of one update: group-relative advantages (GRPO, RLOO), which responses are
 trained on (:func:`keep_mask`), each objective's policy term (PPO's clipped surrogate, GSPO,
-CISPO; more by ``registry.objective``, here or in a ``loss.plugins`` module), truncated
-importance sampling (TIS) for the engine/trainer mismatch, the KL to a reference policy, and
+CISPO; more by ``registry.objective``, here or in a ``loss.plugins`` module), the correction
+for the engine/trainer mismatch (correction.py), the KL to a reference policy, and
 aggregation with an explicit global denominator (:func:`loss_denominator`). No model, no
 optimizer, no torch.distributed.
 
 ``old_logprobs`` are the proximal policy's: with one update per rollout batch the current
 logprobs detached (ratio 1 in value); with several (``train.mini_batches`` / ``ppo_epochs``)
-logprobs computed once before the first update. TIS corrects engine -> proximal
-(``behaviour_logprobs`` are the engine's), AReaL's decoupled objective.
+logprobs computed once before the first update. ``loss.correction`` corrects engine ->
+proximal (``behaviour_logprobs`` are the engine's), AReaL's decoupled objective.
 
 Shapes: ``B`` responses of up to ``T`` tokens; ``logprobs``, ``old_logprobs``, ``mask`` are
 ``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens).
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 import config as C
+import correction as CR
 from config import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS
 from registry import OBJECTIVES, Key, objective
 
@@ -132,16 +133,6 @@ def clipped_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     if clip_dual:
         loss = torch.where(a < 0, torch.minimum(loss, -a * clip_dual), loss)
     return loss, ratio
-
-
-def tis_weight(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
-    """Truncated importance weight ``min(exp(old - behaviour), cap)``, detached.
-
-    Corrects for the engine (vLLM) sampling from a slightly different distribution than the
-    trainer's ``old`` policy (different kernels, precision). Detached: it reweights samples,
-    it is not something to optimise.
-    """
-    return torch.clamp(torch.exp(old_logprobs - behaviour_logprobs), max=cap).detach()
 
 
 # --------------------------------------------------------------------------- objectives
@@ -428,8 +419,8 @@ def _check_knobs(k: Any, ref_logprobs: Tensor | None, behaviour_logprobs: Tensor
         raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
     if k.entropy_coef > 0 and entropy is None:
         raise ValueError("entropy_coef > 0 needs entropy (each token's entropy, with its gradient)")
-    if k.tis_cap and behaviour_logprobs is None:
-        raise ValueError("tis_cap needs behaviour_logprobs (the engine's logprobs)")
+    if CR.mode_of(k)[0] != "none" and behaviour_logprobs is None:
+        raise ValueError(f"correction {CR.mode_of(k)[0]!r} needs behaviour_logprobs (the engine's logprobs)")
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -446,8 +437,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
 
     Per token: ``l = term.loss * w + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator,
     kl_clamp) - entropy_coef * entropy``, where ``term`` is the objective's (:func:`ppo_term`,
-    :func:`gspo_term`, :func:`cispo_term`, or a registered one) and ``w = tis_weight(old_logprobs,
-    behaviour_logprobs, tis_cap)`` if ``tis_cap > 0``, else 1. TIS multiplies only the
+    :func:`gspo_term`, :func:`cispo_term`, or a registered one) and ``w`` the weight of
+    ``loss.correction`` (correction.py; ``tis_cap > 0`` alone: "token_clamp"), else 1. It multiplies only the
     policy-gradient term (as TRL and verl do): it corrects which distribution the samples came
     from for the advantage-weighted term; the KL and entropy terms are regularisers. Then
     ``loss = aggregate(l, mask, aggregation, loss_denominator, max_response_len)``: as verl's
@@ -464,14 +455,15 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     inside one response, so it never spans micro-batches).
 
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL
-    is only measured. ``behaviour_logprobs`` without ``tis_cap`` is ignored.
+    is only measured. ``behaviour_logprobs`` without a correction is ignored.
 
     Metrics (floats, over this call's masked tokens, no grad): the term's own (the built-ins:
     ``clip_frac_low``, ``clip_frac_high``, and ``clip_frac_dual`` when dual clip is on: the share
     of tokens where that bound is active, see each term), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from
     pi_old: ``rho - 1 - log rho``, per token for every objective), ``ratio_mean`` (the ratio the
     objective clips: per token, or GSPO's ``S_i`` on each of its tokens), ``tis_weight_mean``
-    (1.0 when TIS is off), ``kl`` (mean ``kl_penalty`` to the reference as in the loss, clamp
+    (the correction's mean weight; 1.0 without one), ``correction_masked_frac`` (the share of
+    tokens a masking correction gave weight 0), ``kl`` (mean ``kl_penalty`` to the reference as in the loss, clamp
     included; 0.0 without one), ``tokens`` (mask sum).
     """
     k, own = resolve(lc, **knobs)
@@ -479,13 +471,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
                   entropy)
     _check_aggregation(k.aggregation, k.max_response_len)
     _check_knobs(k, ref_logprobs, behaviour_logprobs, entropy)
-    tis_cap = k.tis_cap or 0.0
+    mode, low, high = CR.mode_of(k)
 
     term = Term(*OBJECTIVES[k.objective].fn(logprobs, old_logprobs, advantages, mask, own))
     per_token = term.loss
     weight = None
-    if tis_cap:
-        weight = tis_weight(old_logprobs, behaviour_logprobs, tis_cap)
+    if mode != "none":
+        weight = CR.weight(mode, low, high, old_logprobs, behaviour_logprobs, mask)
         per_token = per_token * weight
     kl = None
     if ref_logprobs is not None:
@@ -508,6 +500,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
             "ratio_mean": mean(term.ratio),
             "tis_weight_mean": mean(weight) if weight is not None else 1.0,
+            "correction_masked_frac": (mean((weight == 0).to(m.dtype))
+                                       if weight is not None and CR.CORRECTIONS[mode].masks else 0.0),
             "kl": mean(kl) if kl is not None else 0.0,
             "tokens": float(n),
         }

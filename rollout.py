@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 import random
 import time
-from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -32,9 +32,13 @@ class Episode:
     logprobs: list[float]       # engine's logprob of each response token
     reward: float               # weighted total of the reward functions
     parts: dict[str, float]     # each reward part (accuracy, format, errors, ...)
-    version: int                # weight version the engine generated with
+    version: int                # weight version the engine generated with (partial: its oldest token's)
     truncated: bool             # stopped by max_new_tokens, not by eos
     text: str = ""              # decoded response, for samples.jsonl and debugging
+    versions: list[int] = field(default_factory=list)  # partial rollouts: each token's; [] = all `version`
+
+    def token_versions(self) -> list[int]:
+        return self.versions or [self.version] * len(self.response_ids)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Completion:
     ids: list[int]
     logprobs: list[float]
     truncated: bool
+    versions: list[int] = field(default_factory=list)  # chunked generation: each token's weight version
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
@@ -127,8 +132,57 @@ class HFEngine:
                     device: torch.device, seed: int, max_images: int = 1) -> "HFEngine":
         return cls(path, M.DTYPES[cfg.model.dtype], procs, device)
 
-    @torch.no_grad()
+    # Partial rollouts (pipeline.Producer sets both): generation in chunks of `chunk` tokens,
+    # `between()` (load the newest weights; returns their version) before each chunk
+    between: Callable[[], int] | None = None
+    chunk: int = 16
+
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
+        if self.between is not None and not sp.greedy:
+            return self._chunked(prompts, sp, seed)
+        resp, lp = self._sample(prompts, sp, seed)
+        per_prompt = 1 if sp.greedy else sp.n
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for row, (r, l) in enumerate(zip(resp, lp)):
+            n, stopped = self._cut(r)
+            result[row // per_prompt].append(Completion(r[:n], l[:n], truncated=not stopped))
+        return result
+
+    def _cut(self, r: list[int]) -> tuple[int, bool]:
+        """Tokens up to the first stop (included), and whether there is one."""
+        stops = self.tokens.stops
+        n = next((j + 1 for j, t in enumerate(r) if t in stops), None)
+        return (len(r), False) if n is None else (n, True)
+
+    def _chunked(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
+        """sp.n responses per prompt, `chunk` tokens at a time: each chunk continues the
+        unfinished ones (prompt + their tokens so far, prefilled again) with the weights
+        `between()` loaded; every token records the version it was sampled with. Chunk c's
+        sampling seed is `seed + c * 7919` (reproducible for a given schedule)."""
+        seqs = [Completion([], [], True) for _ in prompts for _ in range(sp.n)]
+        owner = [p for p in range(len(prompts)) for _ in range(sp.n)]
+        live, c = list(range(len(seqs))), 0
+        while live:
+            version = self.between()
+            n_new = min(self.chunk, sp.max_new_tokens - len(seqs[live[0]].ids))
+            rows = prompts if c == 0 else [(prompts[owner[i]][0] + seqs[i].ids, prompts[owner[i]][1])
+                                           for i in live]
+            resp, lp = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
+                                                  max_new_tokens=n_new), seed + c * 7919)
+            for i, r, l in zip(live, resp, lp):
+                n, stopped = self._cut(r[:n_new])
+                seqs[i].ids += r[:n]
+                seqs[i].logprobs += l[:n]
+                seqs[i].versions += [version] * n
+                seqs[i].truncated = not stopped
+            live = [i for i in live if seqs[i].truncated and len(seqs[i].ids) < sp.max_new_tokens]
+            c += 1
+        return [seqs[p * sp.n:(p + 1) * sp.n] for p in range(len(prompts))]
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int) -> tuple[list, list]:
+        """One transformers generate call: every row's sampled tokens and their logprobs
+        (lists; rows prompt-major, sp.n per prompt, 1 when greedy), up to max_new_tokens."""
         tk = self.tokens
         images = [im for _, ims in prompts for im in ims]
         mm, mm_kw = {}, {}
@@ -159,15 +213,7 @@ class HFEngine:
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
         temp = 1.0 if sp.greedy else sp.temperature
         lp, _ = M.token_logprobs(logits, resp, tk, temp)
-        per_prompt = 1 if sp.greedy else sp.n
-        result: list[list[Completion]] = [[] for _ in prompts]
-        stops = set(tk.stops)
-        for row in range(resp.shape[0]):
-            r = resp[row].tolist()
-            n = next((j + 1 for j, t in enumerate(r) if t in stops), len(r))
-            result[row // per_prompt].append(
-                Completion(r[:n], lp[row, :n].tolist(), truncated=not stops & set(r[:n])))
-        return result
+        return resp.tolist(), lp.tolist()
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
@@ -224,7 +270,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, t
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total = parts.pop("reward")
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
-                                version, c.truncated, text))
+                                min(c.versions, default=version), c.truncated, text, c.versions))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 
@@ -283,9 +329,28 @@ def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sa
 
 def refill_metrics(stats: list[dict]) -> dict[str, float]:
     """`rollout/refill_rounds` (the most any generation rank ran) and `rollout/prompts_drawn`
-    (all ranks, refills included) from the generation ranks' stats."""
-    return {"rollout/refill_rounds": max((s["refill_rounds"] for s in stats), default=0),
-            "rollout/prompts_drawn": sum(s["prompts"] for s in stats)}
+    (all ranks, refills included) from the generation ranks' stats; with engines running ahead
+    (pipeline.Producer.take) `rollout/stale_dropped` and `rollout/queue_groups` (summed over the
+    ranks) and `time/engine_idle_frac` (their mean)."""
+    out = {"rollout/refill_rounds": max((s["refill_rounds"] for s in stats), default=0),
+           "rollout/prompts_drawn": sum(s["prompts"] for s in stats)}
+    ahead = [s for s in stats if "dropped" in s]
+    if ahead:
+        out["rollout/stale_dropped"] = sum(s["dropped"] for s in ahead)
+        out["rollout/queue_groups"] = sum(s["queue_groups"] for s in ahead)
+        out["time/engine_idle_frac"] = sum(s["engine_idle_frac"] for s in ahead) / len(ahead)
+    return out
+
+
+def staleness_metrics(episodes: list[Episode], version: int) -> dict[str, float]:
+    """Over the step's response tokens: how many versions each is behind the trainers'
+    `version` (mean, max); `rollout/partial_frac`: the share of episodes whose tokens span
+    versions (partial rollouts). `rollout/staleness`: the oldest episode's (its oldest token)."""
+    ages = [version - v for e in episodes for v in e.token_versions()]
+    return {"rollout/staleness": max((version - e.version for e in episodes), default=0),
+            "rollout/staleness_mean": sum(ages) / max(1, len(ages)),
+            "rollout/staleness_max": max(ages, default=0),
+            "rollout/partial_frac": sum(len(set(e.versions)) > 1 for e in episodes) / max(1, len(episodes))}
 
 
 def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) -> dict[str, float]:
@@ -295,7 +360,7 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) ->
     out = {"reward/mean": sum(e.reward for e in episodes) / n,
            "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
            "response/truncated_frac": sum(e.truncated for e in episodes) / n,
-           "rollout/staleness": max((version - e.version for e in episodes), default=0),
+           **staleness_metrics(episodes, version),
            # generation ranks run in parallel: the step waits for the slowest
            "time/generate_s": max((s["generate_s"] + s["reward_s"] for s in stats), default=0.0),
            **refill_metrics(stats)}

@@ -51,6 +51,7 @@ import inputs
 import loss  # noqa: F401  (registers the built-in objectives before registry.check)
 import microbatches
 import model
+import pipeline
 import registry
 import rewards
 import rollout
@@ -317,31 +318,27 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
 
 def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
           resume: str | None, sources: str) -> int:
-    out_dir, ro, t_start = Path(cfg.run.out_dir), cfg.rollout, time.perf_counter()
+    out_dir, t_start = Path(cfg.run.out_dir), time.perf_counter()
     started = start(cfg, world, dev, live, resume, sources)
     if started is None:
         dist.destroy_process_group()
         return 0
     s, progress, rec = started
-    first, pending, by_index = progress.step, None, {p.index: p for p in s.problems}
+    first, by_index = progress.step, {p.index: p for p in s.problems}
+    gen = pipeline.Generation(s.engine, cfg, world, progress,
+                              lambda step, version: generate(s, cfg, world, step, version))
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
         t_step = time.perf_counter()
-        # 1. rollout on the generation ranks (with overlap: produced during the last step)
+        # 1. rollout on the generation ranks (ahead of time with rollout.max_staleness >= 1)
         live.phase(step, "rollout")
         failures.inject(step, live)  # tests: a rank that dies, hangs or raises here
-        local: tuple[list, dict] = ([], {})
-        if world.is_gen:
-            local, pending = pending or generate(s, cfg, world, step, progress.version), None
+        local = gen.episodes(step, progress.version) if world.is_gen else ([], {})
         # 2. episodes to every rank (gloo object exchange)
         live.phase(step, "exchange")
-        episodes, stats = exchange(world, local)
-        if world.is_gen and ro.max_staleness and step + 1 < cfg.run.steps:
-            # One-step overlap: the engines produce step+1's batch with the current weights
-            # while the trainers train on this one; the sync below waits for both.
-            live.phase(step, f"rollout of step {step + 1} (overlap)")
-            pending = generate(s, cfg, world, step + 1, progress.version)
+        episodes, stats, t_wait = exchange(world, local, progress)
+        gen.after_exchange(step, progress.version, live)
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
                    "data/skipped": s.n_skipped, **rollout.episode_metrics(episodes, stats, progress.version)}
@@ -351,21 +348,25 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         metrics.update(trained)
         # 4. weight sync: trainers -> every engine
         live.phase(step, "sync")
-        metrics.update(sync_phase(cfg, world, s, progress))
+        metrics.update(sync_phase(cfg, world, s, progress, gen.loader()))
         metrics["time/step_s"] = time.perf_counter() - t_step
+        metrics["time/trainer_wait_frac"] = t_wait / max(1e-9, metrics["time/step_s"])
         # 5. evaluation, checkpoint, log
         live.phase(step, "eval/checkpoint")
         progress.step = step + 1
         if cfg.run.eval_every and (progress.step % cfg.run.eval_every == 0
                                    or progress.step == cfg.run.steps):
-            metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
+            with gen.paused():
+                metrics.update(run_eval(cfg, world, s, rec, progress.step, progress.version))
         if rec:  # the records first: a kill before the commit below re-runs (and re-logs) the step
             rec.step(metrics, episodes, advantages, by_index)
         ckpt.save_progress(cfg, world, s.trainer, s.procs, s.model_path, dev, out_dir, progress)
         if trainer.too_many_skipped(cfg.train, world, progress.skipped_in_row):
+            gen.close()
             rec and rec.close(failed=True)
             dist.destroy_process_group()
             return 3
+    gen.close()
     dist.barrier(group=world.ctrl)
     if rec:
         rec.say(rec.summary(time.perf_counter() - t_start, cfg.run.steps - first,
@@ -392,12 +393,16 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int,
                                                     and ro.max_refill_rounds))
 
 
-def exchange(world: World, local: tuple[list, dict]) -> tuple[list[rollout.Episode], list[dict]]:
-    """Every rank gets every generation rank's episodes (sorted by group) and timing stats."""
-    gathered: list = [None] * world.size
+def exchange(world: World, local: tuple[list, dict],
+             progress: ckpt.Progress) -> tuple[list[rollout.Episode], list[dict], float]:
+    """Every rank gets every generation rank's episodes (sorted by group) and stats, and the
+    seconds it waited for them; running-ahead engines' stream positions go to `progress`."""
+    t0, gathered = time.perf_counter(), [None] * world.size
     dist.all_gather_object(gathered, local, group=world.ctrl)
     episodes = sorted((e for eps, _ in gathered for e in eps), key=lambda e: e.group)
-    return episodes, [s for _, s in gathered if s]
+    stats = [s for _, s in gathered if s]
+    progress.stream = [st["position"] for st in stats if "position" in st]
+    return episodes, stats, time.perf_counter() - t0
 
 
 def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollout.Episode],
@@ -406,6 +411,7 @@ def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollo
     Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
     out, adv, t0 = {}, [], time.perf_counter()
     if s.trainer is not None:
+        s.trainer.version = progress.version
         out, adv = update.train_step(s.trainer, episodes, s.images, world=world, procs=s.procs, step=step,
                                 tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, seed=cfg.run.seed)
         progress.skipped_in_row = progress.skipped_in_row + 1 if out["train/skipped"] else 0
@@ -420,13 +426,15 @@ def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollo
     return out, adv
 
 
-def sync_phase(cfg: config.Config, world: World, s: Setup, progress: ckpt.Progress) -> dict[str, float]:
-    """Send the new weights to every engine (version + 1) and, if asked, verify them bitwise."""
+def sync_phase(cfg: config.Config, world: World, s: Setup, progress: ckpt.Progress,
+               loader) -> dict[str, float]:
+    """Send the new weights to every engine (version + 1; `loader`: the engine, or where a
+    running-ahead engine picks them up) and, if asked, verify them bitwise."""
     tr = s.trainer
     out = {"sync/bytes": 0.0}
     t0 = time.perf_counter()
     if cfg.sync.enabled:
-        out["sync/bytes"] = float(sync.sync_weights(world, tr and tr.sender, s.receiver, s.engine,
+        out["sync/bytes"] = float(sync.sync_weights(world, tr and tr.sender, s.receiver, loader,
                                                  progress.version + 1))
         progress.version += 1
     out["time/sync_s"] = time.perf_counter() - t0

@@ -33,6 +33,7 @@ class Trainer:
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
+    version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
 
 
 def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,

@@ -281,7 +281,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     kl_coef = 0.0 if lc.kl_in_reward else s.kl_coef   # with the KL in the reward: no KL term
     entropy_grad = lc.entropy_coef > 0  # the entropy keeps its graph only for the bonus
     sums = dict.fromkeys(("loss", "entropy", "tokens", "episode_tokens", "slots", "resp_tokens",
-                          "kept_tokens", "pairs", "episode_pairs"), 0.0)
+                          "kept_tokens", "pairs", "episode_pairs", "fresh_tokens"), 0.0)
     lp_diff = 0.0
     for k, mb in enumerate(u.plan):
         chunk = [u.idx[j] for j in mb]
@@ -301,7 +301,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         behaviour = batch["engine_logprobs"]                                          # [b, L]
         loss, m = L.policy_loss(
             lp, old, s.adv[chunk].to(lp.device), mask, lc, ref_logprobs=ref_lp,
-            behaviour_logprobs=behaviour if lc.tis_cap else None,
+            behaviour_logprobs=behaviour,
             entropy=ent if entropy_grad else None, loss_denominator=float(u.denom),
             max_response_len=s.rc.max_new_tokens, kl_coef=kl_coef)
         if fault_active("nan_loss", s.step):  # tests: a non-finite loss
@@ -309,16 +309,19 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
         # global denominator, so undo the average to get exactly the full-batch gradient.
         (loss * len(s.world.trainers)).backward()
-        lp_diff = max(lp_diff, _add_sums(sums, loss, m, batch, ent, old))
+        lp_diff = max(lp_diff, _add_sums(sums, loss, m, batch, ent, old, tr.version))
     sums["micro_batches"] = float(len(u.plan))
     sums["lp_diff"] = lp_diff
     return sums
 
 
 def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.Tensor,
-              old: torch.Tensor) -> float:
-    """One micro-batch's share of the metric sums; returns its largest engine/proximal gap."""
+              old: torch.Tensor, version: int) -> float:
+    """One micro-batch's share of the metric sums; returns its largest engine/proximal gap over
+    the tokens sampled with the policy's own `version` (all of them when nothing is stale)."""
     rmask = batch["response_mask"].bool()                                             # [b, L]
+    fresh = rmask & (batch["token_versions"] == version)
+    sums["fresh_tokens"] += float(fresh.sum())
     sums["loss"] += float(loss.detach())
     for key, v in m.items():  # policy_loss's means are over the kept tokens: weight by them
         if key != "tokens":
@@ -331,9 +334,9 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
     sums["pairs"] += float(batch["attention_mask"].numel() * batch["attention_mask"].shape[1])
     sums["episode_pairs"] += float(batch["episode_pairs"])
     sums["resp_tokens"] += float(rmask.sum())
-    if not rmask.any():
+    if not fresh.any():
         return 0.0
-    return float((old - batch["engine_logprobs"])[rmask].abs().max())  # engine vs proximal
+    return float((old - batch["engine_logprobs"])[fresh].abs().max())  # engine vs proximal
 
 
 def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[float],
@@ -350,6 +353,7 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     ntok, kept = max(1.0, tot["resp_tokens"]), max(1.0, tot["kept_tokens"])
     out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
            "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
+           "logprob_diff/tokens": tot["fresh_tokens"],
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
            # query-key pairs a dense kernel computes (rows x W^2) over one unpadded row per episode

@@ -222,8 +222,8 @@ def validate_world(cfg, world_size: int, device: str | None = None,
         raise ConfigError(str(e)) from None
     n_train, n_gen = len(trainers), len(gens)
     if ro.max_staleness and world_size == 1:
-        raise ConfigError("rollout.max_staleness=1 needs separate generation ranks (a world of 1 "
-                          "cannot overlap generation with training)")
+        raise ConfigError(f"rollout.max_staleness={ro.max_staleness} needs separate generation "
+                          "ranks (a world of 1 cannot overlap generation with training)")
     if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1:
         raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
                           "would share one device (NCCL/HCCL refuse that; vLLM takes "

@@ -1,0 +1,269 @@
+"""Engines running ahead of the trainers (`rollout.max_staleness = k >= 1`, the hf engine).
+
+On a generation rank a worker thread (:class:`Producer`) runs the engine over the seeded prompt
+stream, batch after batch (batch `s` = `data.step_problems(s)`'s share of this rank), into a
+queue of finished groups. The rank's main thread stays in lock-step with every other rank (the
+step's exchange and weight sync: world.py's groups, entered in the same order everywhere) and
+only hands things over: at each step it takes the oldest `per_gen` groups (:meth:`take`), at
+each sync it receives the new weights into the receiver's buffers (:meth:`receive_weights`), which the
+worker loads at its next check point: a batch's start, and with `rollout.partial` between the
+chunks of a batch (the engine's `between`). So the trainers wait for the engines only when the
+queue is empty, and the engines wait for the trainers only at the staleness bound:
+
+- `rollout.stale = "wait"` (AReaL's rule): batch `s` starts only once the engine can hold the
+  weights the trainers have at step `s - k`, so every group is at most k versions old when
+  trained, and step `t` trains exactly batch `t` (as the synchronous loop does);
+- `"drop"` (verl's): the worker starts a batch whenever fewer than k + 1 wait in the queue;
+  groups more than k versions old when taken are dropped and counted, and the stream moves on
+  (the position, :meth:`position`, is saved with each checkpoint).
+
+k = 1 with "wait" is the one-step overlap (batch s sampled with version s - 1, exactly).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager, nullcontext
+from typing import Callable, NamedTuple
+
+
+class Bound(NamedTuple):
+    """The staleness rule: `k`, "wait" or "drop", and the version the trainers hold at `step`
+    (`version0` at `step0`, one more per step when the sync is on)."""
+    k: int
+    stale: str
+    step0: int
+    version0: int
+    syncs: bool
+
+    def version_at(self, step: int) -> int:
+        return self.version0 + (max(0, step - self.step0) if self.syncs else 0)
+
+
+class _Stopped(Exception):
+    """Raised at a check point when the producer is stopped: ends the worker quietly."""
+
+
+class Producer:
+    """The generation worker of one generation rank (see the module docstring).
+
+    `make(index, version)` generates and scores batch `index` of the prompt stream with the
+    engine's current weights (`version`): (episodes sorted by group, stats). `position` (batch, groups already taken
+    from it) is where the stream starts: (step, 0) for a fresh or "wait" run, the checkpoint's
+    for "drop". `limit`: no batch at or after it ("wait": run.steps; "drop": None)."""
+
+    def __init__(self, engine, make: Callable[[int, int], tuple[list, dict]], bound: Bound,
+                 position: tuple[int, int], limit: int | None, partial_chunk: int = 0):
+        self.engine, self.make, self.bound, self.limit = engine, make, bound, limit
+        self.loaded = bound.version0        # the version in the engine
+        self.staged: tuple[int, dict] | None = None  # received, not yet loaded: (version, name -> tensor)
+        self.queue: deque = deque()         # [batch index, groups left, stats, groups taken] in stream order
+        self.index, self.skip = position    # the next batch to generate; groups of it taken already
+        self.cv = threading.Condition()
+        self.weights = threading.Lock()     # the receiver's buffers: written by receive, read by _load
+        self.error: BaseException | None = None
+        self.stopping = self.pause_asked = self.idle = False
+        self.idle_s, self._idle_since, self._last_take = 0.0, None, time.perf_counter()
+        if partial_chunk:
+            engine.between, engine.chunk = self.check_point, partial_chunk
+        self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the worker thread
+    def _may_start(self) -> bool:
+        if self.pause_asked or (self.limit is not None and self.index >= self.limit):
+            return False
+        if self.bound.stale == "drop":
+            return len(self.queue) <= self.bound.k
+        have = max(self.loaded, self.staged[0] if self.staged else self.loaded)
+        return have >= self.bound.version_at(self.index - self.bound.k)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Under self.cv: wait (counted as engine idle time) until `ready()` or a stop."""
+        if not ready() and not self.stopping:
+            self.idle, self._idle_since = True, time.perf_counter()
+            self.cv.notify_all()
+            while not ready() and not self.stopping:
+                self.cv.wait()
+            self.idle_s += time.perf_counter() - self._idle_since
+            self.idle, self._idle_since = False, None
+        if self.stopping:
+            raise _Stopped
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    self._wait(self._may_start)
+                    index = self.index
+                self._load()
+                episodes, stats = self.make(index, self.loaded)
+                groups: dict[int, list] = {}
+                for e in episodes:
+                    groups.setdefault(e.group, []).append(e)
+                with self.cv:
+                    skip, self.skip = (self.skip, 0)
+                    self.queue.append([index, list(groups.values())[skip:], stats, skip])
+                    self.index = index + 1
+                    self.cv.notify_all()
+        except _Stopped:
+            return
+        except BaseException as e:  # the main thread raises it at its next take
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def check_point(self) -> int:
+        """Between two chunks of a batch (partial rollouts): stop or pause if asked, load the
+        newest weights received; returns the version the next tokens are sampled with."""
+        with self.cv:
+            self._wait(lambda: not self.pause_asked)
+        self._load()
+        return self.loaded
+
+    def _load(self) -> None:
+        with self.weights:
+            if self.staged is not None:
+                version, named = self.staged
+                self.engine.load_weights(list(named.items()))
+                self.loaded, self.staged = version, None
+        with self.cv:
+            self.cv.notify_all()
+
+    # ------------------------------------------------------------------ the main thread
+    def receive_weights(self, source) -> int:
+        """One weight sync into the receiver's buffers (`source`: sync.Receiver); the worker
+        loads them at its next check point. Returns the version received."""
+        version, _ = source.control()  # waits for the trainers; the worker goes on meanwhile
+        with self.weights:
+            named = dict(self.staged[1]) if self.staged else {}
+            for bucket in source.buckets():
+                named.update(bucket)
+            self.staged = (version, named)
+        with self.cv:
+            self.cv.notify_all()
+        return version
+
+    def take(self, n: int, min_version: int, group_offset: int) -> tuple[list, dict]:
+        """The oldest `n` groups whose version (their oldest token's) is at least `min_version`,
+        renumbered `group_offset + j`; older ones are dropped. Waits while the queue is empty.
+        Stats: the batches' summed timings, `dropped` (groups), `queue_groups` (left queued),
+        `engine_idle_frac` (since the last take), `position`."""
+        out, dropped, stats = [], 0, {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0,
+                                       "refill_rounds": 0}
+        with self.cv:
+            while len(out) < n:
+                self._wait_for_queue()
+                entry = self.queue[0]
+                if entry[2] is not None:  # a batch's timings count once, at its first take
+                    for key in stats:
+                        stats[key] = (max if key == "refill_rounds" else sum)((stats[key], entry[2][key]))
+                    entry[2] = None
+                group = entry[1].pop(0)
+                entry[3] += 1
+                if min(e.version for e in group) < min_version:
+                    dropped += 1
+                else:
+                    out.append(group)
+                if not entry[1]:
+                    self.queue.popleft()
+            now = time.perf_counter()
+            idle = self.idle_s + (now - self._idle_since if self._idle_since else 0.0)
+            self.idle_s, self._idle_since = 0.0, (now if self.idle else None)
+            stats.update(dropped=dropped, queue_groups=sum(len(q[1]) for q in self.queue),
+                         engine_idle_frac=idle / max(1e-9, now - self._last_take),
+                         position=self.position())
+            self._last_take = now
+        for j, group in enumerate(out):
+            for e in group:
+                e.group = group_offset + j
+        return [e for g in out for e in g], stats
+
+    def _wait_for_queue(self) -> None:
+        while not self.queue:
+            if self.error is not None:
+                raise self.error
+            if not self.thread.is_alive():
+                raise RuntimeError("the engine worker ended with nothing queued (the prompt stream "
+                                   "ran past rollout's limit)")
+            self.cv.wait(timeout=1.0)
+
+    def position(self) -> list[int]:
+        """[batch, groups of it already taken]: where a resumed run's stream starts."""
+        if self.queue:
+            return [self.queue[0][0], self.queue[0][3]]
+        return [self.index, self.skip]
+
+    @contextmanager
+    def paused(self):
+        """The worker idle at a check point with the newest weights loaded (evaluation uses the
+        engine meanwhile, in the main thread)."""
+        with self.cv:
+            self.pause_asked = True
+            self.cv.notify_all()
+            while not (self.idle or self.error or not self.thread.is_alive()):
+                self.cv.wait(timeout=1.0)
+        self._load()
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.pause_asked = False
+                self.cv.notify_all()
+
+    def stop(self) -> None:
+        """End the worker at its next check point (a batch in flight without partial rollouts
+        finishes first)."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.thread.join()
+        self.engine.between = None
+
+
+class Generation:
+    """A generation rank's episodes for each step: generated in the step (k = 0), one step ahead
+    in this thread between the exchange and the sync (k = 1 with an engine that receives weights
+    in its own processes: vLLM), or by a :class:`Producer` running ahead in a worker thread.
+    `make(step, version)`: batch `step` of the prompt stream with weights `version` (train.generate)."""
+
+    def __init__(self, engine, cfg, world, progress, make: Callable[[int, int], tuple[list, dict]]):
+        self.cfg, self.world, self.make, self.engine = cfg, world, make, engine
+        self.pending, self.producer = None, None
+        ro = cfg.rollout
+        if not (world.is_gen and ro.max_staleness) or engine.OWN_CHANNEL:
+            return
+        bound = Bound(ro.max_staleness, ro.stale, progress.step, progress.version, cfg.sync.enabled)
+        position = (tuple(progress.stream[world.gen_index]) if ro.stale == "drop" and progress.stream
+                    else (progress.step, 0))
+        self.producer = Producer(engine, make, bound, position,
+                                 limit=cfg.run.steps if ro.stale == "wait" else None,
+                                 partial_chunk=ro.partial_chunk if ro.partial else 0)
+
+    def episodes(self, step: int, version: int) -> tuple[list, dict]:
+        if self.producer is not None:
+            per_gen = self.cfg.rollout.prompts_per_step // len(self.world.gens)
+            return self.producer.take(per_gen, self.producer.bound.version_at(step) - self.producer.bound.k,
+                                      self.world.gen_index * per_gen)
+        local, self.pending = self.pending or self.make(step, version), None
+        return local
+
+    def after_exchange(self, step: int, version: int, live) -> None:
+        """k = 1 in this thread: step + 1's batch with the current weights while the trainers
+        train on this one; the sync waits for both."""
+        if (self.world.is_gen and self.producer is None and self.cfg.rollout.max_staleness
+                and step + 1 < self.cfg.run.steps):
+            live.phase(step, f"rollout of step {step + 1} (overlap)")
+            self.pending = self.make(step + 1, version)
+
+    def loader(self):
+        """What a sync loads into on this rank: the engine, or the producer's staging."""
+        return self.producer or self.engine
+
+    def paused(self):
+        return self.producer.paused() if self.producer is not None else nullcontext()
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()

@@ -1,0 +1,187 @@
+"""pipeline.Producer (engines running ahead, rollout.max_staleness = k) with a stand-in engine
+and scripted trainers, and the hf engine's chunked (partial) generation with a real tiny model:
+every token records its version, and its logprob is the one that version's weights give."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import pipeline as P
+import rollout as R
+
+PER = 2  # groups per batch
+G = 2    # episodes per group
+
+
+class Engine:
+    OWN_CHANNEL = False
+    between = None
+    chunk = 0
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, named, adopt=False):
+        self.loaded.append(dict(named))
+
+
+class Source:
+    """A sync.Receiver stand-in: one sync of `version` with one tensor."""
+
+    def __init__(self, version):
+        self.version = version
+
+    def control(self):
+        return self.version, [[]]
+
+    def buckets(self):
+        yield [("w", torch.tensor([float(self.version)]))]
+
+
+def batch(index, version, gate=None):
+    if gate is not None:
+        gate(index)
+    return [R.Episode(index, g, [1], [2, 3], [0.0, 0.0], 0.0, {}, version, False)
+            for g in range(PER) for _ in range(G)], {"generate_s": 0.01, "reward_s": 0.0,
+                                                      "prompts": PER, "refill_rounds": 0}
+
+
+def settle(producer, queued, timeout=10.0):
+    """Until the worker waits (idle) with `queued` batches in its queue."""
+    end = time.time() + timeout
+    while time.time() < end:
+        with producer.cv:
+            if producer.idle and len(producer.queue) == queued:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"worker not idle with {queued} queued: {len(producer.queue)}")
+
+
+def test_wait_runs_k_ahead_and_never_past_the_bound():
+    k = 2
+    p = P.Producer(Engine(), batch, P.Bound(k, "wait", 0, 0, True), (0, 0), limit=8)
+    try:
+        settle(p, k + 1)  # batches 0..k with version 0, then batch k+1 needs version 1
+        assert [q[0] for q in p.queue] == [0, 1, 2]
+        for step in range(8):
+            eps, st = p.take(PER, p.bound.version_at(step) - k, 10)
+            assert {e.index for e in eps} == {step}          # step t trains batch t
+            assert [e.group for e in eps] == [10, 10, 11, 11]
+            assert all(step - e.version <= k for e in eps)
+            assert min(step - e.version for e in eps) == min(step, k)  # it really ran ahead
+            assert st["dropped"] == 0 and st["position"][0] == step + 1
+            p.receive_weights(Source(step + 1))
+            settle(p, min(k + 1, 7 - step))  # slow trainers: the worker is at the bound again
+    finally:
+        p.stop()
+
+
+def test_drop_at_the_bound_counts_and_moves_the_stream_on():
+    engine = Engine()
+    p = P.Producer(engine, batch, P.Bound(1, "drop", 0, 0, True), (0, 0), limit=None)
+    try:
+        settle(p, 2)  # k + 1 batches of version 0, then the queue is full
+        for v in (1, 2, 3):
+            p.receive_weights(Source(v))
+        eps, st = p.take(PER, 2, 0)  # the trainers at version 3, k = 1: version 0 is stale
+        assert st["dropped"] == 2 * PER
+        assert {e.index for e in eps} == {2} and {e.version for e in eps} == {3}
+        assert engine.loaded[-1]["w"].item() == 3.0  # the newest weights, loaded at batch start
+    finally:
+        p.stop()
+
+
+def test_position_resumes_inside_a_batch():
+    p = P.Producer(Engine(), batch, P.Bound(1, "drop", 5, 5, True), (5, 1), limit=None)
+    try:
+        eps, st = p.take(PER, 0, 0)
+        assert [e.index for e in eps] == [5, 5, 6, 6]  # batch 5's second group, then batch 6
+        assert st["position"] == [6, 1]
+    finally:
+        p.stop()
+
+
+def test_worker_error_reaches_the_main_thread():
+    def broken(index, version):
+        raise ValueError("reward crashed in batch 0")
+    p = P.Producer(Engine(), broken, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=4)
+    with pytest.raises(ValueError, match="reward crashed"):
+        p.take(PER, 0, 0)
+    p.stop()
+
+
+def test_partial_loads_new_weights_between_chunks_and_pause():
+    engine = Engine()
+    mid, resume = threading.Event(), threading.Event()
+    seen = []
+
+    def chunked(index, version):  # a batch of two chunks with a check point between
+        if index == 0:
+            mid.set()
+            assert resume.wait(10)
+        seen.append((index, version, engine.between()))
+        return batch(index, version)
+
+    p = P.Producer(engine, chunked, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=3, partial_chunk=4)
+    try:
+        assert mid.wait(10)
+        p.receive_weights(Source(1))  # arrives while batch 0 is in flight
+        resume.set()
+        p.take(PER, 0, 0)
+        assert seen[0] == (0, 0, 1)  # started with 0, its second chunk sampled with 1
+        settle(p, 2)  # batches 1 and 2 (limit 3)
+        p.receive_weights(Source(2))
+        with p.paused():  # evaluation: worker idle, newest weights in the engine
+            assert p.loaded == 2 and p.idle
+    finally:
+        p.stop()
+    assert engine.between is None
+
+
+def test_hf_chunks_record_versions_and_each_tokens_own_logprobs(tiny_dir):
+    """Partial rollouts on the hf engine: weights change between chunks; each token's version
+    is recorded and its engine logprob equals the trainer's recomputation under that version's
+    weights (fp32, 1e-4), on the tokens of each version."""
+    import data
+    import inputs as I
+    import model as M
+    import synthetic
+    path = tiny_dir("qwen2_5_vl")
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    weights = [{n: t.detach().clone() for n, t in engine.model.named_parameters()}]
+    g = torch.Generator().manual_seed(0)
+    weights.append({n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in weights[0].items()})
+    calls = []
+
+    def between():
+        v = min(len(calls), 1)
+        with torch.no_grad():
+            for n, t in engine.model.named_parameters():
+                t.copy_(weights[v][n])
+        calls.append(v)
+        return v
+    engine.between, engine.chunk = between, 3
+    problems = synthetic.make_synthetic(2, seed=3)
+    prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
+    out = engine.generate(prompts, R.Sampling(n=2, max_new_tokens=8), seed=1)
+    comps = [c for cs in out for c in cs]
+    assert all(len(c.versions) == len(c.ids) for c in comps)
+    assert any(set(c.versions) == {0, 1} for c in comps)
+    assert all(c.versions[:3] == [0] * min(3, len(c.ids)) for c in comps)
+    eps = [R.Episode(p.index, i, prompts[i][0], c.ids, c.logprobs, 0.0, {}, min(c.versions),
+                     c.truncated, "", c.versions) for i, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    images = [problems[e.group].images for e in eps]
+    batch_ = I.collate(eps, images, procs, torch.device("cpu"))
+    for v in (0, 1):
+        with torch.no_grad():
+            for n, t in engine.model.named_parameters():
+                t.copy_(weights[v][n])
+            lp, _ = M.sequence_logprobs(engine.model, batch_, procs.tokens, 1.0)
+        own = batch_["response_mask"].bool() & (batch_["token_versions"] == v)
+        assert own.any()
+        gap = float((lp[own] - batch_["engine_logprobs"][own]).abs().max())
+        assert gap <= 1e-4, (v, gap)
