@@ -2,6 +2,15 @@
 
     python bench/e2e.py                       # 3 rounds of 12 steps each way, 1 trainer + 1 engine
     python bench/e2e.py --steps 20 --nproc 3  # the demo's 2 trainers + 1 engine
+    python bench/e2e.py --staleness 0,1,2,4 --partial   # engines k versions ahead (one JSON per run)
+
+`--staleness K,...`: one run per k (rollout.max_staleness; loss.correction token_mask for k >= 1;
+`--partial` adds a partial-rollout run of each k >= 1, rollout.partial_chunk = `--chunk`), on
+`--max-new-tokens` (default 48) responses whose lengths spread as the random tiny model's EOS
+draws make them; prints for each {"staleness", "partial", "tokens_per_s" (trained tokens over
+the wall time of the steps after warm-up), "engine_idle_frac", "trainer_wait_frac" (medians),
+"staleness_mean", "staleness_max", "wall_s_to_reward" (seconds from the first step until the
+step whose reward first reaches `--reward-threshold`, null if none)}.
 
 Runs `train.py --config configs/tiny.toml` under torchrun (GRPO_BENCH_LAUNCH: another
 launcher, :func:`launcher`), alternating synchronous
@@ -57,13 +66,53 @@ def run(out: Path, nproc: int, steps: int, extra: list[str]) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def ahead(rows: list[dict], k: int, partial: bool, warmup: int, threshold: float) -> dict:
+    """One running-ahead run's figures (see the module docstring)."""
+    med = lambda key: round(statistics.median(r.get(key, 0.0) for r in rows[warmup:]), 4)  # noqa: E731
+    wall, reached = 0.0, None
+    for r in rows:
+        wall += r["time/step_s"]
+        if reached is None and r["reward/mean"] >= threshold:
+            reached = round(wall, 2)
+    rest = rows[warmup:]
+    return {"staleness": k, "partial": partial,
+            "tokens_per_s": round(sum(r["train/tokens"] for r in rest) / sum(r["time/step_s"] for r in rest), 1),
+            "engine_idle_frac": med("time/engine_idle_frac"),
+            "trainer_wait_frac": med("time/trainer_wait_frac"),
+            "staleness_mean": round(statistics.mean(r["rollout/staleness_mean"] for r in rest), 3),
+            "staleness_max": max(r["rollout/staleness_max"] for r in rows),
+            "wall_s_to_reward": reached, "steps": len(rows)}
+
+
+def staleness_runs(a) -> None:
+    """`--staleness`: one JSON line per run, plain runs then (with --partial) partial ones."""
+    plan = [(k, False) for k in a.staleness] + [(k, True) for k in a.staleness if a.partial and k]
+    with tempfile.TemporaryDirectory() as d:
+        for k, partial in plan:
+            extra = [f"--rollout.max_new_tokens={a.max_new_tokens}"]
+            if k:
+                extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
+            if partial:
+                extra += ["--rollout.partial=true", f"--rollout.partial_chunk={a.chunk}"]
+            rows = run(Path(d) / f"k{k}{'p' if partial else ''}", a.nproc, a.steps, extra)
+            print(json.dumps(ahead(rows, k, partial, a.warmup, a.reward_threshold)), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="synchronous + overlapped runs, alternated")
+    ap.add_argument("--staleness", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated k: one running-ahead run each (see the docstring)")
+    ap.add_argument("--partial", action="store_true", help="with --staleness: partial rollouts too")
+    ap.add_argument("--chunk", type=int, default=8, help="rollout.partial_chunk for --partial")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--reward-threshold", type=float, default=0.3)
     a = ap.parse_args()
+    if a.staleness is not None:
+        return staleness_runs(a)
     sync: list[list[dict]] = []
     over: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as d:

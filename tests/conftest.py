@@ -35,7 +35,7 @@ def pytest_configure(config):
 # The longest modules of the full suite, longest first (their measured times: docs/testing.md);
 # started first, they do not leave one worker running alone at the end.
 LONGEST_FIRST = ["test_failures", "test_e2e", "test_family_runs", "test_checkpoint",
-                 "test_bench_smoke", "test_vllm_e2e", "test_vllm", "test_examples", "test_vllm_tp",
+                 "test_bench_smoke", "test_async", "test_vllm_e2e", "test_vllm", "test_examples", "test_vllm_tp",
                  "test_researcher", "test_device_check", "test_presets_plan", "test_lora",
                  "test_channel", "test_packing"]
 

@@ -104,6 +104,24 @@ def test_e2e():
 
 
 @pytest.mark.slow
+def test_e2e_staleness():
+    """`--staleness 0,2 --partial`: one JSON object per run (k = 0, k = 2, k = 2 partial)."""
+    e = env(warm=True)
+    torchrun, entry = torchrun_parts(warm=True)
+    e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": torchrun, "entry": entry})
+    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--staleness", "0,2", "--partial",
+                        "--steps", "4", "--warmup", "1", "--max-new-tokens", "8", "--chunk", "4"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [json.loads(x) for x in p.stdout.strip().splitlines()]
+    assert [(r["staleness"], r["partial"]) for r in rows] == [(0, False), (2, False), (2, True)]
+    for r in rows:
+        assert {"tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean",
+                "staleness_max", "wall_s_to_reward"} <= set(r) and r["tokens_per_s"] > 0
+    assert rows[0]["staleness_max"] == 0 and 1 <= rows[1]["staleness_max"] <= 2
+
+
+@pytest.mark.slow
 def test_vs_trl_our_side():
     r = run(BENCH / "vs_trl.py", "--sides", "ours_world1", "--rounds", "1", "--steps", "2",
             "--warmup", "1")
