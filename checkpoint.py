@@ -7,6 +7,7 @@ intact one; rank 0 locks the run folder. Layout and protocol: docs/checkpoints.m
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -120,6 +121,55 @@ def _unwritable(d: Path, e: OSError) -> str:
             "or pass another --run.out_dir")
 
 
+# ----------------------------------------------------------------------------- the base weights
+PIECES, PIECE = 64, 64  # per tensor: this many evenly spaced pieces of this many bytes
+
+
+def fingerprint(model_path: str) -> str:
+    """A fingerprint of the weights in `model_path`'s safetensors files, read without loading
+    them: every tensor's name, dtype, shape and PIECES evenly spaced PIECE-byte pieces of its
+    data (all of it when smaller). A retrained or re-initialised tensor changes it; a few values
+    changed inside one large tensor may not. "" for a folder without safetensors."""
+    h, parts = hashlib.blake2b(digest_size=8), []
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            for name in sorted(k for k in header if k != "__metadata__"):
+                t = header[name]
+                start, end = t["data_offsets"]
+                size = end - start
+                spots = [0] if size <= PIECES * PIECE else [i * (size - PIECE) // (PIECES - 1)
+                                                             for i in range(PIECES)]
+                chunk = b""
+                for at in spots:
+                    fh.seek(8 + n + start + at)
+                    chunk += fh.read(min(size, PIECE) if size > PIECES * PIECE else size)
+                h.update(f"{name}:{t['dtype']}:{t['shape']}".encode() + chunk)
+                parts.append(name)
+    return f"{h.hexdigest()}-{len(parts)}" if parts else ""
+
+
+def check_base(cfg, world, model_path: str, progress: Progress, resumed: str | None) -> None:
+    """Collective over the world: rank 0 fingerprints `model_path`; a resume whose checkpoint
+    records another base stops every rank with one line naming both, unless
+    `run.allow_new_base`. Then `progress.base` is the base this run trains on."""
+    verdict = [None, None]
+    if world.is_root:
+        now = {"path": model_path, "fingerprint": fingerprint(model_path)}
+        old = progress.base
+        if resumed and old and old.get("fingerprint") != now["fingerprint"] and not cfg.run.allow_new_base:
+            verdict[0] = (f"resuming {resumed}: its base weights were {old.get('path')} (fingerprint "
+                          f"{old.get('fingerprint')}); model.path={model_path} now holds other "
+                          f"weights ({now['fingerprint']}); set --run.allow_new_base=true to go on "
+                          "on the new base, or use another run.out_dir")
+        verdict[1] = now
+    dist.broadcast_object_list(verdict, 0, group=world.ctrl)
+    if verdict[0]:
+        raise ConfigError(verdict[0])
+    progress.base = verdict[1]
+
+
 # ----------------------------------------------------------------------------- saving
 @dataclass
 class Progress:
@@ -132,6 +182,7 @@ class Progress:
     optimizer_steps: int = 0   # optimizer steps taken (train/optimizer_steps)
     kl_coef: float | None = None  # the adaptive KL coefficient (loss.kl_target), None: loss.kl_coef
     stream: list = field(default_factory=list)  # running-ahead engines: [batch, groups taken] each (pipeline.py)
+    base: dict = field(default_factory=dict)    # the base weights the run started from: path, fingerprint
 
 
 class Export(NamedTuple):  # what the HF export (export_hf) is made of besides the weights
@@ -302,7 +353,8 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
                 meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
                                               "skipped_total")},
                       "optimizer_steps": meta.get("optimizer_steps", n_opt),
-                      "kl_coef": meta.get("kl_coef")})
+                      "kl_coef": meta.get("kl_coef"), "stream": meta.get("stream", []),
+                      "base": meta.get("base", {})})
     if changes and not cfg.run.allow_config_change:
         plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
                          + " would change what the run means; set --run.allow_config_change=true "

@@ -85,6 +85,7 @@ class RunConfig:
     eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
     report_to: list = field(default_factory=list)  # trackers: any of "tensorboard", "wandb", "swanlab"
     allow_config_change: bool = False        # resume although keys that change what the run means differ
+    allow_new_base: bool = False             # resume although model.path's weights differ from the checkpoint's base
     verbose: bool = False                    # also vLLM's INFO lines and W&B's end-of-run summary
 
 
@@ -159,8 +160,7 @@ class RolloutConfig:
     # k >= 1: "wait" (an engine starts no batch it could not deliver within k versions) or
     # "drop" (it never waits; groups older than k versions are dropped and counted)
     stale: str = "wait"
-    partial: bool = False                    # k >= 1: new weights reach an engine between chunks of its batch
-    partial_chunk: int = num(16, ">= 1")     # partial: tokens generated between two weight checks
+    partial: bool = False                    # k >= 1: new weights reach an engine between decode steps of its batch
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)

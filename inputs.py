@@ -18,8 +18,16 @@ from synthetic import IMAGE_MARKER
 
 
 # ----------------------------------------------------------------------------- processors
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path: str):
+    """The folder's tokenizer; ModelError naming the files looked for when a local folder has
+    none (transformers would otherwise go on with a wrong or empty one)."""
     from transformers import AutoTokenizer
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(f"model.path={path}: no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -86,12 +94,27 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
     ip = load_image_processor(path, min_pixels, max_pixels) if F.is_vlm(config) else None
     procs = Processors(tokenizer, Tokens.of(tokenizer, config, _stops(path, tokenizer)), ip,
                        Chat(template, system_prompt, enable_thinking), packs_exactly(config))
+    if enable_thinking is not None and not procs.chat.takes_thinking:
+        raise ModelError(f"data.enable_thinking={str(enable_thinking).lower()}: the chat template of "
+                         f"model.path={path} takes no enable_thinking (it would be ignored); unset it")
     try:  # fail now, naming the model, rather than at the first row
-        prompt_ids(procs, "1 + 1 = ?", 1 if procs.vision else 0)
+        probe = prompt_ids(procs, "1 + 1 = ?", 1 if procs.vision else 0)
+        bare = prompt_ids(procs, "1 + 1 = ?", 1 if procs.vision else 0, generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - Jinja raises many types
         raise ModelError(f"model.path={path}: its chat template fails to render a prompt "
                          f"({one_line(e, 240, typed=False)}); check data.system_prompt / data.enable_thinking") from None
+    if probe == bare:
+        raise ModelError(f"model.path={path}: its chat template ({template_source(path, tokenizer)}) "
+                         "ignores add_generation_prompt: every prompt would lack the assistant "
+                         "header; use a template that opens the assistant turn")
     return procs
+
+
+def template_source(path: str, tokenizer) -> str:
+    """Where :func:`chat_template` found the template (for messages)."""
+    if tokenizer.chat_template:
+        return "tokenizer_config.json"
+    return next((f for f in ("chat_template.jinja", "chat_template.json") if (Path(path) / f).is_file()), "")
 
 
 def processors(path: str, mc, dc) -> Processors:
@@ -165,15 +188,16 @@ def chat_messages(user_text: str, n_images: int, system_prompt: str = "",
     return system + [{"role": "user", "content": content}]
 
 
-def prompt_ids(procs: Processors, user_text: str, n_images: int) -> list[int]:
+def prompt_ids(procs: Processors, user_text: str, n_images: int,
+               generation_prompt: bool = True) -> list[int]:
     """The prompt's token ids, rendered by the model's chat template (with the generation
-    prompt), with ONE unexpanded image placeholder per image."""
+    prompt, unless `generation_prompt` is off), with ONE unexpanded image placeholder per image."""
     chat = procs.chat
     kw = ({"enable_thinking": chat.enable_thinking}
           if chat.enable_thinking is not None and chat.takes_thinking else {})
     text = procs.tokenizer.apply_chat_template(
         chat_messages(user_text, n_images, chat.system_prompt, procs.vision),
-        chat_template=chat.template, tokenize=False, add_generation_prompt=True, **kw)
+        chat_template=chat.template, tokenize=False, add_generation_prompt=generation_prompt, **kw)
     ids = procs.tokenizer.encode(text, add_special_tokens=False)
     if procs.vision and ids.count(procs.tokens.image_pad) != n_images:
         raise ValueError(f"the chat template rendered {ids.count(procs.tokens.image_pad)} image "

@@ -57,7 +57,16 @@ def lora_targets(model, mc) -> list[str]:
                              f"model.path={mc.path} ties to its input embeddings (an adapter "
                              "merged into it would change them too); leave it out")
         chosen |= hit
-    return [n for n in allowed if n in chosen]
+    targets = [n for n in allowed if n in chosen]
+    if targets and mc.lora_rank:
+        dims = {n: min(model.get_submodule(n).in_features, model.get_submodule(n).out_features)
+                for n in targets}
+        small = min(dims, key=dims.get)
+        if mc.lora_rank > dims[small]:
+            raise ConfigError(f"model.lora_rank={mc.lora_rank} is above the smallest adapted "
+                              f"dimension, {dims[small]} ({small}): an adapter cannot have a higher "
+                              f"rank than its layer; use model.lora_rank <= {dims[small]}")
+    return targets
 
 
 def _linear_names(layers: dict[str, str], vision: bool) -> str:

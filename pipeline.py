@@ -6,8 +6,9 @@ queue of finished groups. The rank's main thread stays in lock-step with every o
 step's exchange and weight sync: world.py's groups, entered in the same order everywhere) and
 only hands things over: at each step it takes the oldest `per_gen` groups (:meth:`take`), at
 each sync it receives the new weights into the receiver's buffers (:meth:`receive_weights`), which the
-worker loads at its next check point: a batch's start, and with `rollout.partial` between the
-chunks of a batch (the engine's `between`). So the trainers wait for the engines only when the
+worker loads at its next check point: a batch's start, and with `rollout.partial` the next
+decode step (the engine's `interrupt` ends its generate call, `between` loads the weights and the
+batch goes on under them). So the trainers wait for the engines only when the
 queue is empty, and the engines wait for the trainers only at the staleness bound:
 
 - `rollout.stale = "wait"` (AReaL's rule): batch `s` starts only once the engine can hold the
@@ -54,7 +55,7 @@ class Producer:
     for "drop". `limit`: no batch at or after it ("wait": run.steps; "drop": None)."""
 
     def __init__(self, engine, make: Callable[[int, int], tuple[list, dict]], bound: Bound,
-                 position: tuple[int, int], limit: int | None, partial_chunk: int = 0):
+                 position: tuple[int, int], limit: int | None, partial: bool = False):
         self.engine, self.make, self.bound, self.limit = engine, make, bound, limit
         self.loaded = bound.version0        # the version in the engine
         self.staged: tuple[int, dict] | None = None  # received, not yet loaded: (version, name -> tensor)
@@ -65,8 +66,8 @@ class Producer:
         self.error: BaseException | None = None
         self.stopping = self.pause_asked = self.idle = False
         self.idle_s, self._idle_since, self._last_take = 0.0, None, time.perf_counter()
-        if partial_chunk:
-            engine.between, engine.chunk = self.check_point, partial_chunk
+        if partial:
+            engine.between, engine.interrupt = self.check_point, self._pending
         self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.thread.start()
 
@@ -114,8 +115,13 @@ class Producer:
                 self.error = e
                 self.cv.notify_all()
 
+    def _pending(self) -> bool:
+        """Whether the engine should stop at its next decode step: newer weights wait, or a
+        pause or stop is asked (read without the lock: a stale read costs one decode step)."""
+        return self.staged is not None or self.pause_asked or self.stopping
+
     def check_point(self) -> int:
-        """Between two chunks of a batch (partial rollouts): stop or pause if asked, load the
+        """Before each generate call of a batch (partial rollouts): stop or pause if asked, load the
         newest weights received; returns the version the next tokens are sampled with."""
         with self.cv:
             self._wait(lambda: not self.pause_asked)
@@ -213,13 +219,13 @@ class Producer:
                 self.cv.notify_all()
 
     def stop(self) -> None:
-        """End the worker at its next check point (a batch in flight without partial rollouts
-        finishes first)."""
+        """End the worker at its next check point (with partial rollouts the next decode step;
+        without, a batch in flight finishes first)."""
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
         self.thread.join()
-        self.engine.between = None
+        self.engine.between = self.engine.interrupt = None
 
 
 class Generation:
@@ -239,7 +245,7 @@ class Generation:
                     else (progress.step, 0))
         self.producer = Producer(engine, make, bound, position,
                                  limit=cfg.run.steps if ro.stale == "wait" else None,
-                                 partial_chunk=ro.partial_chunk if ro.partial else 0)
+                                 partial=ro.partial)
 
     def episodes(self, step: int, version: int) -> tuple[list, dict]:
         if self.producer is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple, Protocol
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import data
 import device as D
@@ -115,6 +116,17 @@ def build_engine(cfg, path: str, procs: I.Processors, *, dev: D.Device, device: 
                                                         seed=seed, max_images=max_images)
 
 
+class _Interrupt(StoppingCriteria):
+    """Ends a generate call at the next decode step once `pending()` (newer weights wait)."""
+
+    def __init__(self, pending: Callable[[], bool]):
+        self.pending = pending
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.pending()), dtype=torch.bool,
+                          device=input_ids.device)
+
+
 class HFEngine:
     """transformers generation on this rank's device, with its own copy of the weights."""
     OWN_CHANNEL = False
@@ -132,10 +144,13 @@ class HFEngine:
                     device: torch.device, seed: int, max_images: int = 1) -> "HFEngine":
         return cls(path, M.DTYPES[cfg.model.dtype], procs, device)
 
-    # Partial rollouts (pipeline.Producer sets both): generation in chunks of `chunk` tokens,
-    # `between()` (load the newest weights; returns their version) before each chunk
+    # Partial rollouts (pipeline.Producer sets these): `between()` loads the newest weights and
+    # returns their version, before each generate call of a batch; `interrupt()` is True when
+    # newer weights wait, which ends the call at its next decode step (the batch then goes on
+    # under them); `chunk` > 0 caps the tokens of one call (tests)
     between: Callable[[], int] | None = None
-    chunk: int = 16
+    interrupt: Callable[[], bool] | None = None
+    chunk: int = 0
 
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         if self.between is not None and not sp.greedy:
@@ -155,16 +170,16 @@ class HFEngine:
         return (len(r), False) if n is None else (n, True)
 
     def _chunked(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
-        """sp.n responses per prompt, `chunk` tokens at a time: each chunk continues the
-        unfinished ones (prompt + their tokens so far, prefilled again) with the weights
-        `between()` loaded; every token records the version it was sampled with. Chunk c's
-        sampling seed is `seed + c * 7919` (reproducible for a given schedule)."""
+        """sp.n responses per prompt in chunks, each ended by `interrupt()` (or `chunk`): each
+        chunk continues the unfinished ones (prompt + their tokens so far, prefilled again) with
+        the weights `between()` loaded; every token records the version it was sampled with.
+        Chunk c's sampling seed is `seed + c * 7919` (reproducible for a given schedule)."""
         seqs = [Completion([], [], True) for _ in prompts for _ in range(sp.n)]
         owner = [p for p in range(len(prompts)) for _ in range(sp.n)]
         live, c = list(range(len(seqs))), 0
         while live:
             version = self.between()
-            n_new = min(self.chunk, sp.max_new_tokens - len(seqs[live[0]].ids))
+            n_new = min(self.chunk or sp.max_new_tokens, sp.max_new_tokens - len(seqs[live[0]].ids))
             rows = prompts if c == 0 else [(prompts[owner[i]][0] + seqs[i].ids, prompts[owner[i]][1])
                                            for i in live]
             resp, lp = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
@@ -202,6 +217,8 @@ class HFEngine:
             mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
                          image_grid_thw=mm["image_grid_thw"].to(self.device),
                          mm_token_type_ids=(ids == tk.image_pad).int())
+        if self.interrupt is not None:
+            knobs["stopping_criteria"] = StoppingCriteriaList([_Interrupt(self.interrupt)])
         with D.fork_rng(self.device):  # the device type explicitly (NPU: not "cuda")
             torch.manual_seed(seed)
             out = self.model.generate(

@@ -238,6 +238,9 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
                  f"steps {p.step} -> {cfg.run.steps} ==" if plan["path"] else
                  f"== fresh start: steps 0 -> {cfg.run.steps}, {cfg.rollout.prompts_per_step} "
                  f"prompts x {cfg.rollout.group_size} samples per step")
+    if plan["path"] and cfg.rollout.stale == "drop" and p.stream:
+        lines.append("   the engines' prompt streams resume at " + ", ".join(
+            f"batch {b} (+{g} groups)" for b, g in p.stream))
     changed = plan.get("other_changes", []) + (plan.get("meaning_changes", []) if plan["path"] else [])
     if changed:  # the meaning changes are here only when run.allow_config_change let them pass
         lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"

@@ -301,6 +301,7 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
     except tracking.TrackerError as e:  # one line naming the tracker, no traceback
         raise failures.Fatal(str(e)) from None
     s = set_up(cfg, world, dev, live)
+    ckpt.check_base(cfg, world, s.model_path, progress, plan["path"])
     if plan["path"]:
         restore(cfg, world, s, dev, plan)
     if rec:

@@ -5,10 +5,11 @@
     python bench/e2e.py --staleness 0,1,2,4 --partial   # engines k versions ahead (one JSON per run)
 
 `--staleness K,...`: one run per k (rollout.max_staleness; loss.correction token_mask for k >= 1;
-`--partial` adds a partial-rollout run of each k >= 1, rollout.partial_chunk = `--chunk`), on
+`--partial` adds a partial-rollout run of each k >= 1), on
 `--max-new-tokens` (default 48) responses whose lengths spread as the random tiny model's EOS
 draws make them; prints for each {"staleness", "partial", "tokens_per_s" (trained tokens over
 the wall time of the steps after warm-up), "engine_idle_frac", "trainer_wait_frac" (medians),
+over `--rounds` alternated runs (their medians; "tokens_per_s_each" every run's),
 "staleness_mean", "staleness_max", "wall_s_to_reward" (seconds from the first step until the
 step whose reward first reaches `--reward-threshold`, null if none)}.
 
@@ -85,17 +86,31 @@ def ahead(rows: list[dict], k: int, partial: bool, warmup: int, threshold: float
 
 
 def staleness_runs(a) -> None:
-    """`--staleness`: one JSON line per run, plain runs then (with --partial) partial ones."""
+    """`--staleness`: one JSON line per configuration (plain runs, then with --partial partial
+    ones), each over `--rounds` runs alternated with the others (this machine drifts): the
+    figures of every round's run, then their medians (`wall_s_to_reward`: the median of those
+    that reached it)."""
     plan = [(k, False) for k in a.staleness] + [(k, True) for k in a.staleness if a.partial and k]
+    got: dict = {c: [] for c in plan}
     with tempfile.TemporaryDirectory() as d:
-        for k, partial in plan:
-            extra = [f"--rollout.max_new_tokens={a.max_new_tokens}"]
-            if k:
-                extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
-            if partial:
-                extra += ["--rollout.partial=true", f"--rollout.partial_chunk={a.chunk}"]
-            rows = run(Path(d) / f"k{k}{'p' if partial else ''}", a.nproc, a.steps, extra)
-            print(json.dumps(ahead(rows, k, partial, a.warmup, a.reward_threshold)), flush=True)
+        for i in range(a.rounds):
+            for k, partial in plan:
+                extra = [f"--rollout.max_new_tokens={a.max_new_tokens}"]
+                if k:
+                    extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
+                if partial:
+                    extra += ["--rollout.partial=true"]
+                rows = run(Path(d) / f"k{k}{'p' if partial else ''}{i}", a.nproc, a.steps, extra)
+                got[(k, partial)].append(ahead(rows, k, partial, a.warmup, a.reward_threshold))
+    for (k, partial), runs in got.items():
+        out = {"staleness": k, "partial": partial, "rounds": len(runs)}
+        for key in ("tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean"):
+            out[key] = round(statistics.median(r[key] for r in runs), 4)
+        out["staleness_max"] = max(r["staleness_max"] for r in runs)
+        reached = [r["wall_s_to_reward"] for r in runs if r["wall_s_to_reward"] is not None]
+        out["wall_s_to_reward"] = round(statistics.median(reached), 2) if reached else None
+        out["tokens_per_s_each"] = [r["tokens_per_s"] for r in runs]
+        print(json.dumps(out), flush=True)
 
 
 def main() -> None:
@@ -103,11 +118,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="synchronous + overlapped runs, alternated")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each configuration, alternated")
     ap.add_argument("--staleness", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="comma-separated k: one running-ahead run each (see the docstring)")
     ap.add_argument("--partial", action="store_true", help="with --staleness: partial rollouts too")
-    ap.add_argument("--chunk", type=int, default=8, help="rollout.partial_chunk for --partial")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--reward-threshold", type=float, default=0.3)
     a = ap.parse_args()

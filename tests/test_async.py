@@ -22,7 +22,7 @@ K4 = ["--rollout.max_staleness=4", "--loss.correction=token_mask"]
 
 def test_four_ahead_with_partial_rollouts_learns_within_the_bound(tmp_path):
     torchrun(3, [*TINY, *TOY, *K4, "--run.steps=32", f"--run.out_dir={tmp_path}",
-                 "--rollout.partial=true", "--rollout.partial_chunk=4"])
+                 "--rollout.partial=true"])
     rows = metrics(tmp_path)
     assert all(r["rollout/staleness_max"] <= 4 for r in rows), [r["rollout/staleness_max"] for r in rows]
     assert max(r["rollout/staleness_max"] for r in rows) > 1          # it really ran ahead
@@ -63,9 +63,24 @@ def test_resume_four_ahead_trains_the_same_prompts_at_every_step(tmp_path):
     assert rows[3]["rollout/staleness_max"] == 0 and rows[2]["rollout/staleness_max"] == 2
 
 
+def test_resume_with_drop_continues_each_engines_stream_position(tmp_path):
+    """stale = "drop": the checkpoint holds each engine's stream position, the resumed engines
+    start there (the start-up line names it) and the run goes on to its last step."""
+    import torch
+    common = [*TINY, *TOY, "--rollout.max_staleness=1", "--rollout.stale=drop",
+              "--loss.correction=icepop", "--run.save_every=3", f"--run.out_dir={tmp_path}"]
+    torchrun(3, [*common, "--run.steps=3"])
+    meta = torch.load(tmp_path / "checkpoints" / "step_000003" / "state" / "meta.pt", weights_only=False)
+    (b, g), = meta["stream"]
+    assert b >= 3
+    p = torchrun(3, [*common, "--run.steps=5"])
+    assert f"the engines' prompt streams resume at batch {b} (+{g} groups)" in p.stdout, p.stdout[-2000:]
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(5))
+
+
 def test_dead_engine_rank_and_ctrl_c_end_a_running_ahead_job(tmp_path):
     e = dict(env(True), GRPO_FAULT="die@3:2")
-    args = [*TINY, *K4, "--rollout.partial=true", "--rollout.partial_chunk=4",
+    args = [*TINY, *K4, "--rollout.partial=true",
             "--run.keep_last=0", "--cluster.timeout_s=20"]
     t0 = time.monotonic()
     p = subprocess.run(torchrun_cmd(3, [*args, "--run.steps=8", f"--run.out_dir={tmp_path / 'd'}"]),

@@ -110,7 +110,7 @@ def test_e2e_staleness():
     torchrun, entry = torchrun_parts(warm=True)
     e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": torchrun, "entry": entry})
     p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--staleness", "0,2", "--partial",
-                        "--steps", "4", "--warmup", "1", "--max-new-tokens", "8", "--chunk", "4"],
+                        "--steps", "4", "--warmup", "1", "--max-new-tokens", "8", "--rounds", "1"],
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = [json.loads(x) for x in p.stdout.strip().splitlines()]

@@ -19,6 +19,7 @@ import torch
 
 import data
 import families as F
+from errors import ModelError
 import inputs as I
 import model as M
 import rollout as R
@@ -89,7 +90,12 @@ def test_prompt_ids_are_what_the_familys_own_processor_renders(tiny_dir, t):
     import transformers
 
     import vllm_engine as V
-    for thinking in (None, False):
+    takes = _procs(tiny_dir, t)[1].chat.takes_thinking
+    if not takes:  # a switch the template does not read is refused, not ignored (issue: silently)
+        with pytest.raises(ModelError, match=r"^data\.enable_thinking=false: the chat template of "
+                                             r"model\.path=.* takes no enable_thinking"):
+            _procs(tiny_dir, t, enable_thinking=False)
+    for thinking in (None, False) if takes else (None,):
         path, procs = _procs(tiny_dir, t, enable_thinking=thinking)
         p = _problems(procs, 1, seed=7)[0]
         text = data.user_text(p)

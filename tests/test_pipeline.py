@@ -125,7 +125,7 @@ def test_partial_loads_new_weights_between_chunks_and_pause():
         seen.append((index, version, engine.between()))
         return batch(index, version)
 
-    p = P.Producer(engine, chunked, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=3, partial_chunk=4)
+    p = P.Producer(engine, chunked, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=3, partial=True)
     try:
         assert mid.wait(10)
         p.receive_weights(Source(1))  # arrives while batch 0 is in flight
@@ -141,10 +141,12 @@ def test_partial_loads_new_weights_between_chunks_and_pause():
     assert engine.between is None
 
 
-def test_hf_chunks_record_versions_and_each_tokens_own_logprobs(tiny_dir):
-    """Partial rollouts on the hf engine: weights change between chunks; each token's version
-    is recorded and its engine logprob equals the trainer's recomputation under that version's
-    weights (fp32, 1e-4), on the tokens of each version."""
+@pytest.mark.parametrize("how", ["interrupt", "chunk"])
+def test_hf_chunks_record_versions_and_each_tokens_own_logprobs(tiny_dir, how):
+    """Partial rollouts on the hf engine: weights change between generate calls (ended by the
+    interrupt at a decode step, or by a fixed chunk); each token's version is recorded and its
+    engine logprob equals the trainer's recomputation under that version's weights (fp32,
+    1e-4), on the tokens of each version."""
     import data
     import inputs as I
     import model as M
@@ -164,7 +166,12 @@ def test_hf_chunks_record_versions_and_each_tokens_own_logprobs(tiny_dir):
                 t.copy_(weights[v][n])
         calls.append(v)
         return v
-    engine.between, engine.chunk = between, 3
+    steps = []
+    if how == "chunk":
+        engine.between, engine.chunk = between, 3
+    else:  # newer weights "arrive" after the third decode step of the first call
+        engine.between = between
+        engine.interrupt = lambda: (steps.append(1) or len(steps) == 3) and len(calls) == 1
     problems = synthetic.make_synthetic(2, seed=3)
     prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
     out = engine.generate(prompts, R.Sampling(n=2, max_new_tokens=8), seed=1)
