@@ -243,6 +243,8 @@ def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_r
     if is_root:
         export_hf(tmp / "hf", full, policy, export.procs, export.source, export.dtype)
     del full
+    if fault_active("checkpoint_mid_write", meta["step"]):  # tests: a rank killed mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
     # (b) the training state, sharded: every trainer rank writes its own part.
     model_sd, optim_sd = _trained_state(policy, opt)
     sharded = {"model": model_sd, "optim": optim_sd}
@@ -394,7 +396,7 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
                 meta = read_meta(Path(c))
                 meta = {k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total",
                                               "optimizer_steps", "kl_coef", "config", "world_size",
-                                              "rng", "sched") if k in meta}
+                                              "stream", "base", "rng", "sched") if k in meta}
                 for key in ("step", "version", "skipped_in_row", "skipped_total", "rng", "sched"):
                     meta[key]  # noqa: B018 - a KeyError names what is missing
                 meta["trainers"] = len(meta.pop("rng"))
@@ -417,11 +419,17 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
 
 
 def load(path: Path, state: tuple, train_group, is_root: bool, rank_in_group: int,
-         ref=None) -> dict | None:
+         ref=None, changes: list | None = None) -> dict | None:
     """Restore `state` (policy, optimizer, schedule), and `ref` when saved, in place; collective
     over the trainer ranks. Returns this rank's RNG state, or None when another number of
-    trainer ranks wrote it (resharded; the seeded RNG stays). A failure raises :class:`StartError`."""
+    trainer ranks wrote it (resharded; the seeded RNG stays). A failure raises :class:`StartError`:
+    "incompatible with this config" when `changes` (the meaning changes run.allow_config_change
+    let through: (key, old, new)) are there, else "damaged"."""
     problem, meta = _load(path, state, train_group, is_root, ref)  # the same problem on every rank
+    if problem is not None and changes:
+        raise StartError(f"checkpoint {path} is incompatible with this config: "
+                         + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+                         + f" ({problem}); resume without that change, or use another run.out_dir")
     if problem is not None:
         raise StartError(f"checkpoint {path} is damaged: {problem}; move it aside to resume from "
                          "an older one")

@@ -338,9 +338,12 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
         live.failing = True  # this rank reports its own failure; keep beating meanwhile
         with live.ending:    # a signal stop under way wins: it ends the process
             where = live.where_text()
-            if isinstance(e, Fatal):
-                say(f"error: rank {rank} ({role}) failed {where}: {e}")
-                live.abort(f"rank {rank} ({role}) failed {where}: {e}")
+            if isinstance(e, Fatal):  # its cause a failed collective: name who died (a save)
+                d = (live.diagnose() if any(is_communication_error(c) for c in causes(e))
+                     else Diagnosis())
+                tail = f"; {d.line}" if d.dead or d.failed or d.signalled else ""
+                say(f"error: rank {rank} ({role}) failed {where}: {e}{tail}")
+                live.abort(f"rank {rank} ({role}) failed {where}: {e}{tail}")
                 end(4)
             notice = live.abort_notice() if is_communication_error(e) else None
             if notice:  # another rank failed first: this error is only its consequence

@@ -143,6 +143,7 @@ class Family:
     processor: str = ""              # the HF processor class vLLM's loader asks for (VLMs)
     notes: str = ""                  # what a user should know (README's families table)
     linear_attention: bool = False   # some text layers are linear attention (Gated DeltaNet)
+    label: str = ""                  # the family's name in messages ("" = model_type)
 
 
 _QWEN2_VL_SYSTEM = "You are a helpful assistant."
@@ -156,10 +157,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("qwen3_vl_moe", lambda i, h, n: _tiny_qwen3_vl(i, h, n, moe=True), _template(),
            "Qwen3VLProcessor"),
     Family("qwen3_5", _tiny_qwen3_5, _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
-           notes=_ONE_ROW, linear_attention=True),
+           notes=_ONE_ROW, linear_attention=True, label="Qwen3.5"),
     Family("qwen3_5_moe", lambda i, h, n: _tiny_qwen3_5(i, h, n, moe=True),
            _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
-           notes=_ONE_ROW, linear_attention=True),
+           notes=_ONE_ROW, linear_attention=True, label="Qwen3.5-MoE"),
     Family("qwen2", _tiny_text, _template(_QWEN2_5_SYSTEM)),
     # Qwen3's small dense models tie the LM head to the embeddings: the tiny one does too
     Family("qwen3", lambda i, h, n: _tiny_text(i, h, n, tied=True), _template(thinking=_QWEN3_THINKING)),

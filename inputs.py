@@ -111,10 +111,9 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
 
 
 def template_source(path: str, tokenizer) -> str:
-    """Where :func:`chat_template` found the template (for messages)."""
-    if tokenizer.chat_template:
-        return "tokenizer_config.json"
-    return next((f for f in ("chat_template.jinja", "chat_template.json") if (Path(path) / f).is_file()), "")
+    """Which file of the folder the template comes from (for messages)."""
+    return next((f for f in ("chat_template.jinja", "chat_template.json")
+                 if (Path(path) / f).is_file()), "tokenizer_config.json")
 
 
 def processors(path: str, mc, dc) -> Processors:

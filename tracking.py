@@ -90,7 +90,7 @@ class Trackers:
         for b in list(self._live):
             try:
                 getattr(b, method)(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - a tracker never stops training
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a tracker never stops training
                 self._live.remove(b)
                 where = f"step {step}" if step is not None else "close"
                 print(f"warning: tracker {b.name} failed at {where} ({method}): "
@@ -469,6 +469,9 @@ class _SwanLab:
                 raise RuntimeError("no API key for cloud mode: set SWANLAB_API_KEY or run "
                                    "`swanlab login`, or set SWANLAB_MODE=offline") from None
         self.swanlab = swanlab
+        # swanlab replaces the console streams' write (copying every line into its folder) and
+        # the excepthook; what they were, to give them back when its finish fails
+        self._console = ((sys.stdout, sys.stdout.write), (sys.stderr, sys.stderr.write), sys.excepthook)
         self.run = swanlab.init(
             project=project or os.environ.get("SWANLAB_PROJ_NAME") or DEFAULT_PROJECT,
             experiment_name=run_name, config=config, logdir=str(out_dir / "swanlog"))
@@ -482,10 +485,20 @@ class _SwanLab:
 
     def close(self, failed: bool = False) -> None:
         from swanlab.data.run import SwanLabRunState
-        if failed:
-            self.run.finish(SwanLabRunState.CRASHED, error="training failed")
-        else:
-            self.run.finish()
+        try:
+            if failed:
+                self.run.finish(SwanLabRunState.CRASHED, error="training failed")
+            else:
+                self.run.finish()
+        except BaseException:
+            self._give_back_console()
+            raise
+
+    def _give_back_console(self) -> None:
+        """A finish that failed (a full disk) leaves swanlab's console proxies in place, which
+        copy every later line into its folder and fail there: the console is ours again."""
+        (out, out_write), (err, err_write), hook = self._console
+        out.write, err.write, sys.excepthook = out_write, err_write, hook
 
 
 _BACKENDS = {"tensorboard": _TensorBoard, "wandb": _WandB, "swanlab": _SwanLab}

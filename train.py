@@ -201,7 +201,7 @@ def restore(cfg: config.Config, world: World, s: "Setup", dev: Device, plan: dic
     tr, progress = s.trainer, plan["progress"]
     if tr is not None:
         rng = ckpt.load(Path(plan["path"]), (tr.policy, tr.opt, tr.sched), world.train_group,
-                        world.is_root, world.trainer_index, ref=tr.ref)
+                        world.is_root, world.trainer_index, ref=tr.ref, changes=plan["meaning_changes"])
         tr.kl_coef = progress.kl_coef
         if rng is not None:
             set_rng_state(dev, rng)

@@ -21,6 +21,7 @@ import families as F
 import inputs as I
 import model as M
 import sync
+from errors import ModelError
 from rollout import Completion, Prompt, Sampling
 
 
@@ -256,6 +257,11 @@ class VLLMEngine:
     def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
                     device: torch.device, seed: int, max_images: int = 1) -> "VLLMEngine":
         refuse_npu_nz(dev.kind)
+        family = F.get(M.load_config(path).model_type)
+        if family.linear_attention and not dev.vllm_linear_attention:
+            raise ModelError(f"model.path={path}: {family.label or family.model_type} is not served "
+                             f"by this vLLM build on {dev.kind} (its linear-attention kernels fail "
+                             "to load there); use rollout.engine = 'hf' here")
         if procs.vision:
             print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
                   f"{type(procs.image_processor).__name__}; every vLLM process checks it loads "

@@ -141,3 +141,159 @@ def test_nan_reward_is_an_error_and_never_reaches_the_loss():
     assert all(math.isfinite(x) for x in r.tolist())
     adv = L.group_advantages(r, group_size=4)
     assert torch.isfinite(adv).all() and adv.abs().sum() > 0
+
+
+# ------------------------------------------------- runs that would train on the wrong thing, and
+# unclear messages (one line naming the culprit, exit 2, nothing trained before the refusal)
+def _model_copy(tiny_dir, tmp_path, model_type: str = "qwen2_5_vl") -> Path:
+    import shutil
+    dst = tmp_path / model_type
+    shutil.copytree(tiny_dir(model_type), dst)
+    return dst
+
+
+def _refused(tmp_path, *args: str) -> str:
+    out = tmp_path / "run"
+    p = train_py([*TINY, f"--run.out_dir={out}", "--run.steps=2", *args])
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith(("error:", "config error:"))]
+    assert p.returncode == 2 and len(lines) == 1, (p.returncode, p.stderr[-3000:])
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    return lines[0]
+
+
+NO_GENERATION_PROMPT = ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+                        "{%- if m['content'] is string -%}{{- m['content'] -}}{%- else -%}"
+                        "{%- for c in m['content'] -%}{%- if c['type'] == 'image' -%}"
+                        "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}{%- else -%}"
+                        "{{- c['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+                        "{{- '<|im_end|>\\n' -}}{%- endfor -%}")
+
+
+@pytest.mark.slow
+def test_a_template_that_ignores_add_generation_prompt_is_refused(tiny_dir, tmp_path):
+    folder = _model_copy(tiny_dir, tmp_path)
+    (folder / "chat_template.jinja").write_text(NO_GENERATION_PROMPT)
+    line = _refused(tmp_path, f"--model.path={folder}")
+    assert line == (f"config error: model.path={folder}: its chat template (chat_template.jinja) "
+                    "ignores add_generation_prompt: every prompt would lack the assistant header; "
+                    "use a template that opens the assistant turn"), line
+
+
+@pytest.mark.slow
+def test_enable_thinking_on_a_template_without_the_switch_is_refused(tmp_path):
+    line = _refused(tmp_path, "--data.enable_thinking=false")
+    assert "data.enable_thinking=false: the chat template of model.path=" in line
+    assert line.endswith("takes no enable_thinking (it would be ignored); unset it"), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3"])
+def test_a_folder_without_tokenizer_files_is_named(tiny_dir, tmp_path, model_type):
+    folder = _model_copy(tiny_dir, tmp_path, model_type)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).unlink()
+    extra = [] if model_type == "qwen2_5_vl" else ["--data.images_column="]
+    line = _refused(tmp_path, f"--model.path={folder}", *extra)
+    assert line == (f"config error: model.path={folder}: no tokenizer (looked for tokenizer.json, "
+                    "tokenizer_config.json, vocab.json, tokenizer.model)"), line
+
+
+@pytest.mark.slow
+def test_a_lora_rank_above_the_smallest_adapted_dimension_is_refused(tmp_path):
+    line = _refused(tmp_path, "--model.lora_rank=33")  # the tiny k_proj: 64 -> 32
+    assert line == ("config error: model.lora_rank=33 is above the smallest adapted dimension, 32 "
+                    "(model.language_model.layers.0.self_attn.k_proj): an adapter cannot have a "
+                    "higher rank than its layer; use model.lora_rank <= 32"), line
+
+
+@pytest.mark.slow
+def test_qwen3_5_on_the_cpu_vllm_build_is_named_before_the_engine_starts(tmp_path):
+    line = _refused(tmp_path, "--model.path=tiny-qwen3_5", "--rollout.engine=vllm",
+                    "--train.share_prompt=false")
+    assert line.endswith("Qwen3.5 is not served by this vLLM build on cpu (its linear-attention "
+                         "kernels fail to load there); use rollout.engine = 'hf' here"), line
+
+
+@pytest.mark.slow
+def test_an_allowed_but_incompatible_resume_names_the_key_not_damage(tmp_path):
+    out = tmp_path / "run"
+    p = train_py([*TINY, f"--run.out_dir={out}", "--run.steps=2", "--model.lora_rank=8"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = train_py([*TINY, f"--run.out_dir={out}", "--run.steps=4", "--model.lora_rank=4",
+                  "--run.allow_config_change=true"])
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert "is incompatible with this config: model.lora_rank 8 -> 4 (" in lines[0], lines
+    assert "damaged" not in lines[0] and lines[0].endswith(
+        "resume without that change, or use another run.out_dir"), lines
+
+
+def _perturb_one_tensor(folder: Path) -> str:
+    from safetensors.torch import load_file, save_file
+    f = folder / "model.safetensors"
+    sd = load_file(str(f))
+    name = sorted(k for k in sd if k.endswith("mlp.up_proj.weight"))[0]
+    sd[name] = sd[name] + 0.01
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return name
+
+
+def test_the_base_fingerprint_sees_one_changed_tensor(tiny_dir, tmp_path):
+    import checkpoint as ckpt
+    a = _model_copy(tiny_dir, tmp_path)
+    before = ckpt.fingerprint(str(a))
+    assert before and before == ckpt.fingerprint(tiny_dir("qwen2_5_vl"))
+    _perturb_one_tensor(a)
+    assert ckpt.fingerprint(str(a)) != before
+    assert ckpt.fingerprint(str(tmp_path)) == ""  # no safetensors: nothing to compare
+
+
+@pytest.mark.slow
+def test_a_lora_resume_on_a_changed_base_stops_unless_allowed(tiny_dir, tmp_path):
+    base = _model_copy(tiny_dir, tmp_path)
+    out = tmp_path / "run"
+    common = [*TINY, f"--model.path={base}", "--model.lora_rank=8", f"--run.out_dir={out}"]
+    assert train_py([*common, "--run.steps=2"]).returncode == 0
+    _perturb_one_tensor(base)
+    p = train_py([*common, "--run.steps=3"])
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("config error:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert (f"its base weights were {base} (fingerprint " in lines[0]
+            and f"model.path={base} now holds other weights" in lines[0]
+            and "--run.allow_new_base=true" in lines[0]), lines
+    assert len(metrics_rows(out)) == 2  # nothing trained after the refusal
+    p = train_py([*common, "--run.steps=3", "--run.allow_new_base=true"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(metrics_rows(out)) == 3
+
+
+def metrics_rows(out: Path) -> list:
+    return (out / "metrics.jsonl").read_text().splitlines()
+
+
+SWANLAB_FULL = """
+import errno, os, sys
+sys.path.insert(0, {root!r})
+os.environ["SWANLAB_MODE"] = "offline"
+import tracking as T
+from swanlab.log.backup import datastore
+tr = T.Trackers.open(["swanlab"], __import__("pathlib").Path({out!r}), {{"run": {{}}}})
+tr.log({{"reward/mean": 0.5}}, 0)
+def full(self, *a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+datastore.DataStore._write_record = full   # its folder fills up at the end of the run
+tr.close()
+print("console still ours"); print("stderr too", file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+def test_a_tracker_failing_at_the_end_is_a_warning_and_the_run_exits_0(tmp_path):
+    pytest.importorskip("swanlab")
+    import subprocess
+    import sys
+    code = SWANLAB_FULL.format(root=str(ROOT), out=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "console still ours" in p.stdout and "stderr too" in p.stderr
+    assert "warning: tracker swanlab failed at close (close): OSError: [Errno 28]" in p.stderr

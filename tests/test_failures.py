@@ -48,6 +48,20 @@ def test_killed_rank_stops_the_job_and_is_named(tmp_path, victim, role):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_trainer_killed_mid_save_is_named_as_the_dead_rank(tmp_path, victim):
+    """A trainer killed while the checkpoint's training state is written: every survivor's line
+    names it as the dead rank (the other trainer's failed save included), none blames itself."""
+    p, _ = launch(tmp_path, f"checkpoint_mid_write@2:{victim}", "--run.steps=4", "--run.save_every=2",
+                  "--run.keep_last=2")
+    assert p.returncode != 0
+    ours = [ln for ln in _ours(p.stderr) if ln.startswith("error:")]
+    assert len(ours) == 2, p.stderr[-3000:]
+    assert all(f"rank {victim} (trainer) died" in ln for ln in ours), ours
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+
+
+@pytest.mark.slow
 def test_hung_rank_times_out_and_is_named(tmp_path):
     p, _ = launch(tmp_path, "hang@1:2", "--run.steps=4", "--cluster.timeout_s=8")
     end = time.time()
