@@ -250,6 +250,9 @@ class LossConfig:
 class RewardConfig:
     # Reward functions summed with their weights: [{name, weight, **params}]; names in rewards/.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
+    # More functions added to `functions` once every file and override is read (so a preset
+    # fragment, e.g. configs/presets/overlong.toml, adds its reward without replacing the base's)
+    extra_functions: list = field(default_factory=list)
     timeout_s: float = num(5.0, "> 0")       # a reward call running longer (from its own start) scores 0, counts an error
     max_consecutive_timeouts: int = num(3, ">= 0")  # a function timing out this often in a row is switched off (0: never)
 
@@ -358,6 +361,9 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
         dotted, text = item[2:].split("=", 1)
         section, key = dotted.split(".", 1)
         _apply(cfg, section, key, _parse_value(text))
+    if isinstance(cfg.reward.extra_functions, list) and isinstance(cfg.reward.functions, list):
+        cfg.reward.functions = cfg.reward.functions + cfg.reward.extra_functions
+        cfg.reward.extra_functions = []
     validate(cfg)
     return cfg
 

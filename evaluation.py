@@ -20,8 +20,8 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Pr
     if world.is_gen:
         sp = sampling(ev, ro)
         local = R.rollout(engine, problems[world.gen_index::len(world.gens)], procs, sp,
-                          cfg.data.template, scorer, version, group_offset=0,
-                          seed=seed + world.gen_index)
+                          template=cfg.data.template, scorer=scorer, version=version,
+                          group_offset=0, seed=seed + world.gen_index)
     got: list = [None] * world.size
     dist.all_gather_object(got, local, group=world.ctrl)
     eps = sorted((e for g, _ in got for e in g), key=lambda e: e.index)
@@ -68,7 +68,7 @@ def eval_rows(eps: list[R.Episode], problems: list) -> list[dict]:
     for e in eps:
         j = seen[e.index] = seen.get(e.index, -1) + 1
         p = by_index[e.index]
-        rows.append({"index": e.index, "sample": j, "problem": p.problem, "gold": p.answer,
-                     "reward": e.reward, "parts": e.parts, "length": len(e.response_ids),
+        rows.append({"index": e.index, "sample": j, "problem": p.marked, "gold": p.answer,
+                     "reward": e.reward, "parts": e.parts, "info": e.info, "length": len(e.response_ids),
                      "truncated": e.truncated, "version": e.version, "response": e.text})
     return rows

@@ -269,6 +269,12 @@ def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tupl
     return mm, n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size)
 
 
+def token_versions(e) -> list[int]:
+    """The weight version of each of an episode's response tokens: its `versions` (partial
+    rollouts), else its `version` for all (-1 for an episode record that carries neither)."""
+    return list(getattr(e, "versions", None) or [getattr(e, "version", -1)] * len(e.response_ids))
+
+
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
             share_prompt: bool = False, pixels: dict | None = None,
             packing: str | None = None) -> dict[str, torch.Tensor]:
@@ -315,7 +321,7 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
         attn[i, :n + r] = 1
         resp[i, n:n + r] = 1
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
-        versions[i, n:n + r] = torch.tensor(e.token_versions())
+        versions[i, n:n + r] = torch.tensor(token_versions(e))
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
                token_versions=versions,
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
@@ -428,7 +434,7 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
             n = len(episodes[i].response_ids)
             resp[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
-            versions[i, :n] = torch.tensor(episodes[i].token_versions())
+            versions[i, :n] = torch.tensor(token_versions(episodes[i]))
             pred_seq += [k] * n
             pred_col += [seq_col[k] + built[k][0] - 1] + list(range(s, s + n - 1))  # the first
             target_col += list(range(s, s + n))            # is predicted by the prompt's last

@@ -37,9 +37,7 @@ class Episode:
     truncated: bool             # stopped by max_new_tokens, not by eos
     text: str = ""              # decoded response, for samples.jsonl and debugging
     versions: list[int] = field(default_factory=list)  # partial rollouts: each token's; [] = all `version`
-
-    def token_versions(self) -> list[int]:
-        return self.versions or [self.version] * len(self.response_ids)
+    info: dict = field(default_factory=dict)  # what reward functions returned beside the score (samples only)
 
 
 @dataclass(frozen=True)
@@ -264,7 +262,7 @@ class HFEngine:
         self.model = None
 
 
-def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, template: str,
+def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *, template: str,
             scorer: rewards.RewardRunner, version: int, group_offset: int,
             seed: int) -> tuple[list[Episode], dict[str, float]]:
     """Generate sp.n responses for each problem and score them all at once with `scorer` (the
@@ -285,9 +283,9 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, t
                             "max_new_tokens": sp.max_new_tokens, "columns": p.columns})
     episodes = []
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
-        total = parts.pop("reward")
+        total, info = parts.pop("reward"), parts.pop("info", {})
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
-                                min(c.versions, default=version), c.truncated, text, c.versions))
+                                min(c.versions, default=version), c.truncated, text, c.versions, info))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 
@@ -316,15 +314,16 @@ def rollout_refilled(engine: Engine, problems: list, procs: I.Processors, sp: Sa
     `refill_rounds`.
     """
     if not refill.rounds:
-        return rollout(engine, problems, procs, sp, template, scorer, version, group_offset, seed)
+        return rollout(engine, problems, procs, sp, template=template, scorer=scorer,
+                       version=version, group_offset=group_offset, seed=seed)
     need = len(problems)
     valid: list[list[Episode]] = []
     zero: list[list[Episode]] = []
     stats = {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0, "refill_rounds": 0}
     batch, rnd = problems, 0
     while True:
-        eps, st = rollout(engine, batch, procs, sp, template, scorer, version, 0,
-                          seed + rnd * 1_000_003)
+        eps, st = rollout(engine, batch, procs, sp, template=template, scorer=scorer,
+                          version=version, group_offset=0, seed=seed + rnd * 1_000_003)
         for k in ("generate_s", "reward_s", "prompts"):
             stats[k] += st[k]
         if eps:
@@ -363,7 +362,7 @@ def staleness_metrics(episodes: list[Episode], version: int) -> dict[str, float]
     """Over the step's response tokens: how many versions each is behind the trainers'
     `version` (mean, max); `rollout/partial_frac`: the share of episodes whose tokens span
     versions (partial rollouts). `rollout/staleness`: the oldest episode's (its oldest token)."""
-    ages = [version - v for e in episodes for v in e.token_versions()]
+    ages = [version - v for e in episodes for v in I.token_versions(e)]
     return {"rollout/staleness": max((version - e.version for e in episodes), default=0),
             "rollout/staleness_mean": sum(ages) / max(1, len(ages)),
             "rollout/staleness_max": max(ages, default=0),

@@ -37,6 +37,12 @@ class Problem:
     columns: dict = field(default_factory=dict)  # every other column of the row (rewards)
 
     @property
+    def marked(self) -> str:
+        """The question with an "<image>" marker where each image goes (first, unless `raw`
+        says otherwise): what records show, so several images can be told apart."""
+        return self.raw or (IMAGE_MARKER * len(self.images) + self.problem)
+
+    @property
     def image(self) -> Image.Image | None:
         """The first image (single-image sets; None for a text-only problem)."""
         return self.images[0] if self.images else None

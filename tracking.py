@@ -138,8 +138,8 @@ class Recorder:
             self.metrics.flush()
         n = len(episodes) if self.n_samples < 0 else self.n_samples
         rows = [{"index": e.index, "group": e.group, "version": e.version,
-                 "problem": problems[e.index].problem, "gold": problems[e.index].answer,
-                 "reward": e.reward, "advantage": a, "parts": e.parts,
+                 "problem": problems[e.index].marked, "gold": problems[e.index].answer,
+                 "reward": e.reward, "advantage": a, "parts": e.parts, "info": e.info,
                  "length": len(e.response_ids), "truncated": e.truncated, "response": e.text}
                 for e, a in list(zip(episodes, advantages))[:n]]
         with _writing(self.out_dir / "samples.jsonl"):
@@ -163,9 +163,11 @@ class Recorder:
                          if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
         evals = " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
                          and k not in ("eval/n", "eval/samples", "eval/response_len"))
+        clip = (f"clip {m['train/clip_frac_low'] + m['train/clip_frac_high']:.3f} "
+                if "train/clip_frac_low" in m and "train/clip_frac_high" in m else "")
         return (f"step {m['step'] + 1}/{self.total} | v{m['weight_version']} | "
                 f"reward {m['reward/mean']:.3f} ({parts}) | len {m['response_len/mean']:.1f} | "
-                f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} "
+                f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} {clip}"
                 f"ent {m.get('entropy', 0):.2f} lpdiff {m.get('logprob_diff/max', 0):.1e} | "
                 f"gen {m['time/generate_s']:.2f}s {m.get('time/gen_tokens_per_s', 0):.0f} tok/s"
                 f" | train {m['time/train_s']:.2f}s {m.get('time/train_tokens_per_s', 0):.0f} "

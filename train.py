@@ -172,13 +172,15 @@ def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
     return torch_device(dev, world.local_rank)
 
 
-def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path) -> str:
-    """Rank 0 builds the tiny model once (if configured); returns the model path."""
+def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path, build: bool = True) -> str:
+    """Rank 0 makes the run folder and builds the tiny model once (if configured and `build`);
+    returns the model path."""
     if world.is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
-        model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+        if build:
+            model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
     dist.barrier(group=world.ctrl)
-    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed) if build else ""
 
 
 def load_problems(cfg: config.Config, split: str, procs: inputs.Processors) -> tuple[list, int]:
@@ -461,7 +463,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
-    prepare_run_dir(cfg, world, out_dir)
+    prepare_run_dir(cfg, world, out_dir, build=False)  # the checkpoint's export is the whole model
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)

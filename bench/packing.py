@@ -78,7 +78,7 @@ def run(a) -> dict:
     policy = M.apply_fsdp(M.load_model(path).train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=torch.device("cpu"),
-                         pixels={}, kl_coef=None)
+                         pixels={}, kl_coef=None, version=0)
     base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
             f"--train.micro_batch_tokens={a.budget}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
     variants = {"padded": base, "packed": base + ["--train.packing=true"]}

@@ -4,13 +4,19 @@
     python launch/plot.py runs/a runs/b -o ab.png        # two runs overlaid, one colour each
     python launch/plot.py runs/tiny --smooth 0.8         # EMA smoothing (raw curve kept faint)
     python launch/plot.py runs/tiny --keys reward/mean,kl,time/   # only these panels
+    python launch/plot.py runs/grpo_s0 runs/grpo_s1 runs/dapo_s0 runs/dapo_s1 \
+        --labels grpo,grpo,dapo,dapo --x tokens -o grpo_vs_dapo.png  # seed bands, by trained tokens
 
-The x axis of every panel is rollout steps done: step row k (0-based) is drawn at k + 1, an
-evaluation after N rollout steps at N (the one before the first step at 0), so a step and the
-evaluation that followed it line up.
+`--labels` names the runs in the legends and the title (default: each folder's name); runs that
+share a label are drawn as their mean with a band from their minimum to their maximum (seeds).
+`--x` chooses the x axis: `step` (rollout steps done, the default: step row k at k + 1, an
+evaluation after N rollout steps at N, the one before the first step at 0), `optimizer_steps`
+(`train/optimizer_steps`), `tokens` (trained tokens so far, summed `train/tokens`) or `time`
+(seconds so far, summed `time/step_s`); an evaluation sits where the step it followed ends.
 
 Panels (each drawn when its keys are present and not constant: a panel whose every curve is
-flat, all-zero included, is left out; a flat key beside one that varies stays):
+flat, all-zero included, is left out; a key that is zero throughout is left out of its panel;
+legends sit beside the axes, outside the data):
 the total reward, its parts (`reward/*`), evaluation (every `eval/*` part, from eval.jsonl),
 response length, truncated share, entropy, KL (to the reference, between updates, the adaptive
 coefficient), gradient norm, clip fractions, ratio and TIS weight, engine/trainer logprob gap
@@ -67,10 +73,37 @@ def series(rows: list[dict], key: str, x: str = "step", shift: int = 0) -> tuple
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def points(run: tuple, key: str) -> tuple[list, list]:
-    """A key's curve in rollout steps done: evaluations at `after`, step rows at step + 1."""
+XS = {"step": "rollout steps done", "optimizer_steps": "optimizer steps",
+      "tokens": "trained tokens", "time": "wall time (s)"}
+
+
+def step_x(rows: list[dict], x: str) -> dict[int, float]:
+    """Where each step row ends on the `x` axis (XS), by its step number."""
+    out, total = {}, 0.0
+    for r in rows:
+        if x == "step":
+            out[r["step"]] = r["step"] + 1
+        elif x == "optimizer_steps":
+            out[r["step"]] = r.get("train/optimizer_steps", float("nan"))
+        else:
+            total += r.get("train/tokens" if x == "tokens" else "time/step_s", 0.0)
+            out[r["step"]] = total
+    return out
+
+
+def points(run: tuple, key: str, x: str = "step") -> tuple[list, list]:
+    """A key's curve on the `x` axis: step rows where their step ends, evaluations (after N
+    rollout steps) where step N - 1 ends (0 before the first)."""
     _, rows, evals = run
-    return series(evals, key, "after") if key.startswith("eval/") else series(rows, key, shift=1)
+    where = step_x(rows, x)
+    if key.startswith("eval/"):
+        xs, ys = series(evals, key, "after")
+        xs = [0 if n == 0 else where.get(n - 1, float("nan")) for n in xs]
+    else:
+        steps, ys = series(rows, key)
+        xs = [where[n] for n in steps]
+    keep = [i for i, v in enumerate(xs) if math.isfinite(v)]
+    return [xs[i] for i in keep], [ys[i] for i in keep]
 
 
 def ema(ys: list[float], weight: float) -> list[float]:
@@ -97,6 +130,11 @@ def varies(runs: list[tuple], key: str) -> bool:
     return len(ys) > 0 and max(ys) != min(ys)
 
 
+def all_zero(runs: list[tuple], key: str) -> bool:
+    ys = [y for run in runs for y in points(run, key)[1]]
+    return bool(ys) and not any(ys)
+
+
 def panels(runs: list[tuple], keys: list[str] | None = None) -> list[tuple[str, list[str], bool]]:
     """(title, keys, log scale) of each panel to draw. Without `keys`: the PANELS whose keys are
     present, except those where no key varies; with `keys`: one panel per key or "prefix/", as
@@ -116,7 +154,7 @@ def panels(runs: list[tuple], keys: list[str] | None = None) -> list[tuple[str, 
         got = [k for k in present if match(k) and points_any(runs, k)]
         claimed |= set(got)
         if any(varies(runs, k) for k in got):
-            out.append((title, sorted(got, key=order), log))
+            out.append((title, sorted((k for k in got if not all_zero(runs, k)), key=order), log))
     # train/ keys no panel names (a plugin objective's or filter's metrics): one more panel
     other = [k for k in present if k.startswith("train/") and k not in claimed
              and points_any(runs, k) and varies(runs, k)]
@@ -129,9 +167,49 @@ def points_any(runs: list[tuple], key: str) -> bool:
     return any(points(run, key)[0] for run in runs)
 
 
-def plot(runs: list[tuple], keys: list[str] | None = None, smooth: float = 0.0):
+def groups(runs: list[tuple], labels: list[str] | None) -> list[tuple[str, list[tuple]]]:
+    """(label, its runs) in first-seen order; default labels: the folders' names."""
+    out: dict[str, list[tuple]] = {}
+    for run, label in zip(runs, labels or [run[0].name for run in runs]):
+        out.setdefault(label, []).append(run)
+    return list(out.items())
+
+
+def band(runs: list[tuple], key: str, x: str) -> tuple[list, list, list, list]:
+    """Several runs of one label: per point index, the mean x and y, and the y min and max."""
+    curves = [points(run, key, x) for run in runs]
+    n = min(len(c[0]) for c in curves)
+    mean = lambda vals: sum(vals) / len(vals)  # noqa: E731
+    xs = [mean([c[0][i] for c in curves]) for i in range(n)]
+    ys = [[c[1][i] for c in curves] for i in range(n)]
+    return xs, [mean(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
+
+
+def draw(ax, label_runs: tuple, k: str, look: tuple, smooth: float, x: str, label: str) -> None:
+    """One key of one label on `ax`: a line (a run) or a mean line with its band (several)."""
+    _, runs = label_runs
+    marker, style, c = look
+    is_eval = k.startswith("eval/")
+    if len(runs) > 1:
+        xs, ys, lo, hi = band(runs, k, x)
+        if not xs:
+            return
+        ax.fill_between(xs, lo, hi, color=c, alpha=0.2, lw=0)
+    else:
+        xs, ys = points(runs[0], k, x)
+        if not xs:
+            return
+        if smooth and not is_eval and len(ys) > 1:
+            ax.plot(xs, ys, color=c, linestyle=style, alpha=0.25, lw=0.8)
+            ys = ema(ys, smooth)
+    ax.plot(xs, ys, color=c, linestyle=style, marker=marker or ("o" if is_eval else None),
+            ms=3, markevery=max(1, len(xs) // 12), lw=1.4, label=label)
+
+
+def plot(runs: list[tuple], keys: list[str] | None = None, smooth: float = 0.0,
+         labels: list[str] | None = None, x: str = "step"):
     """The figure (matplotlib, Agg): one axis per panel, titled, each line labelled by its key
-    (and run when several)."""
+    (and its label when there are several); legends beside the axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -139,34 +217,26 @@ def plot(runs: list[tuple], keys: list[str] | None = None, smooth: float = 0.0):
     if not chosen:
         raise ValueError("nothing to plot: no panel's keys are present and varying"
                          + (f" (--keys {','.join(keys)})" if keys else ""))
+    by_label = groups(runs, labels)
     cols = min(3, len(chosen))
     n_rows = -(-len(chosen) // cols)
-    fig, axes = plt.subplots(n_rows, cols, figsize=(5.2 * cols, 3.4 * n_rows), squeeze=False)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(7.0 * cols, 3.4 * n_rows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, ks, log) in zip(axes.flat, chosen):
-        for i, run in enumerate(runs):
+        for i, group in enumerate(by_label):
             for j, k in enumerate(ks):
-                x, y = points(run, k)
-                if not x:
-                    continue
                 marker, style = STYLES[j % len(STYLES)]
-                c = colours[(j if len(runs) == 1 else i) % len(colours)]
-                is_eval = k.startswith("eval/")
-                label = f"{run[0].name}: {k}" if len(runs) > 1 else k
-                if smooth and not is_eval and len(y) > 1:
-                    ax.plot(x, y, color=c, linestyle=style, alpha=0.25, lw=0.8)
-                    y = ema(y, smooth)
-                ax.plot(x, y, color=c, linestyle=style, marker=marker or ("o" if is_eval else None),
-                        ms=3, markevery=max(1, len(x) // 12), lw=1.4, label=label)
+                look = (marker, style, colours[(j if len(by_label) == 1 else i) % len(colours)])
+                draw(ax, group, k, look, smooth, x, f"{group[0]}: {k}" if len(by_label) > 1 else k)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("rollout steps done", fontsize=8)
+        ax.set_xlabel(XS[x], fontsize=8)
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     for ax in list(axes.flat)[len(chosen):]:
         ax.axis("off")
-    fig.suptitle(" vs ".join(str(d) for d, _, _ in runs) + (f" (EMA {smooth})" if smooth else ""),
+    fig.suptitle(" vs ".join(label for label, _ in by_label) + (f" (EMA {smooth})" if smooth else ""),
                  fontsize=11)
     fig.tight_layout()
     return fig
@@ -180,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="EMA weight in [0, 1) for step curves (0: none; e.g. 0.8)")
     ap.add_argument("--keys", help="comma-separated metric keys or prefixes ending in '/', one "
                                    "panel each (e.g. reward/mean,kl,time/)")
+    ap.add_argument("--labels", help="comma-separated, one per run (runs sharing one: a seed band)")
+    ap.add_argument("--x", default="step", choices=list(XS), help="the x axis (default: step)")
     a = ap.parse_args(argv)
+    labels = a.labels.split(",") if a.labels else None
+    if labels is not None and len(labels) != len(a.run_dirs):
+        print(f"error: --labels names {len(labels)} run(s), {len(a.run_dirs)} given", file=sys.stderr)
+        return 2
     if not 0.0 <= a.smooth < 1.0:
         print(f"error: --smooth must be in [0, 1), got {a.smooth}", file=sys.stderr)
         return 2
@@ -197,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     keys = [k for k in (a.keys or "").split(",") if k] or None
     try:
-        fig = plot(runs, keys, a.smooth)
+        fig = plot(runs, keys, a.smooth, labels, a.x)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out) if a.out else runs[0][0] / "curves.png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")  # the legends beside the axes included
     print(out)
     return 0
 

@@ -6,7 +6,9 @@ dict[str, float]``. ``sample`` carries the gold answer (``"answer"``), the probl
 (``"response_len"``), ``"truncated"``, ``"max_new_tokens"`` and every other column of the
 dataset's row (``"columns"``: name -> value; the synthetic sets have none); each call gets its own
 shallow copy. The returned dict MUST contain ``"reward"`` (this function's total); every other
-key is a part that is logged as ``reward/<part>``. All values must be finite numbers. A function
+key is a part that is logged as ``reward/<part>`` (finite numbers), except ``"info"``: a mapping of
+what the function wants to record beside the score (strings, numbers, booleans), kept in the
+samples and evaluation records, never summed, averaged or given pass@n. A function
 is called from worker threads, several calls at once, so it must be thread-safe.
 :class:`RewardRunner` sums the configured ones (docs/data.md, "Reward functions").
 """
@@ -203,7 +205,8 @@ class RewardRunner:
         return [f.name for f in self._fns if f.disabled]
 
     def score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
-        """One dict per response, in order: ``{"reward": total, <part>: value, ..., "errors": n}``.
+        """One dict per response, in order: ``{"reward": total, <part>: value, ..., "errors": n}``
+        and ``"info"`` (the functions' info mappings merged) when one returned any.
 
         The total is the weighted sum of the functions' rewards, in the order they are
         configured; parts of several functions with the same name add up.
@@ -219,22 +222,26 @@ class RewardRunner:
                   if id(f) in calls else [None] * len(responses) for f in self._fns]
         out = []
         for i in range(len(responses)):
-            d: dict[str, float] = {"reward": 0.0, "errors": 0.0}
+            d: dict = {"reward": 0.0, "errors": 0.0}
+            info: dict = {}
             for f, res in zip(self._fns, judged):
                 if res[i] is None:
                     d["errors"] += 1
                     continue
-                total, parts = res[i]
+                total, parts, more = res[i]
                 d["reward"] += f.weight * total
                 for k, v in parts:
                     d[k] = d.get(k, 0.0) + v
+                info.update(more)
+            if info:
+                d["info"] = info
             out.append(d)
         return out
 
     def _judge(self, f: _Function, outcomes: list[Any], samples: list[dict[str, Any]]
-               ) -> list[tuple[float, list[tuple[str, float]]] | None]:
+               ) -> list[tuple[float, list[tuple[str, float]], dict] | None]:
         """Validate each outcome in sample order, update f's timeout count, log firsts."""
-        judged: list[tuple[float, list[tuple[str, float]]] | None] = []
+        judged: list[tuple[float, list[tuple[str, float]], dict] | None] = []
         for sample, o in zip(samples, outcomes):
             if o is _TIMEOUT:
                 judged.append(None)
@@ -278,14 +285,21 @@ class RewardRunner:
                 f.close()
 
 
-def _check(result: Any) -> tuple[float, list[tuple[str, float]]]:
-    """(reward, [(part, value), ...]) of a valid result, else TypeError / ValueError saying why."""
+def _check(result: Any) -> tuple[float, list[tuple[str, float]], dict]:
+    """(reward, [(part, value), ...], info) of a valid result, else TypeError / ValueError
+    saying why."""
     if not isinstance(result, dict):
         raise TypeError(f"returned {type(result).__name__}, expected a dict with a 'reward'")
     if "reward" not in result:
         raise ValueError(f"returned no 'reward' (keys: {list(result)[:8]})")
+    info = result.get("info", {})
+    if not isinstance(info, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))
+            for k, v in info.items()):
+        raise TypeError(f"'info' is {info!r:.60}, expected a mapping of names to strings, "
+                        "numbers or booleans")
     return _number("reward", result["reward"]), [
-        (k, _number(k, v)) for k, v in result.items() if k != "reward"]
+        (k, _number(k, v)) for k, v in result.items() if k not in ("reward", "info")], dict(info)
 
 
 def _number(key: Any, v: Any) -> float:

@@ -89,6 +89,12 @@ def test_exact_resume_after_a_kill_equals_the_uninterrupted_run(resumed):
     assert q.returncode == 0, q.stderr[-3000:]
     row = json.loads((a / "eval.jsonl").read_text().splitlines()[-1])
     assert row["eval/n"] == 8 and 0.0 <= row["eval/accuracy"] <= 1.0
+    # into a new run folder: the checkpoint's export is the whole model, no base is built there
+    new = a.parent / "evaluated"
+    q = train_py([*TINY, f"--run.out_dir={new}", "--run.eval_size=4", "--eval-only", "--checkpoint",
+                  str(a / "checkpoints" / "step_000006")])
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert (new / "eval.jsonl").is_file() and not (new / "tiny-model").exists()
 
 
 @pytest.mark.slow

@@ -10,12 +10,14 @@ import pytest
 import config as C
 import evaluation as E
 import rollout as R
+from synthetic import Problem
 
 
 def _ep(index, accuracy, n_tokens=3):
     return R.Episode(index=index, group=0, prompt_ids=[1], response_ids=[7] * n_tokens,
                      logprobs=[-1.0] * n_tokens, reward=accuracy, parts={"accuracy": accuracy,
-                     "errors": 0.0}, version=4, truncated=False, text="x")
+                     "errors": 0.0}, version=4, truncated=False, text="x",
+                     info={"difficulty": index + 1})  # what a reward returns beside the score
 
 
 def test_sampling_is_greedy_at_n_1_and_overrides_only_what_is_set():
@@ -34,16 +36,16 @@ def test_pass_at_1_and_pass_at_n_on_hand_made_episodes(monkeypatch, gens):
     generation ranks each gets every other problem and the gather puts them back in order."""
     import torch.distributed as dist
     acc = {0: [1.0, 0.0], 1: [0.0, 0.0], 2: [1.0, 1.0]}
-    problems = [SimpleNamespace(index=i, problem=f"p{i}", answer=str(i)) for i in range(3)]
+    problems = [Problem(i, [], f"p{i}", str(i)) for i in range(3)]
 
-    def rollout(engine, probs, procs, sp, template, scorer, version, group_offset, seed):
+    def rollout(engine, probs, procs, sp, *, version, **_):  # the arguments it checks, by keyword
         assert sp.n == 2 and not sp.greedy and version == 4
         return [_ep(p.index, a) for p in probs for a in acc[p.index]], {}
     monkeypatch.setattr(R, "rollout", rollout)
     cfg = SimpleNamespace(eval=C.EvalConfig(n=2), rollout=C.RolloutConfig(), data=C.DataConfig())
     # every generation rank's share, as all_gather_object would return them
     shares = [rollout(None, problems[i::len(gens)], None, E.sampling(cfg.eval, cfg.rollout),
-                      "", None, 4, 0, 0) for i in range(len(gens))]
+                      version=4) for i in range(len(gens))]
 
     def gather(out, obj, group=None):
         out[:] = shares + [([], {})] * (len(out) - len(shares))
@@ -58,3 +60,18 @@ def test_pass_at_1_and_pass_at_n_on_hand_made_episodes(monkeypatch, gens):
     rows = E.eval_rows(eps, problems)
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert rows[5]["gold"] == "2" and rows[0]["problem"] == "p0" and rows[0]["version"] == 4
+    # a reward's info reaches the records and no metric (no mean, no pass@n)
+    assert rows[4]["info"] == {"difficulty": 3}
+    assert not any("difficulty" in k for k in out), sorted(out)
+
+
+def test_eval_records_keep_the_image_markers():
+    """Several images: the record says where each went (leading markers when the row had them
+    first, the row's own text where a marker sits after some text)."""
+    from PIL import Image
+    im = Image.new("RGB", (4, 4))
+    first = Problem(0, [im, im], "Compare the two figures.", "1")
+    inside = Problem(1, [im, im], "A is and B is", "2", raw="A <image> is and B <image> is")
+    rows = E.eval_rows([_ep(0, 1.0), _ep(1, 0.0)], [first, inside])
+    assert rows[0]["problem"] == "<image><image>Compare the two figures."
+    assert rows[1]["problem"] == "A <image> is and B <image> is"

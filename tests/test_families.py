@@ -238,8 +238,8 @@ def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
             def generate(self, prompts, sp, seed):
                 return [[R.Completion([procs.tokens.eos], [0.0], False)] * sp.n for _ in prompts]
         scorer = rewards.RewardRunner([{"name": "test_columns_seen"}], timeout_s=5)
-        eps, _ = R.rollout(Stub(), problems, procs, R.Sampling(n=2), data.DEFAULT_TEMPLATE,
-                           scorer, version=0, group_offset=0, seed=0)
+        eps, _ = R.rollout(Stub(), problems, procs, R.Sampling(n=2), template=data.DEFAULT_TEMPLATE,
+                           scorer=scorer, version=0, group_offset=0, seed=0)
         assert [e.reward for e in eps] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
         assert seen[0] == {"difficulty": 1, "tags": ["easy"]}
     finally:

@@ -55,7 +55,8 @@ def _episodes(path: str, vision: bool):
 def _grads(policy, ref, procs, eps, images, over: list[str]):
     cfg = load_config(None, [f"--rollout.max_new_tokens={LONG}", *over])
     policy.zero_grad(set_to_none=True)
-    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None)
+    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None,
+                         version=0)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
     U.plan(s)

@@ -28,8 +28,26 @@ def test_demo_runs_with_each_preset(tmp_path, preset):
         assert rows[-1]["kl"] > 0          # reference policy built; the policy moved away from it
     if preset == "dr_grpo":
         assert "scale_by_std = false" in resolved and rows[-1]["kl"] == 0
-    if preset == "dapo":
-        assert "reward/overlong" in rows[0] and "train/dropped_groups" in rows[0]
+    if preset == "dapo":  # a loss preset: the demo's reward functions stay
+        assert "train/dropped_groups" in rows[0] and "reward/overlong" not in rows[0]
+        assert C.load(str(tmp_path / "config.toml")).reward.functions == C.load(
+            str(ROOT / "configs" / "tiny.toml")).reward.functions
+
+
+@pytest.mark.slow
+def test_dapo_on_the_demo_learns_and_the_overlong_fragment_adds_its_reward(tmp_path):
+    presets = ROOT / "configs" / "presets"
+    p = train_py([*TINY, "--config", str(presets / "dapo.toml"), f"--run.out_dir={tmp_path / 'd'}",
+                  "--run.steps=20", "--run.keep_last=0"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = metrics(tmp_path / "d")
+    fraction = [r["reward/target_fraction"] for r in rows]
+    assert sum(fraction[-4:]) / 4 > sum(fraction[:4]) / 4 + 0.1, fraction  # the demo's reward rises
+    stacked = load_config([str(ROOT / "configs" / "tiny.toml"), str(presets / "dapo.toml"),
+                           str(presets / "overlong.toml")], [])
+    names = [f["name"] for f in stacked.reward.functions]
+    assert names == ["geometry", "target_fraction", "overlong"]
+    assert stacked.loss.drop_zero_variance and stacked.loss.clip_high == 0.28
 
 
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']

@@ -254,9 +254,10 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
     assert [ln.get_label() for ln in axes["other train/"].lines] == ["train/filtered/short_only"]
     assert [ln.get_label() for ln in axes["reward"].lines] == ["reward/mean"]     # total apart
     parts = {ln.get_label() for ln in axes["reward parts"].lines}
-    assert "reward/mean" not in parts and "reward/errors" not in parts and "reward/accuracy" in parts
+    assert "reward/mean" not in parts and "reward/errors" not in parts
+    assert "reward/accuracy" not in parts and "reward/p0" not in parts   # zero throughout: left out
     styles = [(ln.get_marker(), ln.get_linestyle(), ln.get_color()) for ln in axes["reward parts"].lines]
-    assert len(set(styles)) == len(styles) == 11                       # every key its own look
+    assert len(set(styles)) == len(styles) == 9                        # every key its own look
     assert {ln.get_label() for ln in axes["time (s)"].lines} == {"time/step_s", "time/generate_s",
                                                                  "time/train_s", "time/sync_s"}
     assert all(ax.get_xlabel() == "rollout steps done" for ax in axes.values())
@@ -267,3 +268,45 @@ def test_plot_panels_keys_styles_and_one_x_axis(tmp_path):
     fig = plot.plot([run], keys=["kl", "time/"])
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["kl", "time"]
     assert plot.main([str(d), "--keys", "nothing/here", "-o", str(tmp_path / "x.png")]) == 2
+
+
+def test_plot_labels_seed_bands_and_the_x_axis(tmp_path):
+    """--labels a,b --x tokens over four runs (two seeds each): one mean line and one band per
+    label, x in trained tokens so far (evaluations where their step ended), the labels (not the
+    paths) in the title and legends, the legends beside the axes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "launch" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    dirs = []
+    for name, shift in (("a0", 0.0), ("a1", 0.2), ("b0", 0.5), ("b1", 0.7)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": i, "reward/mean": i / 10 + shift, "reward/accuracy": 0.0,
+                 "train/tokens": 100.0, "time/step_s": 0.5, "train/optimizer_steps": 2 * (i + 1)}
+                for i in range(5)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "eval.jsonl").write_text(json.dumps({"after": 5, "eval/accuracy": shift}) + "\n")
+        dirs.append(d)
+    runs = [plot.load_run(d) for d in dirs]
+    fig = plot.plot(runs, labels=["a", "a", "b", "b"], x="tokens")
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert {"reward", "eval"} <= set(axes) and "reward parts" not in axes  # accuracy: all zero
+    assert not any("reward/accuracy" in ln.get_label() for a in fig.axes for ln in a.lines)
+    ax = axes["reward"]
+    assert ax.get_xlabel() == "trained tokens"
+    assert [ln.get_label() for ln in ax.lines] == ["a: reward/mean", "b: reward/mean"]
+    assert list(ax.lines[0].get_xdata()) == [100, 200, 300, 400, 500]
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])  # the mean
+    assert len(ax.collections) == 2                           # one band per label
+    assert list(axes["eval"].lines[0].get_xdata()) == [500]   # after step 5: where it ended
+    assert fig._suptitle.get_text() == "a vs b"
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1  # outside the data
+    fig = plot.plot(runs[:1], x="optimizer_steps")
+    assert fig.axes[0].get_xlabel() == "optimizer steps"
+    assert list(fig.axes[0].lines[0].get_xdata()) == [2, 4, 6, 8, 10]
+    out = tmp_path / "ab.png"
+    assert plot.main([*map(str, dirs[:2]), "--labels", "a,b", "--x", "tokens", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.main([str(dirs[0]), "--labels", "a,b"]) == 2

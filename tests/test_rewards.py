@@ -235,3 +235,20 @@ def test_bad_arguments_fail_naming_the_culprit():
         r.score(["a", "b"], [{"answer": "1"}])
     assert r.score([], []) == []
     r.close()
+
+
+@rewards.register("_tr_info")
+def _info(response, sample):
+    return {"reward": 1.0, "length_ok": 1.0, "info": {"difficulty": 3, "source": "g3k"}}
+
+
+def test_info_rides_beside_the_score_never_summed(make_runner):
+    """A function's `info` mapping reaches the result as "info" (merged over the functions), is
+    never added to the reward or made a part; a non-scalar value is a malformed result."""
+    r = make_runner([{"name": "_tr_info", "weight": 2.0}, {"name": "_tr_sleep"}], timeout_s=5)
+    out = r.score(*batch(2, sleep=0.0))
+    assert out[0] == {"reward": 3.0, "errors": 0.0, "length_ok": 1.0, "slept": 1.0,
+                      "info": {"difficulty": 3, "source": "g3k"}}
+    bad = make_runner([{"name": "_tr_returns"}], timeout_s=5)
+    got = bad.score(*batch(1, ret={"reward": 1.0, "info": {"x": [1, 2]}}))
+    assert got[0]["errors"] == 1.0 and got[0]["reward"] == 0.0 and "info" not in got[0]

@@ -20,7 +20,7 @@ G = 4
 
 def _fake_rollout(calls):
     """rollout() stand-in: problem p's group has reward variance iff p.index % 3 == 0."""
-    def fake(engine, problems, procs, sp, template, scorer, version, group_offset, seed):
+    def fake(engine, problems, procs, sp, *, version, group_offset, seed, **_):  # by keyword
         calls.append(([p.index for p in problems], seed))
         eps = []
         for g, p in enumerate(problems):

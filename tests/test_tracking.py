@@ -376,9 +376,9 @@ def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_pat
     rec.samples = open("/dev/full", "a")
     m = {"step": 0, "weight_version": 0, "reward/mean": 0.5, "response_len/mean": 4.0,
          "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
-    ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={}, response_ids=[1],
-                               truncated=False, text="x" * 10_000)   # more than the buffer holds
-    problems = {0: types.SimpleNamespace(problem="Find x.", answer="1")}
+    ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={}, info={},
+                               response_ids=[1], truncated=False, text="x" * 10_000)  # > the buffer
+    problems = {0: types.SimpleNamespace(marked="Find x.", answer="1")}
     with pytest.raises(failures.Fatal) as e:
         rec.step(m, [ep], [0.5], problems)
     assert str(e.value).startswith(f"cannot write {tmp_path / 'samples.jsonl'}: No space left on "
@@ -404,3 +404,13 @@ def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, c
         "step's update is a no-op (loss 0, gradient norm 0)",
         "warning: step 2: 1 of 4 groups have equal rewards after 4 refill round(s) (20 prompts "
         "drawn; rollout.max_refill_rounds): masked out of the update"]
+
+
+def test_console_line_shows_the_clip_fraction_when_the_objective_clips(tmp_path):
+    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    base = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0,
+            "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
+    assert " clip " not in rec.line(base)
+    line = rec.line({**base, "train/clip_frac_low": 0.01, "train/clip_frac_high": 0.02})
+    assert "gnorm 0.000 clip 0.030 ent" in line, line
+    rec.close()
