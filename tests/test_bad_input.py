@@ -4,6 +4,7 @@ reward weight; and a NaN reward never reaches the loss."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import signal
 
 import pytest
