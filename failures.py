@@ -94,6 +94,11 @@ def inject(step: int, live: "Liveness") -> None:
         time.sleep(10 ** 6)
     if fault_active("raise", step):
         raise ValueError(f"injected fault at step {step}")
+    if fault_active("kill_engine", step):  # tests: vLLM's engine core killed outright
+        import multiprocessing
+        for kid in multiprocessing.active_children():
+            if "EngineCore" in kid.name:
+                os.kill(kid.pid, signal.SIGKILL)
 
 
 @dataclass
@@ -119,6 +124,7 @@ class Liveness:
         self.store.set_timeout(datetime.timedelta(seconds=5))  # diagnosis must not hang either
         self.rank, self.world, self.roles = rank, len(roles), roles
         self.role = roles[rank]
+        Liveness.current = self  # fail_now's (a thread that finds this rank broken)
         self.ns = f"grpo/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.where: tuple[int | None, str] = (None, "start-up")
         self.phase(None, "start-up")  # a rank is never shown without a phase
@@ -319,6 +325,23 @@ def world_failed(e: BaseException, timeout_s: float) -> int:
         f"{env.get('MASTER_ADDR', '?')}, MASTER_PORT={env.get('MASTER_PORT', '?')}, "
         f"cluster.timeout_s = {timeout_s:g} s): {one_line(e).rstrip('.')}{hint}")
     return 4
+
+
+def fail_now(why: str) -> None:
+    """From any thread: end this rank at once with one line ("error: rank 2 (generation) failed
+    at step 2 (rollout): <why>"), tell the other ranks (they stop within a beat), exit 4. Before
+    the world exists: the line and exit 4."""
+    live = getattr(Liveness, "current", None)
+    if live is None:
+        say(f"error: rank {os.environ.get('RANK', '0')} failed: {why}")
+        end(4)
+    if not live.ending.acquire(timeout=60):  # another failure or a stop is already ending it
+        return
+    live.failing = True
+    line = f"rank {live.rank} ({live.role}) failed {live.where_text()}: {why}"
+    say(f"error: {line}")
+    live.abort(line)
+    end(4)
 
 
 def guarded(live: Liveness, job: Callable[[], int]) -> int:

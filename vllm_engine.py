@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import multiprocessing
 import os
 import threading
 from pathlib import Path
@@ -16,7 +17,9 @@ from pathlib import Path
 import torch
 
 import channel as CH
+import children
 import device as D
+import failures
 import families as F
 import inputs as I
 import model as M
@@ -292,6 +295,8 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": max(1, max_images), "video": 0},
             mm_processor_kwargs={"min_pixels": mc.min_pixels, "max_pixels": mc.max_pixels},
             mm_processor_cache_gb=0))  # its text-only HF call fails on transformers 5.x
+        self.reaper = children.start_reaper()  # the engine's processes never outlive this rank
+        before = set(multiprocessing.active_children())
         with _environ_restored():
             self.llm = LLM(
                 model=path, dtype=mc.dtype, seed=seed,
@@ -304,6 +309,9 @@ class VLLMEngine:
                 worker_extension_cls="vllm_engine.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **mm, **(llm_kwargs or {}))
+        # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
+        self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
+                                    "the vLLM engine's", failures.fail_now)
 
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -359,6 +367,8 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """Stop vLLM's processes (also done at interpreter exit)."""
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 
