@@ -173,8 +173,7 @@ def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
 
 
 def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path, build: bool = True) -> str:
-    """Rank 0 makes the run folder and builds the tiny model once (if configured and `build`);
-    returns the model path."""
+    """Rank 0 makes the run folder and builds the tiny model once (if asked); the model path."""
     if world.is_root:
         out_dir.mkdir(parents=True, exist_ok=True)
         if build:

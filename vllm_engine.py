@@ -371,6 +371,9 @@ class VLLMEngine:
             self.watch.stop()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "reaper", None) is not None:  # nothing left to reap
+            self.reaper.kill()
+            self.reaper.wait()
 
 
 def refuse_npu_nz(kind: str) -> None:

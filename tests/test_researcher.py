@@ -192,7 +192,7 @@ def test_console_line_summaries_and_full_rollout_dump(tmp_path):
     assert {"step", "index", "group", "version", "reward", "parts", "length", "response",
             "problem", "gold", "advantage"} <= set(samples[0])
     problems = {p.index: p for p in synthetic.synthetic_split("train", n=256)}  # tiny.toml's set
-    assert all((r["problem"], r["gold"]) == (problems[r["index"]].problem, problems[r["index"]].answer)
+    assert all((r["problem"], r["gold"]) == (problems[r["index"]].marked, problems[r["index"]].answer)
                for r in samples)
     for k in range(0, len(samples), 4):                          # GRPO: a group's advantages sum to 0
         group = samples[k:k + 4]

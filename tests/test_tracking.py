@@ -414,3 +414,19 @@ def test_console_line_shows_the_clip_fraction_when_the_objective_clips(tmp_path)
     line = rec.line({**base, "train/clip_frac_low": 0.01, "train/clip_frac_high": 0.02})
     assert "gnorm 0.000 clip 0.030 ent" in line, line
     rec.close()
+
+
+def test_samples_rows_keep_a_rewards_info_and_the_image_markers(tmp_path):
+    import synthetic
+    rec = T.Recorder(tmp_path, -1, 0, 1, T.Trackers())
+    m = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 1.0,
+         "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
+    ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={"accuracy": 1.0},
+                               info={"difficulty": 2}, response_ids=[1], truncated=False, text="x")
+    problem = synthetic.Problem(0, [object(), object()], "Which is larger?", "A")
+    rec.step(m, [ep], [0.5], {0: problem})
+    rec.close()
+    row = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert row["info"] == {"difficulty": 2} and row["parts"] == {"accuracy": 1.0}
+    assert row["problem"] == "<image><image>Which is larger?"
+    assert "difficulty" not in json.loads((tmp_path / "metrics.jsonl").read_text())
