@@ -308,11 +308,15 @@ def adaptive_kl_coef(value: float, current_kl: float, target: float, horizon: in
     OpenRLHF's ``AdaptiveKLController.update``: ``e = clip(current_kl / target - 1, -0.2, 0.2)``,
     ``value * (1 + e * n_steps / horizon)``. Both peers pass ``n_steps`` = the responses of the
     rollout batch (verl ``batch_size``, OpenRLHF ``rollout_batch_size * n_samples_per_prompt``)
-    and call it once per rollout step, after the coefficient was used."""
+    and call it once per rollout step, after the coefficient was used. Here the multiplier is
+    clipped to [0.5, 1.5]: the peers' (EasyR1's too) is unclipped and turns negative once
+    ``n_steps > 5 * horizon`` (a KL in the loss then stops the run on a negative coefficient;
+    in the reward the penalty becomes a bonus); the clip leaves it equal to theirs whenever
+    ``n_steps <= 2.5 * horizon`` and keeps the coefficient positive, so it can grow again."""
     if target <= 0 or horizon <= 0:
         raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target}, {horizon}")
     error = min(0.2, max(-0.2, current_kl / target - 1.0))
-    return value * (1.0 + error * n_steps / horizon)
+    return value * min(1.5, max(0.5, 1.0 + error * n_steps / horizon))
 
 
 # --------------------------------------------------------------------------- aggregation

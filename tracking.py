@@ -231,6 +231,9 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
                                               if n_eval else ""),
              f"   config {sources} -> {Path(cfg.run.out_dir) / 'config.toml'} | trackers: "
              f"{', '.join(cfg.run.report_to) or 'none'}"]
+    if cfg.loss.kl_in_reward and cfg.loss.kl_estimator == "k3":
+        lines.append("   note: loss.kl_in_reward with loss.kl_estimator = k3; verl's and EasyR1's "
+                     "reward KL default to k1 (--loss.kl_estimator=k1 to match them)")
     missing = sorted({f["name"] for f in cfg.reward.functions} - {f["name"] for f in ev.functions})
     if n_eval and missing:
         lines.append(f"   note: reward {', '.join(missing)} is used for training but not for "

@@ -309,7 +309,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
         # global denominator, so undo the average to get exactly the full-batch gradient.
         (loss * len(s.world.trainers)).backward()
-        lp_diff = max(lp_diff, _add_sums(sums, loss, m, batch, ent, old, tr.version))
+        lp_diff = max(lp_diff, _add_sums(sums, loss, m, batch, ent * mask, old, tr.version))
     sums["micro_batches"] = float(len(u.plan))
     sums["lp_diff"] = lp_diff
     return sums
@@ -317,8 +317,9 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
 
 def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.Tensor,
               old: torch.Tensor, version: int) -> float:
-    """One micro-batch's share of the metric sums; returns its largest engine/proximal gap over
-    the tokens sampled with the policy's own `version` (all of them when nothing is stale)."""
+    """One micro-batch's share of the metric sums (`ent`: each kept token's entropy, 0 elsewhere);
+    returns its largest engine/proximal gap over the tokens sampled with the policy's own
+    `version` (all of them when nothing is stale)."""
     rmask = batch["response_mask"].bool()                                             # [b, L]
     fresh = rmask & (batch["token_versions"] == version)
     sums["fresh_tokens"] += float(fresh.sum())
@@ -327,7 +328,7 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
         if key != "tokens":
             sums[f"mean:{key}"] = sums.get(f"mean:{key}", 0.0) + float(v) * m["tokens"]
     sums["kept_tokens"] += m["tokens"]
-    sums["entropy"] += float(ent.detach()[rmask].sum())
+    sums["entropy"] += float(ent.detach().sum())  # `ent`: masked to the kept tokens
     sums["tokens"] += float(batch["attention_mask"].sum())
     sums["episode_tokens"] += float(batch["episode_tokens"])
     sums["slots"] += float(batch["attention_mask"].numel())
@@ -350,9 +351,9 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     mx = torch.tensor([lp_diff], dtype=torch.float64)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=s.world.train_group)
     n_updates, n_tr = len(norms), len(s.world.trainers)
-    ntok, kept = max(1.0, tot["resp_tokens"]), max(1.0, tot["kept_tokens"])
+    kept = max(1.0, tot["kept_tokens"])
     out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
-           "entropy": tot["entropy"] / ntok, "logprob_diff/max": float(mx[0]),
+           "entropy": tot["entropy"] / kept, "logprob_diff/max": float(mx[0]),  # the kept tokens
            "logprob_diff/tokens": tot["fresh_tokens"],
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),

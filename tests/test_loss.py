@@ -863,3 +863,15 @@ def test_shape_errors():
         policy_loss(logp, old, adv, mask, kl_coef=0.1, ref_logprobs=old[:1])
     with pytest.raises(ValueError, match="tis_cap must be"):
         policy_loss(logp, old, adv, mask, tis_cap=-1.0, behaviour_logprobs=old)  # 0 = off
+
+
+def test_adaptive_kl_multiplier_is_clipped_so_the_coefficient_stays_positive():
+    """Responses per step far above the horizon: the peers' multiplier 1 - 0.2 x 64 / 2 is
+    negative; here it is clipped to [0.5, 1.5] (equal to theirs while n <= 2.5 x horizon)."""
+    assert L.adaptive_kl_coef(0.1, 0.0, 0.05, 2, 64) == pytest.approx(0.05)   # halved, not < 0
+    assert L.adaptive_kl_coef(0.1, 1.0, 0.05, 2, 64) == pytest.approx(0.15)
+    assert L.adaptive_kl_coef(0.1, 0.0, 0.05, 100, 250) == pytest.approx(0.1 * (1 - 0.2 * 2.5))
+    value = 0.1
+    for _ in range(20):
+        value = L.adaptive_kl_coef(value, 0.0, 0.05, 1, 512)
+        assert value > 0

@@ -430,3 +430,14 @@ def test_samples_rows_keep_a_rewards_info_and_the_image_markers(tmp_path):
     assert row["info"] == {"difficulty": 2} and row["parts"] == {"accuracy": 1.0}
     assert row["problem"] == "<image><image>Which is larger?"
     assert "difficulty" not in json.loads((tmp_path / "metrics.jsonl").read_text())
+
+
+def test_startup_says_when_the_reward_kl_is_k3_where_peers_default_to_k1():
+    import config as C
+    plan = {"path": None, "progress": types.SimpleNamespace(step=0, version=0)}
+    note = ("   note: loss.kl_in_reward with loss.kl_estimator = k3; verl's and EasyR1's reward KL "
+            "default to k1 (--loss.kl_estimator=k1 to match them)")
+    on = C.load(None, ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true"])
+    assert note in T.startup_summary(on, ["trainer"], "cpu", 10, 8, 0, 0, plan, "x").splitlines()
+    k1 = C.load(None, ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_estimator=k1"])
+    assert note not in T.startup_summary(k1, ["trainer"], "cpu", 10, 8, 0, 0, plan, "x").splitlines()

@@ -168,3 +168,20 @@ def test_diagnostics_with_an_excluded_micro_batch_weigh_kept_tokens(tiny_step):
     assert out["train/ratio_mean"] == 1.0 and out["train/tis_weight_mean"] == 1.0
     assert out["train/clip_frac_low"] == 0 == out["train/clip_frac_high"]
     assert adv[:4] == [0.0] * 4
+
+
+def test_logged_entropy_is_the_mean_over_the_kept_tokens(tiny_step):
+    """Responses left out of the update (here: cut at max_new_tokens, loss.exclude_truncated)
+    leave the logged entropy too, as they leave the bonus and every other diagnostic."""
+    eps = tiny_step.eps
+    assert 0 < sum(e.truncated for e in eps) < len(eps)
+    cfg = step_config(["--loss.exclude_truncated=true"])
+    tr = make_trainer(tiny_step, cfg)
+    batch = I.collate(eps, [tiny_step.images[e.index] for e in eps], tiny_step.procs, CPU)
+    with torch.no_grad():
+        _, ent = M.sequence_logprobs(tr.policy, batch, tiny_step.procs.tokens, 1.0)
+    kept = batch["response_mask"].bool() & torch.tensor([not e.truncated for e in eps]).unsqueeze(1)
+    every = float(ent[batch["response_mask"].bool()].mean())
+    out, _ = run_step(tiny_step, tr, cfg)
+    assert out["entropy"] == pytest.approx(float(ent[kept].mean()), rel=1e-5)
+    assert out["entropy"] != pytest.approx(every, rel=1e-5)
