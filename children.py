@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Callable
 
 REAPER = r"""
@@ -104,22 +103,3 @@ class Watch:
     def stop(self) -> None:
         """Before the engine's own shutdown ends those processes on purpose."""
         self._stop.set()
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids of `pids` still alive after up to `timeout` seconds (tests, diagnostics)."""
-    end = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive or time.monotonic() > end:
-            return alive
-        time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            s = f.read()
-    except OSError:
-        return False
-    return s[s.rindex(")") + 2] not in "ZX"

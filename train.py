@@ -65,47 +65,16 @@ from errors import ConfigError
 from world import World, dry_run, launched_size, validate_world
 from world import setup as setup_world
 
-USAGE = """\
-usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
-                [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT] [--check-channel]
-GRPO for Qwen VLMs and LLMs: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
-  --config FILE         a TOML config; repeatable, later files override earlier ones
-                        (a preset after the base: --config configs/tiny.toml --config configs/presets/dapo.toml)
-  --section.key=value   override one key (TOML syntax), e.g. --run.steps=5 --rollout.temperature=0.7
-  --dry-run             print the resolved config, the rank plan and the groups; start nothing
-  --resume CHECKPOINT   resume from this checkpoint (default: the newest intact one of run.out_dir)
-  --eval-only --checkpoint CHECKPOINT   evaluate a saved checkpoint with the [eval] keys
-  --check-channel       only time one sync.bucket_mb bucket over the weight channel; one JSON line
-  -h, --help            this text
-Precedence: defaults < config files in order < overrides. Every key is documented where it is
-defined, in config.py (sections run, cluster, model, data, rollout, train, loss, reward, eval,
-sync); docs/ has the metrics and examples.
-  CPU demo: torchrun --standalone --nproc_per_node 3 train.py --config configs/tiny.toml
-"""
-
 
 # ----------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE, end="")
+        print(config.USAGE, end="")
         return 0
     failures.on_signals(None)  # a stop during start-up: one line, no traceback
-    configs, flags, overrides = [], {}, []
-    it = iter(argv)
     try:
-        for a in it:
-            key, eq, val = a.partition("=")
-            if key in ("--config", "--resume", "--checkpoint"):  # --config: repeatable
-                val = val if eq else next(it, "")
-                if not val or val.startswith("--"):
-                    raise ConfigError(f"{key} needs a value (see --help)")
-                flags[key] = val
-                configs += [val] if key == "--config" else []
-            elif a in ("--dry-run", "--eval-only", "--check-channel"):
-                flags[a] = True
-            else:
-                overrides.append(a)
+        configs, flags, overrides = config.split_argv(argv)
         cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
             engine = rollout.engine_class(cfg.rollout.engine)

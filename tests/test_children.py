@@ -33,6 +33,24 @@ os.kill(os.getpid(), signal.SIGKILL)   # no cleanup of this process runs
 """
 
 
+def _alive(pid: int) -> bool:
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return s[s.rindex(")") + 2] not in "ZX"
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids of `pids` still alive after up to `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.2)
+
+
 def _descendants_of(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -52,7 +70,7 @@ def test_the_reaper_ends_every_descendant_of_a_process_killed_outright():
     assert len(great) == 1
     p.wait(timeout=30)
     assert p.returncode == -signal.SIGKILL
-    left = children.wait_gone([kid, grandkid, *great], timeout=5)
+    left = _wait_gone([kid, grandkid, *great], timeout=5)
     for pid in left:  # not left behind for the rest of the suite
         os.kill(pid, signal.SIGKILL)
     assert left == []
