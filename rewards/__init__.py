@@ -3,9 +3,10 @@
 A reward function is plain Python, no torch: ``fn(response: str, sample: dict, **params) ->
 dict[str, float]``. ``sample`` carries the gold answer (``"answer"``), the problem text
 (``"problem"``), the dataset index (``"index"``) and the response length in tokens
-(``"response_len"``), ``"truncated"``, ``"max_new_tokens"`` and every other column of the
-dataset's row (``"columns"``: name -> value; the synthetic sets have none); each call gets its own
-shallow copy. The returned dict MUST contain ``"reward"`` (this function's total); every other
+(``"response_len"``), ``"truncated"``, ``"max_new_tokens"``, the problem's ``data.sources``
+name (``"source"``; "" for the one ``data.source``) and every other column of the dataset's row
+(``"columns"``: name -> value; the synthetic sets have none); each call gets its own shallow copy.
+The returned dict MUST contain ``"reward"`` (this function's total); every other
 key is a part that is logged as ``reward/<part>`` (finite numbers), except ``"info"``: a mapping of
 what the function wants to record beside the score (strings, numbers, booleans), kept in the
 samples and evaluation records, never summed, averaged or given pass@n. A function
@@ -90,7 +91,6 @@ class _Function:
     def __init__(self, spec: dict[str, Any], workers: int) -> None:
         self.name: str = spec["name"]
         self.fn = get(self.name)
-        self.weight = float(spec.get("weight", 1.0))
         self.params = {k: v for k, v in spec.items() if k not in ("name", "weight")}
         self.workers = workers
         self.cond = threading.Condition()
@@ -175,7 +175,11 @@ class RewardRunner:
     """Scores a step's responses with the configured reward functions; lives for the whole run.
 
     ``functions`` is a list of ``{"name": str, "weight": float, **params}``; each gets
-    ``workers_per_function`` threads of its own. A call that runs past ``timeout_s`` (from its
+    ``workers_per_function`` threads of its own. ``sources`` (data.sources' own
+    ``reward_functions``: source name -> such a list): a sample whose ``"source"`` is there is
+    graded by that list alone, any other by ``functions`` (a function configured alike, same name
+    and params, in several lists runs once per sample, on the same threads). A call that runs
+    past ``timeout_s`` (from its
     own start), raises, or returns anything but a dict of finite numbers with a ``"reward"``
     scores 0 and counts in ``errors`` (the first of each function logged); one that times out
     ``max_consecutive_timeouts`` times in a row (0: never) is switched off for the runner's
@@ -183,7 +187,8 @@ class RewardRunner:
     """
 
     def __init__(self, functions: list[dict[str, Any]], timeout_s: float,
-                 max_consecutive_timeouts: int = 3, workers_per_function: int = 4) -> None:
+                 max_consecutive_timeouts: int = 3, workers_per_function: int = 4,
+                 sources: dict[str, list[dict[str, Any]]] | None = None) -> None:
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
             raise ValueError(f"reward timeout_s must be a number > 0, got {timeout_s!r}")
         if not isinstance(max_consecutive_timeouts, int) or max_consecutive_timeouts < 0:
@@ -191,13 +196,33 @@ class RewardRunner:
                              f"a function off), got {max_consecutive_timeouts!r}")
         if not isinstance(workers_per_function, int) or workers_per_function < 1:
             raise ValueError(f"workers_per_function must be an int >= 1, got {workers_per_function!r}")
-        for i, spec in enumerate(functions):
-            if not isinstance(spec, dict) or "name" not in spec:
-                raise ValueError(f"reward function {i}: expected a dict with a 'name', got {spec!r}")
+        lists = {None: functions, **(sources or {})}  # None: every sample without a list of its own
+        for where, specs in lists.items():
+            for i, spec in enumerate(specs):
+                if not isinstance(spec, dict) or "name" not in spec:
+                    raise ValueError(f"reward function {i}{f' of source {where}' if where else ''}: "
+                                     f"expected a dict with a 'name', got {spec!r}")
         self.timeout_s = float(timeout_s)
         self.max_consecutive_timeouts = max_consecutive_timeouts
-        self._fns = [_Function(spec, workers_per_function) for spec in functions]
+        self._fns: list[_Function] = []
+        # each list as (function, weight) in its configured order (the order the total is summed in)
+        self._lists = {where: self._functions(specs, workers_per_function)
+                       for where, specs in lists.items()}
         self._lock = threading.Lock()   # one step at a time: the counts follow sample order
+
+    def _functions(self, specs: list[dict[str, Any]], workers: int) -> list[tuple[_Function, float]]:
+        """`specs` as (function, weight): a function configured alike (name, params) in a list
+        built before is shared; one listed twice in `specs` is two functions, as configured."""
+        out: list[tuple[_Function, float]] = []
+        for spec in specs:
+            params = {k: v for k, v in spec.items() if k not in ("name", "weight")}
+            f = next((f for f in self._fns if f.name == spec["name"] and f.params == params
+                      and all(f is not g for g, _ in out)), None)
+            if f is None:
+                f = _Function(spec, workers)
+                self._fns.append(f)
+            out.append((f, float(spec.get("weight", 1.0))))
+        return out
 
     @property
     def switched_off(self) -> list[str]:
@@ -217,19 +242,25 @@ class RewardRunner:
             return self._score(responses, samples)
 
     def _score(self, responses: list[str], samples: list[dict[str, Any]]) -> list[dict[str, float]]:
-        calls = {id(f): f.submit(responses, samples) for f in self._fns if not f.disabled}
-        judged = [self._judge(f, f.collect(calls[id(f)], self.timeout_s), samples)
-                  if id(f) in calls else [None] * len(responses) for f in self._fns]
+        lists = [self._lists.get(s.get("source"), self._lists[None]) for s in samples]
+        mine = {id(f): [i for i, fs in enumerate(lists) if any(g is f for g, _ in fs)]
+                for f in self._fns}  # the samples each function grades, in sample order
+        calls = {id(f): f.submit([responses[i] for i in mine[id(f)]], [samples[i] for i in mine[id(f)]])
+                 for f in self._fns if not f.disabled and mine[id(f)]}
+        judged = {id(f): dict(zip(mine[id(f)], self._judge(f, f.collect(calls[id(f)], self.timeout_s),
+                                                         [samples[i] for i in mine[id(f)]])))
+                  for f in self._fns if id(f) in calls}
         out = []
         for i in range(len(responses)):
             d: dict = {"reward": 0.0, "errors": 0.0}
             info: dict = {}
-            for f, res in zip(self._fns, judged):
-                if res[i] is None:
+            for f, weight in lists[i]:
+                res = judged.get(id(f), {}).get(i)
+                if res is None:
                     d["errors"] += 1
                     continue
-                total, parts, more = res[i]
-                d["reward"] += f.weight * total
+                total, parts, more = res
+                d["reward"] += weight * total
                 for k, v in parts:
                     d[k] = d.get(k, 0.0) + v
                 info.update(more)
