@@ -1,4 +1,5 @@
-"""Datasets and prompts: Geometry3K (local folder or hub id), the synthetic sets, the step stream.
+"""Datasets and prompts: Geometry3K (local folder or hub id), the synthetic sets, several sources
+mixed by weight (`data.sources`: :class:`Mixture`), the step stream.
 
 Every split is a list of `Problem`. A bad row (missing or unreadable image, empty problem or
 answer, a JSONL line that is not UTF-8, images and `<image>` markers that disagree) is dropped
@@ -10,14 +11,17 @@ CLI (kept for compatibility; see synthetic.py): python data.py --write-synthetic
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
+import math
 import random
 import re
 import sys
+import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from PIL import Image
 
@@ -140,13 +144,13 @@ def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
     return {c: name for c, name in cols.items() if name}
 
 
-def _missing(where: str, have: Iterable[str], cols: dict[str, str]) -> None:
+def _missing(where: str, have: Iterable[str], cols: dict[str, str], key: str = "data") -> None:
     have = list(have)
     for canon in ("problem", "answer", "images"):
         name = cols.get(canon)
         if name is not None and name not in have:
-            key = f" (data.{canon}_column)" if name != canon or canon == "images" else ""
-            raise ValueError(f"{where}: missing column {name!r}{key}; has {sorted(have)}")
+            named = f" ({key}.{canon}_column)" if name != canon or canon == "images" else ""
+            raise ValueError(f"{where}: missing column {name!r}{named}; has {sorted(have)}")
 
 
 def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
@@ -156,7 +160,8 @@ def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
             **{canon: row[name] for canon, name in cols.items()}}
 
 
-def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[dict | _BadRow]:
+def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None,
+                key: str = "data") -> Iterator[dict | _BadRow]:
     # split as bytes, decoded per line: a line that is not UTF-8 is one bad row, and a U+2028
     # inside a JSON string (where str.splitlines() would cut) stays in its row
     cols = _mapping(columns)
@@ -174,7 +179,7 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterato
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        _missing(f"{path}:{n}", row, cols)
+        _missing(f"{path}:{n}", row, cols, key)
         row = _canonical(row, cols)
         images = row.get("images", [])
         if isinstance(images, str):
@@ -184,7 +189,8 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None) -> Iterato
         yield row
 
 
-def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -> Iterator[dict]:
+def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None,
+                  key: str = "data") -> Iterator[dict]:
     pa, pq = _pyarrow()
     cols = _mapping(columns)
     for path in paths:
@@ -192,46 +198,48 @@ def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None) -
             table = pq.read_table(path)
         except Exception as e:
             raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__})") from None
-        _missing(str(path), table.column_names, cols)
+        _missing(str(path), table.column_names, cols, key)
         for row in table.to_pylist():
             yield _canonical(row, cols)
 
 
-def _read_hub(name: str, split: str, columns: Mapping[str, str] | None = None) -> Iterator[dict]:
+def _read_hub(name: str, split: str, columns: Mapping[str, str] | None = None,
+              key: str = "data") -> Iterator[dict]:
     try:
         import datasets
     except ImportError:
         raise ImportError(f"loading {name!r} needs `pip install datasets`; or pass a local folder") from None
     ds = datasets.load_dataset(name, split=split)
     cols = _mapping(columns)
-    _missing(f"{name} [{split}]", ds.column_names, cols)
+    _missing(f"{name} [{split}]", ds.column_names, cols, key)
     return (_canonical(row, cols) for row in ds)
 
 
 def load_split(
     source: str, split: str, *, seed: int = 0, n_synthetic: int = 256, image_size: int = 112,
-    columns: Mapping[str, str] | None = None,
+    columns: Mapping[str, str] | None = None, key: str = "data",
 ) -> tuple[list[Problem], list[tuple[int, str]]]:
     """(problems, skipped) for one split of "synthetic", a local folder, or a hub id. `columns`
     maps the canonical names ("problem", "answer", "images") to the dataset's own ("images": ""
-    for a text-only set); a missing mapped column is a ValueError naming the file and column."""
+    for a text-only set); a missing mapped column is a ValueError naming the file and column.
+    `key`: where the source is configured, for messages ("data", or "data.sources[i]")."""
     if source in SYNTHETIC:
         return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
                                text=source == "synthetic-text"), []
     root = Path(source).expanduser()
     if root.is_dir():
         files = _split_files(root, split)
-        rows = (_read_jsonl(files[0], columns) if files[0].suffix == ".jsonl"
-                else _read_parquet(files, columns))
+        rows = (_read_jsonl(files[0], columns, key) if files[0].suffix == ".jsonl"
+                else _read_parquet(files, columns, key))
         kept, skipped = skip_bad_rows(rows)
         if not kept and not skipped:  # not a max_prompt_len matter: there is nothing to read
-            raise ValueError(f"data.source: {' + '.join(map(str, files))} is empty (no rows in "
+            raise ValueError(f"{key}.source: {' + '.join(map(str, files))} is empty (no rows in "
                              f"split {split!r})")
         return kept, skipped
     problem = source_problem(source)
     if problem:
-        raise ValueError(f"data.source: {problem}")
-    return skip_bad_rows(_read_hub(source, split, columns))
+        raise ValueError(f"{key}.source: {problem}")
+    return skip_bad_rows(_read_hub(source, split, columns, key))
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -268,30 +276,182 @@ def source_problem(source: str) -> str | None:
 
 
 def refuse_images(vision: bool, model_path: str, dc) -> None:
-    """A dataset with images (`[data]` dc) for a text-only model (not `vision`): ModelError."""
-    if not vision and (dc.source == "synthetic" or (dc.images_column and
-                                                    dc.source not in SYNTHETIC)):
-        raise ModelError(f"model.path={model_path} is a text-only model: the dataset's images have "
-                         "nowhere to go; use a text-only set (data.images_column = \"\", or "
-                         f"data.source = \"synthetic-text\"), got data.source={dc.source!r}, "
-                         f"data.images_column={dc.images_column!r}")
+    """A dataset with images (any source of `[data]` dc) for a text-only model (not `vision`):
+    ModelError naming the source's keys."""
+    for src in sources(dc):
+        key, images = src.key, src.columns["images"]
+        if not vision and (src.source == "synthetic" or (images and src.source not in SYNTHETIC)):
+            raise ModelError(f"model.path={model_path} is a text-only model: the dataset's images "
+                             f"have nowhere to go; use a text-only set ({key}.images_column = \"\", "
+                             f"or {key}.source = \"synthetic-text\"), got {key}.source="
+                             f"{src.source!r}, {key}.images_column={images!r}")
 
 
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,
                   prompt_len: Callable[[Problem], int], max_prompt_len: int,
-                  columns: Mapping[str, str] | None = None) -> tuple[list[Problem], int]:
+                  columns: Mapping[str, str] | None = None,
+                  key: str = "data") -> tuple[list[Problem], int]:
     """(problems, skipped count) of one split: bad rows and prompts longer than `max_prompt_len`
     (by `prompt_len`, image tokens counted) are skipped. Prompts are never truncated: the image
-    tokens would be cut."""
+    tokens would be cut. `key`: as :func:`load_split`'s."""
     rows, skipped = load_split(source, split, seed=seed, n_synthetic=n_synthetic,
-                               image_size=image_size, columns=columns)
+                               image_size=image_size, columns=columns, key=key)
     rows, more = skip_bad_rows(rows, is_too_long=lambda p: prompt_len(p) > max_prompt_len)
     if not rows:
         long = sum(why == "too long" for _, why in more)
-        raise ValueError(f"data.source: no usable rows in split {split!r} of {source} "
+        raise ValueError(f"{key}.source: no usable rows in split {split!r} of {source} "
                          f"({len(skipped) + len(more)} skipped: {len(skipped) + len(more) - long} "
                          f"bad rows, {long} prompts longer than data.max_prompt_len)")
     return rows, len(skipped) + len(more)
+
+
+# ---------------------------------------------------------------- several sources (data.sources)
+SOURCE_KEYS = ("name", "source", "weight", "problem_column", "answer_column", "images_column",
+               "reward_functions")  # the keys of one data.sources entry (docs/data.md, Mixing)
+
+
+class Source(NamedTuple):
+    """One configured dataset: data.source (name "") or one data.sources entry."""
+    key: str                # where it is configured, for messages: "data" or "data.sources[i]"
+    name: str               # its data.sources name ("" for data.source)
+    source: str             # "synthetic", "synthetic-text", a local folder or a hub id
+    weight: float           # its share of the prompts, relative to the other sources'
+    columns: dict           # canonical name -> the dataset's own (load_split's `columns`)
+    functions: list | None  # its own reward_functions (None: [reward] / [eval] functions)
+
+
+def sources(dc) -> list[Source]:
+    """The sources of `[data]` (dc): data.sources' entries (their column keys defaulting to
+    `[data]`'s), else data.source alone."""
+    base = {"problem": dc.problem_column, "answer": dc.answer_column, "images": dc.images_column}
+    if not dc.sources:
+        return [Source("data", "", dc.source, 1.0, base, None)]
+    return [Source(f"data.sources[{i}]", e["name"], e["source"], float(e["weight"]),
+                   {c: e.get(f"{c}_column", v) for c, v in base.items()}, e.get("reward_functions"))
+            for i, e in enumerate(dc.sources)]
+
+
+def own_functions(dc) -> dict[str, list]:
+    """Source name -> its own reward functions, for the sources that have them (the `sources`
+    of rewards.RewardRunner: their episodes are graded by these alone)."""
+    return {s.name: s.functions for s in sources(dc) if s.functions is not None}
+
+
+def check_sources(dc, check_functions: Callable[[str, list], None] | None = None) -> None:
+    """data.source, or every data.sources entry (its keys, a unique name, a weight > 0, column
+    names), names a dataset that can be read (:func:`source_problem`); else a one-line
+    ConfigError naming the key. An entry's reward_functions (their form: config.validate) go to
+    `check_functions(key, specs)` (train.py: rewards.check_functions, the registered names)."""
+    if not dc.sources:
+        if not dc.source:
+            raise ConfigError("data.source is empty: name a dataset (\"synthetic\", a local folder, "
+                              "a hub id) or list [[data.sources]]")
+        return check_source(dc.source)
+    seen: dict[str, int] = {}
+    for i, e in enumerate(dc.sources):
+        key = f"data.sources[{i}]"
+        if not isinstance(e, dict):
+            raise ConfigError(f"{key}: expected a table {{name, source, weight}}, got {e!r}")
+        _check_entry(key, e, seen)
+        seen[e["name"]] = i
+        if check_functions is not None and "reward_functions" in e:
+            check_functions(f"{key}.reward_functions", e["reward_functions"])
+        problem = source_problem(e["source"])
+        if problem:
+            raise ConfigError(f"{key}.source: {problem}")
+
+
+def _check_entry(key: str, e: dict, seen: dict[str, int]) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}.{msg}")
+    for k in e:
+        need(k in SOURCE_KEYS, f"{k}: unknown key (known: {', '.join(SOURCE_KEYS)})")
+    name, source, w = e.get("name"), e.get("source"), e.get("weight")
+    need(isinstance(name, str) and re.fullmatch(r"[\w.-]+", name) is not None,
+         f"name: expected a name of letters, digits, '_', '.' or '-' (it names the metrics "
+         f"reward/<name>/mean ...), got {name!r}")
+    need(name not in seen, f"name: {name!r} is data.sources[{seen.get(name)}]'s name too; each "
+         "source needs its own")
+    need(isinstance(source, str) and bool(source),
+         f"source: expected a dataset (\"synthetic\", a local folder, a hub id), got {source!r}")
+    need(type(w) in (int, float) and math.isfinite(w) and w > 0,
+         f"weight must be a number > 0 (the source's share of the prompts, relative to the "
+         f"others'), got {w!r}")
+    for c in ("problem_column", "answer_column", "images_column"):
+        need(c not in e or (isinstance(e[c], str) and bool(e[c] or c == "images_column")),
+             f"{c} must name a column" + (" (\"\": a text-only set)" if c == "images_column"
+                                          else "") + f", got {e.get(c)!r}")
+
+
+def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], int],
+                 limit: int | None = None) -> tuple[list[Problem], int]:
+    """(problems, skipped count) of `split` of every source of `[data]` (dc), in their order
+    (:func:`load_problems` each; `limit`: the first `limit` of each). With data.sources every
+    problem carries its source's name, and its index is made unique across the sources: its
+    row's, plus the preceding sources' largest index + 1 (the trainers find images by index)."""
+    out: list[Problem] = []
+    skipped = offset = 0
+    for src in sources(dc):
+        rows, n = load_problems(src.source, split, seed=seed, n_synthetic=dc.n_synthetic,
+                                image_size=dc.image_size, prompt_len=prompt_len,
+                                max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key)
+        skipped += n
+        if src.name:
+            top = max(p.index for p in rows) + 1
+            rows = [dataclasses.replace(p, index=offset + p.index, source=src.name) for p in rows]
+            offset += top
+        out += rows[:limit] if limit is not None else rows
+    return out, skipped
+
+
+class Mixture:
+    """The run's prompt stream, `step_problems(step)`: one source's is :func:`step_problems`.
+    With data.sources each prompt's source is drawn by weight, seeded by (seed, step), and a
+    source's prompts are the next ones of its own stream of seeded per-epoch shuffles. Where a
+    source's stream stands at a step is the count of its draws before that step, counted again
+    from the seeds (and kept), so a resumed run continues the same draw with nothing saved."""
+
+    def __init__(self, problems: list[Problem], dc, per_step: int, seed: int):
+        srcs = sources(dc)
+        self.names = [s.name for s in srcs if s.name]  # [] for data.source alone
+        self.problems, self.per_step, self.seed = problems, per_step, seed
+        self.weights = [s.weight for s in srcs]
+        self.pools = [[p for p in problems if p.source == s.name] for s in srcs]
+        self.counts = [[0] * len(srcs)]  # counts[s][k]: source k's prompts before step s
+        self.orders: dict[int, tuple[int, list[int]]] = {}  # source -> (epoch, its shuffle)
+        self.lock = threading.Lock()     # the engine's worker thread draws too (pipeline.py)
+
+    def draw(self, step: int) -> list[int]:
+        """The source (its position in data.sources) of each prompt of `step`."""
+        return random.Random(f"mix:{self.seed}:{step}").choices(
+            range(len(self.weights)), weights=self.weights, k=self.per_step)
+
+    def step_problems(self, step: int) -> list[Problem]:
+        """The problems of `step`, in prompt order."""
+        if not self.names:
+            return step_problems(self.problems, step, self.per_step, self.seed)
+        with self.lock:
+            while len(self.counts) <= step:
+                row = list(self.counts[-1])
+                for k in self.draw(len(self.counts) - 1):
+                    row[k] += 1
+                self.counts.append(row)
+            at, out = list(self.counts[step]), []
+            for k in self.draw(step):
+                out.append(self._nth(k, at[k]))
+                at[k] += 1
+        return out
+
+    def _nth(self, k: int, i: int) -> Problem:
+        """Item `i` of source `k`'s stream (epoch after epoch, each its own seeded shuffle)."""
+        pool = self.pools[k]
+        epoch, pos = divmod(i, len(pool))
+        if self.orders.get(k, (None,))[0] != epoch:
+            order = list(range(len(pool)))
+            random.Random(f"mix:{self.seed}:{self.names[k]}:{epoch}").shuffle(order)
+            self.orders[k] = (epoch, order)
+        return pool[self.orders[k][1][pos]]
 
 
 def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:

@@ -11,10 +11,12 @@ import rollout as R
 
 def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Processors,
              cfg, version: int, seed: int) -> tuple[dict[str, float], list[R.Episode]]:
-    """The evaluation problems on the generation ranks, graded by `[eval] functions`: greedy
+    """The evaluation problems on the generation ranks, graded by `[eval] functions` (a
+    data.sources problem: by its source's own reward_functions, where it has them): greedy
     when eval.n = 1 (Geometry3K-style), else n samples at eval.temperature. Metrics: each part's
     mean over every sample (pass@1 for a 0/1 part) as eval/<part>, and with n > 1 the mean over
-    problems of its best sample as eval/<part>/pass@n."""
+    problems of its best sample as eval/<part>/pass@n; with data.sources the same for each
+    source's problems alone as eval/<name>/..."""
     ev, ro = cfg.eval, cfg.rollout
     local: tuple[list, dict] = ([], {})
     if world.is_gen:
@@ -25,19 +27,28 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Pr
     got: list = [None] * world.size
     dist.all_gather_object(got, local, group=world.ctrl)
     eps = sorted((e for g, _ in got for e in g), key=lambda e: e.index)
+    out = metrics(eps, ev.n, "eval/")
+    for name in dict.fromkeys(e.source for e in eps if e.source):  # data.sources, in order met
+        out.update(metrics([e for e in eps if e.source == name], ev.n, f"eval/{name}/"))
+    return out, eps
+
+
+def metrics(eps: list[R.Episode], n: int, prefix: str) -> dict[str, float]:
+    """`prefix` + each part's mean over `eps` (and with `n` > 1 its pass@n over their problems),
+    the mean response length, the problems and samples counted."""
     out: dict[str, float] = {}
     by_problem: dict[int, list[R.Episode]] = {}
     for e in eps:
         by_problem.setdefault(e.index, []).append(e)
     for part in ["reward"] + sorted({k for e in eps for k in e.parts} - {"errors"}):
         value = (lambda e: e.reward) if part == "reward" else (lambda e, k=part: e.parts.get(k, 0.0))
-        out[f"eval/{part}"] = sum(map(value, eps)) / max(1, len(eps))
-        if ev.n > 1:
-            out[f"eval/{part}/pass@{ev.n}"] = (sum(max(map(value, g)) for g in by_problem.values())
+        out[f"{prefix}{part}"] = sum(map(value, eps)) / max(1, len(eps))
+        if n > 1:
+            out[f"{prefix}{part}/pass@{n}"] = (sum(max(map(value, g)) for g in by_problem.values())
                                               / max(1, len(by_problem)))
-    out.update({"eval/response_len": sum(len(e.response_ids) for e in eps) / max(1, len(eps)),
-                "eval/n": len(by_problem), "eval/samples": len(eps)})
-    return out, eps
+    out.update({f"{prefix}response_len": sum(len(e.response_ids) for e in eps) / max(1, len(eps)),
+                f"{prefix}n": len(by_problem), f"{prefix}samples": len(eps)})
+    return out
 
 
 def sampling(ev, ro) -> R.Sampling:
@@ -68,7 +79,8 @@ def eval_rows(eps: list[R.Episode], problems: list) -> list[dict]:
     for e in eps:
         j = seen[e.index] = seen.get(e.index, -1) + 1
         p = by_index[e.index]
-        rows.append({"index": e.index, "sample": j, "problem": p.marked, "gold": p.answer,
-                     "reward": e.reward, "parts": e.parts, "info": e.info, "length": len(e.response_ids),
-                     "truncated": e.truncated, "version": e.version, "response": e.text})
+        rows.append({"index": e.index, **({"source": e.source} if e.source else {}), "sample": j,
+                     "problem": p.marked, "gold": p.answer, "reward": e.reward, "parts": e.parts,
+                     "info": e.info, "length": len(e.response_ids), "truncated": e.truncated,
+                     "version": e.version, "response": e.text})
     return rows

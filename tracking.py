@@ -137,7 +137,8 @@ class Recorder:
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
         n = len(episodes) if self.n_samples < 0 else self.n_samples
-        rows = [{"index": e.index, "group": e.group, "version": e.version,
+        rows = [{"index": e.index, **({"source": e.source} if getattr(e, "source", "") else {}),
+                 "group": e.group, "version": e.version,
                  "problem": problems[e.index].marked, "gold": problems[e.index].answer,
                  "reward": e.reward, "advantage": a, "parts": e.parts, "info": e.info,
                  "length": len(e.response_ids), "truncated": e.truncated, "response": e.text}
@@ -162,7 +163,7 @@ class Recorder:
         parts = " ".join(f"{k[7:]} {v:.3f}" for k, v in m.items()
                          if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
         evals = " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
-                         and k not in ("eval/n", "eval/samples", "eval/response_len"))
+                         and not k.endswith(("/n", "/samples", "/response_len")))
         clip = (f"clip {m['train/clip_frac_low'] + m['train/clip_frac_high']:.3f} "
                 if "train/clip_frac_low" in m and "train/clip_frac_high" in m else "")
         return (f"step {m['step'] + 1}/{self.total} | v{m['weight_version']} | "
@@ -226,7 +227,8 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
     ev = cfg.eval
     lines = [f"== {len(roles)} rank(s) on {device}: {who} ({cfg.rollout.engine} engine)",
              f"   model {cfg.model.path} ({_params_text(cfg.model, n_params)}; engines in "
-             f"{cfg.model.dtype}) | data {cfg.data.source}: {n_problems} training problems "
+             f"{cfg.model.dtype}) | data {cfg.data.source or _mixture(cfg.data.sources)}: "
+             f"{n_problems} training problems "
              f"({n_skipped} rows skipped)" + (f", {n_eval} {ev.split} problems for evaluation"
                                               if n_eval else ""),
              f"   config {sources} -> {Path(cfg.run.out_dir) / 'config.toml'} | trackers: "
@@ -234,7 +236,9 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
     if cfg.loss.kl_in_reward and cfg.loss.kl_estimator == "k3":
         lines.append("   note: loss.kl_in_reward with loss.kl_estimator = k3; verl's and EasyR1's "
                      "reward KL default to k1 (--loss.kl_estimator=k1 to match them)")
-    missing = sorted({f["name"] for f in cfg.reward.functions} - {f["name"] for f in ev.functions})
+    plain = [e for e in cfg.data.sources if "reward_functions" not in e]  # graded by [reward], [eval]
+    missing = (sorted({f["name"] for f in cfg.reward.functions} - {f["name"] for f in ev.functions})
+               if plain or not cfg.data.sources else [])  # (a source's own grade both)
     if n_eval and missing:
         lines.append(f"   note: reward {', '.join(missing)} is used for training but not for "
                      f"evaluation ([eval] functions: {', '.join(f['name'] for f in ev.functions)})")
@@ -251,6 +255,12 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
         lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"
                                                                     for k, a, b in changed))
     return "\n".join(lines)
+
+
+def _mixture(entries: list[dict]) -> str:
+    """data.sources as "geo (synthetic) 0.75 + txt (synthetic-text) 0.25" (the prompts' shares)."""
+    total = sum(e["weight"] for e in entries)
+    return " + ".join(f"{e['name']} ({e['source']}) {e['weight'] / total:.2g}" for e in entries)
 
 
 def _params_text(mc, n: int | dict) -> str:
