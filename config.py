@@ -123,6 +123,9 @@ class ModelConfig:
     # adapter dropout: only 0 (dropout makes the trainer's train-mode logprobs differ from the
     # engines', which the GRPO ratio and logprob_diff/max compare); the key exists to say so
     lora_dropout: float = num(0.0, "[0, 1)")
+    # MoE families: the trainer routes each response token's predictor to the experts the engine
+    # chose (routing.py, docs/families.md); train/routing_agreement is logged either way
+    moe_routing_replay: bool = False
 
 
 @dataclass

@@ -144,6 +144,9 @@ class Family:
     notes: str = ""                  # what a user should know (README's families table)
     linear_attention: bool = False   # some text layers are linear attention (Gated DeltaNet)
     label: str = ""                  # the family's name in messages ("" = model_type)
+    # MoE: the class name of transformers' router modules (each returns (logits, top-k weights,
+    # top-k indices) in 5.5.4, 5.17 and 5.24; routing.py hooks them); "" = a dense family
+    router: str = ""
 
 
 _QWEN2_VL_SYSTEM = "You are a helpful assistant."
@@ -155,17 +158,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("qwen2_5_vl", _tiny_qwen2_5_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2_5_VLProcessor"),
     Family("qwen3_vl", _tiny_qwen3_vl, _template(), "Qwen3VLProcessor"),
     Family("qwen3_vl_moe", lambda i, h, n: _tiny_qwen3_vl(i, h, n, moe=True), _template(),
-           "Qwen3VLProcessor"),
+           "Qwen3VLProcessor", router="Qwen3VLMoeTextTopKRouter"),
     Family("qwen3_5", _tiny_qwen3_5, _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
            notes=_ONE_ROW, linear_attention=True, label="Qwen3.5"),
     Family("qwen3_5_moe", lambda i, h, n: _tiny_qwen3_5(i, h, n, moe=True),
            _template(thinking=_QWEN3_5_THINKING), "Qwen3VLProcessor",
-           notes=_ONE_ROW, linear_attention=True, label="Qwen3.5-MoE"),
+           notes=_ONE_ROW, linear_attention=True, label="Qwen3.5-MoE", router="Qwen3_5MoeTopKRouter"),
     Family("qwen2", _tiny_text, _template(_QWEN2_5_SYSTEM)),
     # Qwen3's small dense models tie the LM head to the embeddings: the tiny one does too
     Family("qwen3", lambda i, h, n: _tiny_text(i, h, n, tied=True), _template(thinking=_QWEN3_THINKING)),
     Family("qwen3_moe", lambda i, h, n: _tiny_text(i, h, n, moe=True),
-           _template(thinking=_QWEN3_THINKING)),
+           _template(thinking=_QWEN3_THINKING), router="Qwen3MoeTopKRouter"),
 ]}
 
 DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
@@ -234,6 +237,34 @@ def get(model_type: str) -> Family:
     if model_type not in FAMILIES:
         raise KeyError(unsupported(model_type))
     return FAMILIES[model_type]
+
+
+_ROUTERS = frozenset(f.router for f in FAMILIES.values() if f.router)
+
+
+def moe_routers(model) -> list:
+    """The MoE router modules of `model` in layer order ([] for a dense model); looks through
+    wrappers (FSDP2, PEFT), whose modules are the model's own."""
+    return [m for m in model.modules() if type(m).__name__ in _ROUTERS]
+
+
+def router_normalizes(router) -> bool:
+    """Whether `router` renormalises its top-k weights to sum to 1: Qwen3-MoE's as its config's
+    `norm_topk_prob` says (the attribute), Qwen3-VL-MoE's and Qwen3.5-MoE's always (none)."""
+    return bool(getattr(router, "norm_topk_prob", True))
+
+
+def is_moe(model_type: str) -> bool:
+    return bool(FAMILIES[model_type].router) if model_type in FAMILIES else False
+
+
+def check_routing_replay(path: str, replay: bool) -> None:
+    """`model.moe_routing_replay` only for a MoE family (a hub id not downloaded yet: the
+    trainer checks its routers); ConfigError naming the key otherwise."""
+    kind = tiny_type(path) or model_type_of(Path(path).expanduser())
+    if replay and kind in FAMILIES and not FAMILIES[kind].router:
+        raise ConfigError(f"model.moe_routing_replay: {FAMILIES[kind].label or kind} is a dense "
+                          f"family (no experts to route); it applies to {', '.join(t for t in FAMILIES if is_moe(t))}")
 
 
 def check_model_path(path: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import families as F
+import routing
 from errors import ModelError, one_line
 from model import load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
@@ -325,7 +326,16 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
                token_versions=versions,
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
+    pred = resp[:, 1:].nonzero(as_tuple=True)                    # row-major: each episode in order
+    _add_routing(out, episodes, pred[0], pred[1])                # column t - 1 predicts token t
     return {k: v.to(device) for k, v in out.items()}
+
+
+def _add_routing(out: dict, episodes, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """MoE episodes carrying the engine's routing: `routing` [rows, W, L, k] (routing.py)."""
+    replay = routing.batch_routing(tuple(out["input_ids"].shape), rows, cols, episodes)
+    if replay is not None:
+        out["routing"] = replay
 
 
 def _same_images(a: list, b: list) -> bool:
@@ -397,6 +407,7 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
                                                for k, u in enumerate(seqs) for i in u)), **mm)
     if not varlen:
         out["attention_mask_4d"] = _block_mask(out, W)
+    _add_routing(out, [episodes[i] for u in seqs for i in u], out["pred_row"], out["pred_col"])
     return {k: v.to(device) for k, v in out.items()}
 
 

@@ -14,6 +14,7 @@ import torch
 
 import device as D
 import families as F
+import routing as R
 from errors import ModelError, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,8 +119,9 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[:, :-1] = mask
-    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch["attention_mask"],
-                        use_cache=False, **_model_inputs(batch, tokens))
+    logits = _logits_at(model, keep, batch.get("routing"), input_ids=ids,
+                        attention_mask=batch["attention_mask"], use_cache=False,
+                        **_model_inputs(batch, tokens))
     rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
     lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
@@ -136,7 +138,8 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
     # no 4-D mask ("varlen"): the attention finds the sequences from the restarting positions
-    logits = _logits_at(model, keep, input_ids=ids, attention_mask=batch.get("attention_mask_4d"),
+    logits = _logits_at(model, keep, batch.get("routing"), input_ids=ids,
+                        attention_mask=batch.get("attention_mask_4d"),
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,
                         **_model_inputs(batch, tokens))
     where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
@@ -205,10 +208,11 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
+def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None, **inputs) -> torch.Tensor:
     """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
     pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
-    [rows, W, vocab] tensor exists whatever the transformers version."""
+    [rows, W, vocab] tensor exists whatever the transformers version. `routing`: the batch's
+    MoE routing to replay (routing.replaying)."""
     head = model.get_output_embeddings()
 
     def select(_module, args):
@@ -216,7 +220,8 @@ def _logits_at(model, keep: torch.Tensor, **inputs) -> torch.Tensor:
 
     handle = head.register_forward_pre_hook(select)
     try:
-        return model(**inputs, logits_to_keep=0).logits            # 0: every position reaches the hook
+        with R.replaying(model, routing):                        # MoE: the engine's experts
+            return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
     finally:
         handle.remove()
 

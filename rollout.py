@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple, Protocol
 
@@ -16,10 +17,12 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import data
 import device as D
+import families
 import inputs as I
 import loss as L
 import model as M
 import rewards
+import routing as R
 import sync as S
 from errors import ConfigError
 
@@ -38,6 +41,8 @@ class Episode:
     text: str = ""              # decoded response, for samples.jsonl and debugging
     versions: list[int] = field(default_factory=list)  # partial rollouts: each token's; [] = all `version`
     info: dict = field(default_factory=dict)  # what reward functions returned beside the score (samples only)
+    source: str = ""            # its problem's data.sources name ("" for the one data.source)
+    routing: torch.Tensor | None = None  # MoE: [R, L, k] experts of the input predicting each token (routing.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Completion:
     logprobs: list[float]
     truncated: bool
     versions: list[int] = field(default_factory=list)  # chunked generation: each token's weight version
+    routing: torch.Tensor | None = None  # MoE: [len(ids), L, k] (routing.py)
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
@@ -132,6 +138,9 @@ class HFEngine:
     def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.procs, self.tokens, self.device = procs, procs.tokens, device
+        # MoE: what each generate call routed is recorded (routing.capture) and kept per token
+        self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
+                        if families.moe_routers(self.model) else 0)
 
     @classmethod
     def start_note(cls, rc, config) -> str:
@@ -153,12 +162,13 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         if self.between is not None and not sp.greedy:
             return self._chunked(prompts, sp, seed)
-        resp, lp = self._sample(prompts, sp, seed)
+        resp, lp, routes = self._sample(prompts, sp, seed)
         per_prompt = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in prompts]
-        for row, (r, l) in enumerate(zip(resp, lp)):
+        for row, (r, l, x) in enumerate(zip(resp, lp, routes)):
             n, stopped = self._cut(r)
-            result[row // per_prompt].append(Completion(r[:n], l[:n], truncated=not stopped))
+            result[row // per_prompt].append(Completion(r[:n], l[:n], truncated=not stopped,
+                                                        routing=None if x is None else x[:n]))
         return result
 
     def _cut(self, r: list[int]) -> tuple[int, bool]:
@@ -180,22 +190,25 @@ class HFEngine:
             n_new = min(self.chunk or sp.max_new_tokens, sp.max_new_tokens - len(seqs[live[0]].ids))
             rows = prompts if c == 0 else [(prompts[owner[i]][0] + seqs[i].ids, prompts[owner[i]][1])
                                            for i in live]
-            resp, lp = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
-                                                  max_new_tokens=n_new), seed + c * 7919)
-            for i, r, l in zip(live, resp, lp):
+            resp, lp, routes = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
+                                                          max_new_tokens=n_new), seed + c * 7919)
+            for i, r, l, x in zip(live, resp, lp, routes):
                 n, stopped = self._cut(r[:n_new])
                 seqs[i].ids += r[:n]
                 seqs[i].logprobs += l[:n]
                 seqs[i].versions += [version] * n
                 seqs[i].truncated = not stopped
+                if x is not None:  # each chunk's tokens as that chunk routed their predictors
+                    seqs[i].routing = x[:n] if c == 0 else torch.cat([seqs[i].routing, x[:n]])
             live = [i for i in live if seqs[i].truncated and len(seqs[i].ids) < sp.max_new_tokens]
             c += 1
         return [seqs[p * sp.n:(p + 1) * sp.n] for p in range(len(prompts))]
 
     @torch.no_grad()
-    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int) -> tuple[list, list]:
+    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int) -> tuple[list, list, list]:
         """One transformers generate call: every row's sampled tokens and their logprobs
-        (lists; rows prompt-major, sp.n per prompt, 1 when greedy), up to max_new_tokens."""
+        (lists; rows prompt-major, sp.n per prompt, 1 when greedy), up to max_new_tokens, and
+        for a MoE model each row's routing [T, L, k] (routing.generated_routing; else None)."""
         tk = self.tokens
         images = [im for _, ims in prompts for im in ims]
         mm, mm_kw = {}, {}
@@ -217,8 +230,8 @@ class HFEngine:
                          mm_token_type_ids=(ids == tk.image_pad).int())
         if self.interrupt is not None:
             knobs["stopping_criteria"] = StoppingCriteriaList([_Interrupt(self.interrupt)])
-        with D.fork_rng(self.device):  # the device type explicitly (NPU: not "cuda")
-            torch.manual_seed(seed)
+        with D.fork_rng(self.device), (R.capture(self.model) if self.experts else nullcontext()) as calls:
+            torch.manual_seed(seed)  # fork_rng: the device type explicitly (NPU: not "cuda")
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, **mm_kw,
                 num_return_sequences=1 if sp.greedy else sp.n, max_new_tokens=sp.max_new_tokens,
@@ -228,7 +241,9 @@ class HFEngine:
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
         temp = 1.0 if sp.greedy else sp.temperature
         lp, _ = M.token_logprobs(logits, resp, tk, temp)
-        return resp.tolist(), lp.tolist()
+        routes = (list(R.generated_routing(calls, *resp.shape, self.experts).cpu()) if self.experts
+                  else [None] * resp.shape[0])
+        return resp.tolist(), lp.tolist(), routes
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
@@ -285,7 +300,8 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
-                                min(c.versions, default=version), c.truncated, text, c.versions, info))
+                                min(c.versions, default=version), c.truncated, text, c.versions, info,
+                                routing=c.routing, source=p.source))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 

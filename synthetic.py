@@ -35,6 +35,7 @@ class Problem:
     answer: str  # gold answer in the dataset's spelling
     raw: str = ""  # the question text with its "<image>" markers, where one follows some text
     columns: dict = field(default_factory=dict)  # every other column of the row (rewards)
+    source: str = ""  # its data.sources name ("" for the one data.source): the rewards that grade it
 
     @property
     def marked(self) -> str:

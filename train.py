@@ -102,6 +102,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     for key in ("reward", "eval"):
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
+    families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
     rollout.engine_class(cfg.rollout.engine)  # a known engine (rollout.ENGINES)
     data.check_source(cfg.data.source)
     return cfg

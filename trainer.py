@@ -18,6 +18,7 @@ import inputs as I
 import lora
 from microbatches import packing
 import model as M
+import routing as R
 import sync as S
 from errors import ModelError
 
@@ -67,6 +68,9 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                                  full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
+        R.attach(ref, mc.moe_routing_replay)
+    if not R.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
+        raise ModelError(f"model.moe_routing_replay: {model_path} has no MoE router (a dense model)")
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
     # foreach: one kernel per group of tensors (on CPU bitwise the per-tensor result, ~15% faster)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=tc.lr,
@@ -106,7 +110,7 @@ def has_reference(tr: Trainer) -> bool:
 def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
-    with torch.no_grad():
+    with torch.no_grad(), R.not_counted(tr.policy):  # routing_agreement: the policy's own
         if tr.ref is not None:
             return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
         with tr.policy.disable_adapter():

@@ -39,6 +39,7 @@ import inputs as I
 import loss as L
 import model as M
 import registry
+import routing as R
 from failures import fault_active
 from microbatches import agree_plans, packing, rank_shares, shares_prompt
 from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
@@ -87,10 +88,14 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     plan(s)
     if needs_proximal(tc, lc):
         proximal_pass(s)
+    routed = R.take_counts(tr.policy)  # MoE: the first pass over each episode (proximal, or the update)
     apply_filters(s)
     denominators(s)
     advantages(s)
     sums, lp_diff, norms, n_skipped = run_updates(s)
+    later = R.take_counts(tr.policy)
+    if any(getattr(e, "routing", None) is not None for e in episodes):  # the same on every rank
+        sums["routing_same"], sums["routing_pairs"] = map(float, routed if needs_proximal(tc, lc) else later)
     if n_skipped < len(norms):  # once per rollout step (module docstring)
         tr.sched.step()
     if tr.ref is not None:
@@ -365,6 +370,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     out |= {L.log_name(k[5:]): tot[k] / kept for k in keys if k.startswith("mean:")}
     if has_reference(s.tr):
         out["train/kl_coef"] = s.kl_coef
+    if "routing_pairs" in tot:  # top-k sets equal, over the token-layer pairs the engine routed
+        out["train/routing_agreement"] = tot["routing_same"] / max(1.0, tot["routing_pairs"])
     out |= s.metrics
     out["advantage/mean"] = float(s.adv.mean())
     out["advantage/abs_mean"] = float(s.adv.abs().mean())

@@ -1,0 +1,148 @@
+"""MoE routing replay (routing.py): the HF engine records what each response token's predictor was
+routed to; with `model.moe_routing_replay` the trainer's forward routes exactly so, in every
+layout (one row per episode, shared prompts, packed rows); without it only the agreement is
+counted; a dense family is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import data
+import families as F
+import inputs as I
+import model as M
+import rollout as R
+import routing
+import synthetic
+from errors import ConfigError
+from tests.util import TINY_TEXT, metrics, torchrun
+from train import load_config
+
+MOE = [t for t in F.FAMILIES if F.is_moe(t) and not F.FAMILIES[t].linear_attention]
+CPU = torch.device("cpu")
+
+
+def _episodes(path: str, dtype=torch.bfloat16):
+    """Two prompts x 3 responses of up to 12 tokens from the HF engine in bf16, with routing."""
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    engine = R.HFEngine(path, dtype, procs, CPU)
+    vl = F.is_vlm(engine.model.config)
+    problems = synthetic.make_synthetic(2, seed=5)
+    prompts = [(I.prompt_ids(procs, data.user_text(p), len(p.images) if vl else 0),
+                p.images if vl else []) for p in problems]
+    out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=12), seed=2)
+    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated,
+                     routing=c.routing) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    return procs, eps, [prompts[e.group][1] for e in eps], engine.model
+
+
+def _routed(model, batch, procs) -> list[torch.Tensor]:
+    """What each router handed its experts in one trainer forward: [L] of [rows * W, k]."""
+    with routing.capture(model) as calls:
+        M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    return calls[0]
+
+
+@pytest.fixture(scope="module", params=MOE)
+def moe(request, tiny_dir):
+    path = tiny_dir(request.param)
+    procs, eps, images, _ = _episodes(path)
+    trainer = M.load_model(path, dtype=torch.float32).train()
+    with torch.no_grad():  # a trainer whose own routing differs from the engine's somewhere
+        for r in F.moe_routers(trainer):
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.3)
+    return path, procs, eps, images, trainer
+
+
+def test_the_engine_records_one_choice_per_response_token_and_layer(moe):
+    path, procs, eps, _, trainer = moe
+    cfg = M.text_config(trainer.config)
+    for e in eps:
+        assert e.routing.shape == (len(e.response_ids), len(F.moe_routers(trainer)),
+                                   cfg.num_experts_per_tok)
+        assert e.routing.dtype == torch.uint8 and int(e.routing.max()) < cfg.num_experts
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="mask")])
+def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
+    path, procs, eps, images, trainer = moe
+    batch = I.collate(eps, images, procs, CPU, **layout)
+    rows, cols = ((batch["pred_row"], batch["pred_col"]) if "pred_row" in batch
+                  else batch["response_mask"][:, 1:].nonzero(as_tuple=True))
+    engine = torch.cat([e.routing for e in eps]).long()                      # [N, L, k], as rows/cols
+    W = batch["input_ids"].shape[1]
+    flat = rows * W + cols
+    routing.attach(trainer, replay=False)
+    own = torch.stack(_routed(trainer, batch, procs), 1)[flat]             # [N, L, k]
+    same, total = routing.take_counts(trainer)
+    assert total == len(flat.unique()) * engine.shape[1]  # shared prompts: one column predicts G firsts
+    first = torch.tensor([int(f) not in set(flat[:j].tolist()) for j, f in enumerate(flat)])
+    agree = (own.sort(-1).values == engine.sort(-1).values).all(-1)[first]   # each column once
+    assert 0 < same < total and same == int(agree.sum())  # the perturbed trainer disagrees somewhere
+    routing.attach(trainer, replay=True)
+    try:
+        replayed = torch.stack(_routed(trainer, batch, procs), 1)[flat]
+    finally:
+        routing.attach(trainer, replay=False)
+    assert torch.equal(replayed, engine)
+    # still counted against the trainer's own top-k (which after a replayed layer sees the
+    # engine's experts' output: agreement is per layer given the layers before)
+    assert routing.take_counts(trainer)[1] == total
+
+
+def test_replaying_the_trainers_own_choice_changes_nothing_bit_for_bit(moe):
+    path, procs, eps, images, trainer = moe
+    batch = I.collate(eps, images, procs, CPU)
+    routing.attach(trainer, replay=False)
+    base, _ = M.sequence_logprobs(trainer, batch, procs.tokens, 1.0)
+    own = torch.stack(_routed(trainer, batch, procs), 1)                    # [rows * W, L, k]
+    mine = dict(batch, routing=own.reshape(*batch["input_ids"].shape, *own.shape[1:]).to(torch.int16))
+    routing.attach(trainer, replay=True)
+    try:
+        again, _ = M.sequence_logprobs(trainer, mine, procs.tokens, 1.0)
+        assert torch.equal(again, base)
+        engine_batch = dict(batch)
+        changed, _ = M.sequence_logprobs(trainer, engine_batch, procs.tokens, 1.0)
+        assert not torch.equal(changed, base)  # the engine's choice does change the forward
+    finally:
+        routing.attach(trainer, replay=False)
+    routing.take_counts(trainer)
+
+
+def test_gradient_reaches_the_router_under_replay(moe):
+    path, procs, eps, images, trainer = moe
+    batch = I.collate(eps, images, procs, CPU)
+    routing.attach(trainer, replay=True)
+    try:
+        trainer.zero_grad()
+        lp, _ = M.sequence_logprobs(trainer, batch, procs.tokens, 1.0)
+        lp.sum().backward()
+    finally:
+        routing.attach(trainer, replay=False)
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in F.moe_routers(trainer))
+    routing.take_counts(trainer)
+
+
+def test_a_dense_family_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="model.moe_routing_replay: .* dense"):
+        load_config(None, ["--model.path=tiny-qwen3", "--model.moe_routing_replay=true"])
+    load_config(None, ["--model.path=tiny-qwen3_moe", "--model.moe_routing_replay=true"])
+
+
+@pytest.mark.slow
+def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_closer(tmp_path):
+    """The tiny text MoE, the engine in bf16 and the trainer in fp32: their routing differs on
+    some token-layer pairs; the agreement is logged without replay too, and with replay the
+    logprobs come closer to the engine's (the figures: docs/families.md, MoE routing replay)."""
+    out = {}
+    for replay in ("false", "true"):
+        run = tmp_path / replay
+        torchrun(1, [*TINY_TEXT, "--model.path=tiny-qwen3_moe",
+                     "--model.dtype=bfloat16", "--run.steps=2",
+                     f"--model.moe_routing_replay={replay}", f"--run.out_dir={run}"])
+        out[replay] = metrics(run)
+    for replay, rows in out.items():
+        assert all(0.0 < r["train/routing_agreement"] <= 1.0 for r in rows), replay
+    worst = {k: max(r["logprob_diff/max"] for r in rows) for k, rows in out.items()}
+    assert min(r["train/routing_agreement"] for r in out["false"]) < 1.0
+    assert worst["true"] < worst["false"], worst
