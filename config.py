@@ -146,6 +146,9 @@ class DataConfig:
     # one image per row or a list (several, in order; "<image>" in the problem marks where each
     # goes, else they come first); "" = a text-only set (required for a text-only model)
     images_column: str = "images"
+    # Several datasets mixed: [[data.sources]] tables (their keys: data.SOURCE_KEYS, docs/data.md);
+    # given, they take data.source's place, and a data.source given later theirs
+    sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -327,6 +330,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if key not in hints:
         raise ConfigError(f"unknown config key {section}.{key}")
     setattr(sub, key, _check_type(f"{section}.{key}", value, hints[key]))
+    if isinstance(sub, DataConfig) and key in ("source", "sources") and value:  # the later one wins
+        sub.sources, sub.source = ([], sub.source) if key == "source" else (sub.sources, "")
 
 
 def _parse_value(text: str) -> Any:
@@ -358,12 +363,18 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
                 raise ConfigError(f"{section}: expected a [section] table, got {table!r}")
             for key, value in table.items():
                 _apply(cfg, section, key, value)
+        if data.get("data", {}).get("source") and data["data"].get("sources"):
+            raise ConfigError(f"{path}: sets both data.source and data.sources (an entry names its own dataset)")
     for item in overrides:
         if not item.startswith("--") or "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected --section.key=value")
         dotted, text = item[2:].split("=", 1)
         section, key = dotted.split(".", 1)
         _apply(cfg, section, key, _parse_value(text))
+    if cfg.reward.extra_functions and cfg.data.sources and all(
+            isinstance(e, dict) and "reward_functions" in e for e in cfg.data.sources):
+        raise ConfigError("reward.extra_functions join [reward] functions, which no source uses: every "
+                          "data.sources entry has its own reward_functions; list the extra functions there")
     if isinstance(cfg.reward.extra_functions, list) and isinstance(cfg.reward.functions, list):
         cfg.reward.functions = cfg.reward.functions + cfg.reward.extra_functions
         cfg.reward.extra_functions = []
@@ -412,8 +423,10 @@ def validate(cfg: Config) -> None:
         need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
     for key in ("problem_column", "answer_column"):
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
-    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions)):
-        need(len(specs) > 0, f"{key}: at least one reward function is needed")
+    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
+           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        need(isinstance(specs, list) and len(specs) > 0, f"{key}: at least one reward function is needed")
         for i, spec in enumerate(specs):
             need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
                  f"{key}[{i}]: expected a table with a 'name', got {spec!r}")
@@ -506,7 +519,7 @@ def _toml_value(v: Any) -> str:
 # loss.kl_coef: what one step's update and the loss are; the model.lora_* keys: what trains, and
 # the saved adapters would not fit another rank or target set.) Every other changed key is listed in
 # one line at resume (checkpoint.resume_plan "other_changes").
-MEANING_KEYS = ("model.path", "data.source", "data.n_synthetic", "data.image_size",
+MEANING_KEYS = ("model.path", "data.source", "data.sources", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
                 "data.system_prompt", "data.enable_thinking",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",

@@ -295,7 +295,8 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
             texts.append(tokenizer.decode(c.ids, skip_special_tokens=True))
             samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
                             "response_len": len(c.ids), "truncated": c.truncated,
-                            "max_new_tokens": sp.max_new_tokens, "columns": p.columns})
+                            "max_new_tokens": sp.max_new_tokens, "columns": p.columns,
+                            "source": p.source})
     episodes = []
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
@@ -385,9 +386,12 @@ def staleness_metrics(episodes: list[Episode], version: int) -> dict[str, float]
             "rollout/partial_frac": sum(len(set(e.versions)) > 1 for e in episodes) / max(1, len(episodes))}
 
 
-def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) -> dict[str, float]:
+def episode_metrics(episodes: list[Episode], stats: list[dict], version: int,
+                    sources: list[str] = ()) -> dict[str, float]:
     """A step's rollout metrics (reward parts, lengths, staleness, generation time and rate);
-    `stats` holds each generation rank's timings, `version` the trainers' weight version."""
+    `stats` holds each generation rank's timings, `version` the trainers' weight version;
+    `sources` (data.sources' names): each one's share of the episodes (`data/<name>/frac`) and,
+    where it has any this step, their mean reward (`reward/<name>/mean`)."""
     n = max(1, len(episodes))
     out = {"reward/mean": sum(e.reward for e in episodes) / n,
            "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
@@ -399,6 +403,11 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int) ->
     for k in sorted({k for e in episodes for k in e.parts}):
         out[f"reward/{k}"] = sum(e.parts.get(k, 0.0) for e in episodes) / n
     out["reward/errors"] = sum(e.parts.get("errors", 0.0) for e in episodes)
+    for name in sources:
+        mine = [e.reward for e in episodes if e.source == name]
+        out[f"data/{name}/frac"] = len(mine) / n
+        if mine:
+            out[f"reward/{name}/mean"] = sum(mine) / len(mine)
     out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
     if out["time/generate_s"] > 0:
         out["time/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]

@@ -104,7 +104,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
     rollout.engine_class(cfg.rollout.engine)  # a known engine (rollout.ENGINES)
-    data.check_source(cfg.data.source)
+    data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 
 
@@ -152,16 +152,15 @@ def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path, build: bool
     return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed) if build else ""
 
 
-def load_problems(cfg: config.Config, split: str, procs: inputs.Processors) -> tuple[list, int]:
-    """(problems, skipped): bad rows and prompts too long once image tokens count are skipped."""
+def load_problems(cfg: config.Config, split: str, procs: inputs.Processors,
+                  limit: int | None = None) -> tuple[list, int]:
+    """(problems, skipped) of every source (`limit`: the first of each): bad rows and prompts too
+    long once image tokens count are skipped."""
     d = cfg.data
     data.refuse_images(procs.vision, cfg.model.path, d)  # images for a text-only model: ModelError
     try:
-        return data.load_problems(
-            d.source, split, seed=cfg.run.seed, n_synthetic=d.n_synthetic, image_size=d.image_size,
-            max_prompt_len=d.max_prompt_len,
-            columns={"problem": d.problem_column, "answer": d.answer_column, "images": d.images_column},
-            prompt_len=lambda p: inputs.prompt_len(procs, data.user_text(p, d.template), p.images))
+        return data.load_sources(d, split, seed=cfg.run.seed, limit=limit, prompt_len=lambda p:
+                                 inputs.prompt_len(procs, data.user_text(p, d.template), p.images))
     except ValueError as e:  # no usable rows, a missing split file or column: a data setting
         raise ConfigError(str(e)) from None
 
@@ -201,6 +200,7 @@ class Setup:
     receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
     trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
+    mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
@@ -209,7 +209,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
-    eval_set = (load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
+    eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     note = microbatches.layout_note(cfg.train, procs, model_path)  # packing refused: ConfigError
@@ -226,13 +226,12 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     tr = trainer.build(model_path, world, device, cfg, channel, full) if world.is_trainer else None
     del full  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
-    rc = cfg.reward
-    scorer, eval_scorer = ((rewards.RewardRunner(rc.functions, rc.timeout_s, rc.max_consecutive_timeouts),
-                            rewards.RewardRunner(cfg.eval.functions, rc.timeout_s,
-                                                 rc.max_consecutive_timeouts))
-                           if world.is_gen else (None, None))
-    return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set,
-                 engine, scorer, eval_scorer, receiver, tr, model_path)
+    rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
+    scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
+                            for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
+    return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
+                 scorer, eval_scorer, receiver, tr, model_path,
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed))
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
@@ -313,7 +312,8 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         gen.after_exchange(step, progress.version, live)
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
-                   "data/skipped": s.n_skipped, **rollout.episode_metrics(episodes, stats, progress.version)}
+                   "data/skipped": s.n_skipped,
+                   **rollout.episode_metrics(episodes, stats, progress.version, s.mixture.names)}
         # 3. train
         live.phase(step, "train")
         trained, advantages = train_phase(cfg, world, s, episodes, progress, step)
@@ -354,7 +354,7 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int,
              version: int) -> tuple[list[rollout.Episode], dict]:
     """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
-    mine = data.step_problems(s.problems, step, ro.prompts_per_step, cfg.run.seed)
+    mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
@@ -437,11 +437,11 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
-    eval_set = load_problems(cfg, cfg.eval.split, procs)[0][:cfg.run.eval_size]
+    eval_set = load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
-    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s,
-                                   cfg.reward.max_consecutive_timeouts) if world.is_gen else None)
+    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
+                                   sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                         seed=cfg.run.seed * 7919 + max(step, 0))
