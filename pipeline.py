@@ -1,4 +1,4 @@
-"""Engines running ahead of the trainers (`rollout.max_staleness = k >= 1`, the hf engine).
+"""Engines running ahead of the trainers (`rollout.max_staleness = k >= 1`).
 
 On a generation rank a worker thread (:class:`Producer`) runs the engine over the seeded prompt
 stream, batch after batch (batch `s` = `data.step_problems(s)`'s share of this rank), into a
@@ -19,6 +19,13 @@ queue is empty, and the engines wait for the trainers only at the staleness boun
   (the position, :meth:`position`, is saved with each checkpoint).
 
 k = 1 with "wait" is the one-step overlap (batch s sampled with version s - 1, exactly).
+
+An engine with its own weight channel (vLLM: `OWN_CHANNEL`) receives in its own processes, and
+its `LLM` takes one thread at a time: the sync is posted to the engine
+(`receive_ahead`), which runs it at the worker's next decode step (vllm_ahead.py): into staging
+buffers loaded at the next batch's start, or with `rollout.partial` loaded at once, the
+batch's requests aborted and added again under the new weights. (k = 1 with "wait" and no
+partial stays the main thread's overlap there: :class:`Generation`.)
 """
 from __future__ import annotations
 
@@ -66,8 +73,15 @@ class Producer:
         self.error: BaseException | None = None
         self.stopping = self.pause_asked = self.idle = False
         self.idle_s, self._idle_since, self._last_take = 0.0, None, time.perf_counter()
+        self.own, self.partial = engine.OWN_CHANNEL, partial
+        if self.own and engine.weight_version != self.loaded:
+            raise RuntimeError(f"the engine holds weight version {engine.weight_version}, the "
+                               f"trainers {self.loaded}")
         if partial:
             engine.between, engine.interrupt = self.check_point, self._pending
+        elif self.own:  # stepped only to end at a stop: no weights load mid-batch
+            engine.between, engine.interrupt = self._stop_point, lambda: self.stopping
+        self.hooks = (engine.between, getattr(engine, "interrupt", None))
         self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.thread.start()
 
@@ -128,7 +142,22 @@ class Producer:
         self._load()
         return self.loaded
 
+    def _stop_point(self) -> int:
+        """The check point of a batch whose weights stay (own channel, no partial): a stop only."""
+        with self.cv:
+            if self.stopping:
+                raise _Stopped
+        return self.loaded
+
     def _load(self) -> None:
+        if self.own:  # what the engine staged (receive_ahead), if anything
+            got = self.engine.load_staged()
+            with self.cv:
+                self.loaded = self.loaded if got is None else got
+                if self.staged is not None and self.staged[0] <= self.loaded:
+                    self.staged = None
+                self.cv.notify_all()
+            return
         with self.weights:
             if self.staged is not None:
                 version, named = self.staged
@@ -140,7 +169,17 @@ class Producer:
     # ------------------------------------------------------------------ the main thread
     def receive_weights(self, source) -> int:
         """One weight sync into the receiver's buffers (`source`: sync.Receiver); the worker
-        loads them at its next check point. Returns the version received."""
+        loads them at its next check point (own channel: the engine receives them there).
+        Returns the version received."""
+        if self.own:
+            version = self.engine.receive_ahead(source, stage=not self.partial)
+            with self.cv:
+                if self.partial:
+                    self.loaded = max(self.loaded, version)
+                elif version > self.loaded:
+                    self.staged = (version, {})
+                self.cv.notify_all()
+            return version
         version, _ = source.control()  # waits for the trainers; the worker goes on meanwhile
         with self.weights:
             named = dict(self.staged[1]) if self.staged else {}
@@ -204,16 +243,18 @@ class Producer:
     @contextmanager
     def paused(self):
         """The worker idle at a check point with the newest weights loaded (evaluation uses the
-        engine meanwhile, in the main thread)."""
+        engine meanwhile, in the main thread, without the worker's check points)."""
         with self.cv:
             self.pause_asked = True
             self.cv.notify_all()
             while not (self.idle or self.error or not self.thread.is_alive()):
                 self.cv.wait(timeout=1.0)
         self._load()
+        self.engine.between = self.engine.interrupt = None
         try:
             yield
         finally:
+            self.engine.between, self.engine.interrupt = self.hooks
             with self.cv:
                 self.pause_asked = False
                 self.cv.notify_all()
@@ -230,15 +271,17 @@ class Producer:
 
 class Generation:
     """A generation rank's episodes for each step: generated in the step (k = 0), one step ahead
-    in this thread between the exchange and the sync (k = 1 with an engine that receives weights
-    in its own processes: vLLM), or by a :class:`Producer` running ahead in a worker thread.
+    in this thread between the exchange and the sync (k = 1, "wait", no partial, with an engine
+    that receives weights in its own processes: vLLM), or by a :class:`Producer` running ahead
+    in a worker thread.
     `make(step, version)`: batch `step` of the prompt stream with weights `version` (train.generate)."""
 
     def __init__(self, engine, cfg, world, progress, make: Callable[[int, int], tuple[list, dict]]):
         self.cfg, self.world, self.make, self.engine = cfg, world, make, engine
         self.pending, self.producer = None, None
         ro = cfg.rollout
-        if not (world.is_gen and ro.max_staleness) or engine.OWN_CHANNEL:
+        if not (world.is_gen and ro.max_staleness) or (
+                engine.OWN_CHANNEL and ro.max_staleness == 1 and ro.stale == "wait" and not ro.partial):
             return
         bound = Bound(ro.max_staleness, ro.stale, progress.step, progress.version, cfg.sync.enabled)
         position = (tuple(progress.stream[world.gen_index]) if ro.stale == "drop" and progress.stream

