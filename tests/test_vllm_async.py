@@ -305,7 +305,8 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim):
     (staleness 0 at the first resumed step)."""
     import data
     common = [*TINY, *VLLM, *TOY, *K4, "--rollout.partial=true", "--rollout.max_new_tokens=96",
-              "--run.log_samples=-1", "--run.keep_last=1", f"--run.out_dir={tmp_path}"]
+              "--run.log_samples=-1", "--run.keep_last=1", f"--run.out_dir={tmp_path}",
+              "--run.eval_every=4", "--run.eval_size=4"]  # evaluation pauses the worker mid-batch
     torchrun(3, [*common, "--run.steps=8"], timeout=400)
     p = torchrun(3, [*common, "--run.steps=12"], timeout=400)
     assert "== resumed from" in p.stdout and "at step 8" in p.stdout, p.stdout[-2000:]
@@ -319,6 +320,7 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim):
     assert all(r["logprob_diff/max"] <= 1e-4 for r in rows), [r["logprob_diff/max"] for r in rows]
     assert sum(r["logprob_diff/tokens"] for r in rows[1:8] + rows[9:]) > 0    # fresh tokens, ahead
     assert rows[8]["rollout/staleness_max"] == 0
+    assert [r["step"] for r in rows if "eval/n" in r] == [3, 7, 11] and rows[3]["eval/n"] == 4
     stream = [SimpleNamespace(index=i) for i in range(8)]
     want = {t: {q.index for q in data.step_problems(stream, t, 4, 0)} for t in range(12)}
     assert _prompts_by_step(tmp_path) == want
@@ -333,7 +335,8 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     at a batch's start; the run ends at its last step, exit 0, the worker generating on ("drop"
     sets it no last batch; its stop at a decode step: the stand-in tests above)."""
     p = torchrun(3, [*TINY, *VLLM, *TOY, "--rollout.max_staleness=1", "--rollout.stale=drop",
-                     "--loss.correction=icepop", "--run.steps=6", f"--run.out_dir={tmp_path}"],
+                     "--loss.correction=icepop", "--run.steps=6", f"--run.out_dir={tmp_path}",
+                     "--run.eval_every=3", "--run.eval_size=4"],
                  timeout=400)
     rows = metrics(tmp_path)
     print("vLLM drop k=1:", [(r["step"], r["rollout/staleness_max"], r["rollout/stale_dropped"]) for r in rows])
@@ -342,3 +345,4 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     assert sum(r["rollout/stale_dropped"] for r in rows) > 0
     assert all(r["logprob_diff/max"] <= 1e-4 for r in rows)
     assert "a staged weight sync holds" in p.stdout + p.stderr
+    assert [r["step"] for r in rows if "eval/n" in r] == [2, 5]  # the worker paused between batches
