@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cli import USAGE, split_argv  # noqa: F401 - train.py's command line, read with the config
 from errors import ConfigError
 
 
@@ -179,6 +180,15 @@ class RolloutConfig:
     # DAPO dynamic sampling (loss.drop_zero_variance): at most this many extra rounds of prompts
     # per step for groups whose rewards differ (docs/loss.md); 0: no refill (they stay masked)
     max_refill_rounds: int = num(4, ">= 0")
+    # Multi-turn (multiturn.py, docs/multiturn.md): an environment of envs/ that answers each
+    # reply ("" = single-turn), tools the model may call (envs.tools: Qwen's <tool_call> JSON,
+    # each run under tool_timeout_s), the most model turns, and the most tokens after the prompt
+    # (sampled and inserted; 0 = only max_new_tokens per turn). Inserted tokens never train.
+    env: str = ""
+    tools: list = field(default_factory=list)
+    tool_timeout_s: float = num(5.0, "> 0")
+    max_turns: int = num(4, ">= 1")
+    max_episode_tokens: int = num(0, ">= 0")
 
 
 @dataclass
@@ -460,6 +470,10 @@ def _check_rollout(cfg: Config, need) -> None:
              "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
         need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
              "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
+        need(not (ro.env or ro.tools) or 0 < ro.max_episode_tokens <= ro.max_model_len - cfg.data.max_prompt_len,
+             f"multi-turn with vLLM: rollout.max_episode_tokens ({ro.max_episode_tokens}) must be > 0 and at "
+             f"most rollout.max_model_len - data.max_prompt_len ({ro.max_model_len - cfg.data.max_prompt_len}): "
+             "a continued conversation is a prompt vLLM must hold")
     need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
          f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
 
@@ -555,43 +569,3 @@ def changed_keys(old: dict, new: Config, keys: tuple[str, ...]) -> list[tuple[st
         if before != after:
             out.append((k, before, after))
     return out
-
-
-# ----------------------------------------------------------------------------- the command line
-USAGE = """\
-usage: train.py [--config FILE]... [--section.key=value]... [--dry-run]
-                [--resume CHECKPOINT] [--eval-only --checkpoint CHECKPOINT] [--check-channel]
-GRPO for Qwen VLMs and LLMs: one torchrun launch, trainer ranks (FSDP2) + generation ranks (engines).
-  --config FILE         a TOML config; repeatable, later files override earlier ones
-                        (a preset after the base: --config configs/tiny.toml --config configs/presets/dapo.toml)
-  --section.key=value   override one key (TOML syntax), e.g. --run.steps=5 --rollout.temperature=0.7
-  --dry-run             print the resolved config, the rank plan and the groups; start nothing
-  --resume CHECKPOINT   resume from this checkpoint (default: the newest intact one of run.out_dir)
-  --eval-only --checkpoint CHECKPOINT   evaluate a saved checkpoint with the [eval] keys
-  --check-channel       only time one sync.bucket_mb bucket over the weight channel; one JSON line
-  -h, --help            this text
-Precedence: defaults < config files in order < overrides. Every key is documented where it is
-defined, in config.py (sections run, cluster, model, data, rollout, train, loss, reward, eval,
-sync); docs/ has the metrics and examples.
-  CPU demo: torchrun --standalone --nproc_per_node 3 train.py --config configs/tiny.toml
-"""
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], dict, list[str]]:
-    """train.py's arguments: (--config files in order, the other flags, the --section.key=value
-    overrides); ConfigError for a flag that needs a value and has none."""
-    configs, flags, overrides = [], {}, []
-    it = iter(argv)
-    for a in it:
-        key, eq, val = a.partition("=")
-        if key in ("--config", "--resume", "--checkpoint"):  # --config: repeatable
-            val = val if eq else next(it, "")
-            if not val or val.startswith("--"):
-                raise ConfigError(f"{key} needs a value (see --help)")
-            flags[key] = val
-            configs += [val] if key == "--config" else []
-        elif a in ("--dry-run", "--eval-only", "--check-channel"):
-            flags[a] = True
-        else:
-            overrides.append(a)
-    return configs, flags, overrides

@@ -46,7 +46,7 @@ def metrics(eps: list[R.Episode], n: int, prefix: str) -> dict[str, float]:
         if n > 1:
             out[f"{prefix}{part}/pass@{n}"] = (sum(max(map(value, g)) for g in by_problem.values())
                                               / max(1, len(by_problem)))
-    out.update({f"{prefix}response_len": sum(len(e.response_ids) for e in eps) / max(1, len(eps)),
+    out.update({f"{prefix}response_len": sum(I.sampled_tokens(e) for e in eps) / max(1, len(eps)),
                 f"{prefix}n": len(by_problem), f"{prefix}samples": len(eps)})
     return out
 
@@ -81,6 +81,6 @@ def eval_rows(eps: list[R.Episode], problems: list) -> list[dict]:
         p = by_index[e.index]
         rows.append({"index": e.index, **({"source": e.source} if e.source else {}), "sample": j,
                      "problem": p.marked, "gold": p.answer, "reward": e.reward, "parts": e.parts,
-                     "info": e.info, "length": len(e.response_ids), "truncated": e.truncated,
-                     "version": e.version, "response": e.text})
+                     "info": e.info, "length": I.sampled_tokens(e), "truncated": e.truncated,
+                     "version": e.version, "response": e.text, **({"turns": e.turns} if e.turns else {})})
     return rows

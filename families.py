@@ -31,17 +31,33 @@ _CONTENT = (
     "{%- endfor -%}{%- endif -%}")
 
 
+# Tools (`rollout.tools`) as Qwen's templates render them: a system turn listing their schemas and
+# the <tool_call> format (the run's system prompt first), tool results as a user turn in
+# <tool_response> tags
+_TOOLS = ("{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
+          "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+          "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' -}}"
+          "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+          "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+          "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+          "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}{%- endif -%}")
+
+
 def _template(default_system: str = "", thinking: str = "") -> str:
     """A Qwen chat template: `<|im_start|>role\ncontent<|im_end|>\n` per message, a default
     system turn when the first message is not one (`default_system`, "" = none), and the
     generation prompt `<|im_start|>assistant\n` followed by `thinking` (Jinja: the Qwen3
     `enable_thinking` switch)."""
-    system = ("{%- if messages[0]['role'] != 'system' -%}"
+    system = ("{%- if not tools and messages[0]['role'] != 'system' -%}"
               "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' -}}{%- endif -%}"
               if default_system else "")
-    return (system + "{%- for message in messages -%}"
+    return (_TOOLS + system + "{%- for message in messages -%}"
+            "{%- if tools and loop.first and message['role'] == 'system' -%}"  # inside the tools turn
+            "{%- elif message['role'] == 'tool' -%}"
+            "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+            "{%- else -%}"
             "{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT
-            + "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+            + "{{- '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
             "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}" + thinking
             + "{%- endif -%}")
 

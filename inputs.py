@@ -5,7 +5,7 @@ per image token, as transformers does) and the trainer's batches (`collate`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class Chat:
     template: str
     system_prompt: str = ""
     enable_thinking: bool | None = None
+    tools: tuple = ()  # `rollout.tools`' schemas (envs.tools.schemas), for the template's `tools`
 
     @property
     def takes_thinking(self) -> bool:
@@ -81,7 +82,7 @@ def chat_template(path: str, tokenizer) -> str:
 
 
 def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: str = "",
-                    enable_thinking: bool | None = None) -> Processors:
+                    enable_thinking: bool | None = None, tools: tuple = ()) -> Processors:
     """Everything prompts and batches need, from the model folder; ModelError (one line naming
     `model.path`) for an unsupported family, a missing chat template or one that fails to
     render."""
@@ -94,7 +95,7 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
                          "the model's own template")
     ip = load_image_processor(path, min_pixels, max_pixels) if F.is_vlm(config) else None
     procs = Processors(tokenizer, Tokens.of(tokenizer, config, _stops(path, tokenizer)), ip,
-                       Chat(template, system_prompt, enable_thinking), packs_exactly(config))
+                       Chat(template, system_prompt, enable_thinking, tuple(tools)), packs_exactly(config))
     if enable_thinking is not None and not procs.chat.takes_thinking:
         raise ModelError(f"data.enable_thinking={str(enable_thinking).lower()}: the chat template of "
                          f"model.path={path} takes no enable_thinking (it would be ignored); unset it")
@@ -104,6 +105,11 @@ def load_processors(path: str, min_pixels: int, max_pixels: int, system_prompt: 
     except Exception as e:  # noqa: BLE001 - Jinja raises many types
         raise ModelError(f"model.path={path}: its chat template fails to render a prompt "
                          f"({one_line(e, 240, typed=False)}); check data.system_prompt / data.enable_thinking") from None
+    if tools and probe == prompt_ids(replace(procs, chat=replace(procs.chat, tools=())), "1 + 1 = ?",
+                                     1 if procs.vision else 0):
+        raise ModelError(f"model.path={path}: its chat template ({template_source(path, tokenizer)}) "
+                         "ignores `tools`: the model would never see rollout.tools; use a template "
+                         "that renders them (Qwen's do)")
     if probe == bare:
         raise ModelError(f"model.path={path}: its chat template ({template_source(path, tokenizer)}) "
                          "ignores add_generation_prompt: every prompt would lack the assistant "
@@ -117,11 +123,13 @@ def template_source(path: str, tokenizer) -> str:
                  if (Path(path) / f).is_file()), "tokenizer_config.json")
 
 
-def processors(path: str, mc, dc) -> Processors:
+def processors(path: str, mc, dc, rc=None) -> Processors:
     """:func:`load_processors` with the run's pixel bounds (`[model]` mc) and prompt settings
-    (`[data]` dc); whether the dataset fits the model is data.refuse_images."""
+    (`[data]` dc; `[rollout]` rc: the schemas of its tools); whether the dataset fits the model
+    is data.refuse_images."""
+    import envs  # its tools' modules are imported only for a run that names some
     return load_processors(path, mc.min_pixels, mc.max_pixels, dc.system_prompt,
-                           dc.enable_thinking)
+                           dc.enable_thinking, envs.schemas(rc.tools) if rc is not None else ())
 
 
 def _stops(path: str, tokenizer) -> list[int]:
@@ -193,8 +201,7 @@ def prompt_ids(procs: Processors, user_text: str, n_images: int,
     """The prompt's token ids, rendered by the model's chat template (with the generation
     prompt, unless `generation_prompt` is off), with ONE unexpanded image placeholder per image."""
     chat = procs.chat
-    kw = ({"enable_thinking": chat.enable_thinking}
-          if chat.enable_thinking is not None and chat.takes_thinking else {})
+    kw = template_kwargs(chat)
     text = procs.tokenizer.apply_chat_template(
         chat_messages(user_text, n_images, chat.system_prompt, procs.vision),
         chat_template=chat.template, tokenize=False, add_generation_prompt=generation_prompt, **kw)
@@ -203,6 +210,14 @@ def prompt_ids(procs: Processors, user_text: str, n_images: int,
         raise ValueError(f"the chat template rendered {ids.count(procs.tokens.image_pad)} image "
                          f"placeholder(s) for {n_images} image(s)")
     return ids
+
+
+def template_kwargs(chat: Chat) -> dict:
+    """What apply_chat_template gets beside the messages: enable_thinking (a template that reads
+    it), the tools (`rollout.tools`)."""
+    return (({"enable_thinking": chat.enable_thinking}
+             if chat.enable_thinking is not None and chat.takes_thinking else {})
+            | ({"tools": list(chat.tools)} if chat.tools else {}))
 
 
 def image_inputs(image_processor, images: list, cache: dict | None = None) -> dict[str, torch.Tensor]:
@@ -270,6 +285,17 @@ def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tupl
     return mm, n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size)
 
 
+def loss_mask(e) -> list[int]:
+    """1 on each response token the engine sampled, 0 on inserted ones (multi-turn: user and tool
+    turns); a single-turn episode's are all 1."""
+    return list(getattr(e, "loss_mask", None) or [1] * len(e.response_ids))
+
+
+def sampled_tokens(e) -> int:
+    """The response tokens the engine sampled (the length metrics count these)."""
+    return sum(e.loss_mask) if getattr(e, "loss_mask", None) else len(e.response_ids)
+
+
 def token_versions(e) -> list[int]:
     """The weight version of each of an episode's response tokens: its `versions` (partial
     rollouts), else its `version` for all (-1 for an episode record that carries neither)."""
@@ -283,7 +309,7 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     for model.sequence_logprobs.
 
     Both layouts give `response_mask`, `engine_logprobs` and `token_versions` [B, T] in episode
-    order (1 on response tokens; the engine's logprob of each; the weight version it was sampled
+    order (1 on the response tokens the engine sampled, 0 on inserted turns' and elsewhere; the engine's logprob of each; the weight version it was sampled
     with, -1 elsewhere), aligned with what model.sequence_logprobs returns,
     plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values and image_grid_thw
     (when there are images), episode_tokens (prompt + response tokens of every episode, however
@@ -314,19 +340,21 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     ids = torch.full((B, width), tokens.pad, dtype=torch.long)
     attn = torch.zeros(B, width, dtype=torch.long)
     resp = torch.zeros(B, width, dtype=torch.long)
+    slots = torch.zeros(B, width, dtype=torch.long)                 # every response token
     engine_lp = torch.zeros(B, width, dtype=torch.float32)
     versions = torch.full((B, width), -1, dtype=torch.long)
     for i, (p, e) in enumerate(zip(prompts, episodes)):
         n, r = len(p), len(e.response_ids)
         ids[i, :n + r] = torch.tensor(p + e.response_ids)
         attn[i, :n + r] = 1
-        resp[i, n:n + r] = 1
+        slots[i, n:n + r] = 1
+        resp[i, n:n + r] = torch.tensor(loss_mask(e))
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
         versions[i, n:n + r] = torch.tensor(token_versions(e))
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
                token_versions=versions,
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
-    pred = resp[:, 1:].nonzero(as_tuple=True)                    # row-major: each episode in order
+    pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major: each episode in order
     _add_routing(out, episodes, pred[0], pred[1])                # column t - 1 predicts token t
     return {k: v.to(device) for k, v in out.items()}
 
@@ -436,6 +464,7 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
     the episode-major response mask and engine logprobs [B, T]."""
     B, T = len(episodes), max(len(e.response_ids) for e in episodes)
     resp = torch.zeros(B, T, dtype=torch.long)
+    slots = torch.zeros(B, T, dtype=torch.long)                 # every response token, inserted too
     engine_lp = torch.zeros(B, T, dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
     pred_seq, pred_col, target_col, offset = [], [], [], []
@@ -443,7 +472,8 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
         s = seq_col[k] + built[k][0]                                # the first response's column
         for i in u:
             n = len(episodes[i].response_ids)
-            resp[i, :n] = 1
+            resp[i, :n] = torch.tensor(loss_mask(episodes[i]))
+            slots[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
             versions[i, :n] = torch.tensor(token_versions(episodes[i]))
             pred_seq += [k] * n
@@ -452,7 +482,8 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
             offset += list(range(n))
             s += n
     seq_row_t, pred_seq_t = torch.tensor(seq_row), torch.tensor(pred_seq)
-    return dict(response_mask=resp, engine_logprobs=engine_lp, token_versions=versions, seq_row=seq_row_t,
+    return dict(response_mask=resp, response_slots=slots, engine_logprobs=engine_lp,
+                token_versions=versions, seq_row=seq_row_t,
                 pred_seq=pred_seq_t, pred_row=seq_row_t[pred_seq_t], pred_col=torch.tensor(pred_col),
                 target_col=torch.tensor(target_col), offset=torch.tensor(offset))
 

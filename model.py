@@ -146,11 +146,13 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
     lp_sel, ent_sel = token_logprobs(logits[where[pr, pc]], ids[pr, batch["target_col"]], tokens,
                                      temperature)
-    resp = batch["response_mask"].bool()                         # [B, T], episode-major as pr
-    lp = torch.zeros(resp.shape, dtype=lp_sel.dtype, device=lp_sel.device)
-    ent = torch.zeros(resp.shape, dtype=ent_sel.dtype, device=ent_sel.device)
+    slots = batch["response_slots"].bool()                       # [B, T], episode-major as pr
+    keep = batch["response_mask"].bool()                         # multi-turn: without inserted tokens
+    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device)
+    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     ent_sel = ent_sel if entropy_grad else ent_sel.detach()
-    return lp.masked_scatter(resp, lp_sel), ent.masked_scatter(resp, ent_sel)
+    lp, ent = lp.masked_scatter(slots, lp_sel), ent.masked_scatter(slots, ent_sel)
+    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
 def rope_index_fn(model):

@@ -17,10 +17,12 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import data
 import device as D
+import envs
 import families
 import inputs as I
 import loss as L
 import model as M
+import multiturn
 import rewards
 import routing as R
 import sync as S
@@ -43,6 +45,10 @@ class Episode:
     info: dict = field(default_factory=dict)  # what reward functions returned beside the score (samples only)
     source: str = ""            # its problem's data.sources name ("" for the one data.source)
     routing: torch.Tensor | None = None  # MoE: [R, L, k] experts of the input predicting each token (routing.py)
+    # multi-turn (multiturn.py): response_ids are every token after the prompt; 1 on the sampled
+    # ones, 0 on inserted user / tool turns ([] = all sampled); the turns with their roles
+    loss_mask: list[int] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class Completion:
     truncated: bool
     versions: list[int] = field(default_factory=list)  # chunked generation: each token's weight version
     routing: torch.Tensor | None = None  # MoE: [len(ids), L, k] (routing.py)
+    loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
+    turns: list[dict] = field(default_factory=list)
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
@@ -112,12 +120,19 @@ def engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+def check(rc) -> None:
+    """`[rollout]`'s names: a known engine, environment and tools; ConfigError naming the key."""
+    engine_class(rc.engine)
+    envs.check(rc.env, rc.tools)
+
+
 def build_engine(cfg, path: str, procs: I.Processors, *, dev: D.Device, device: torch.device,
                  seed: int, max_images: int = 1) -> Engine:
     """This generation rank's engine, from the run's config (`[rollout]`, `[model]`,
     cluster.timeout_s, run.verbose); `max_images`: the most images one prompt holds."""
-    return engine_class(cfg.rollout.engine).from_config(cfg, path, procs, dev=dev, device=device,
-                                                        seed=seed, max_images=max_images)
+    engine = engine_class(cfg.rollout.engine).from_config(cfg, path, procs, dev=dev, device=device,
+                                                          seed=seed, max_images=max_images)
+    return multiturn.wrap(engine, cfg.rollout, procs)  # rollout.env / rollout.tools: conversations
 
 
 class _Interrupt(StoppingCriteria):
@@ -286,15 +301,18 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     prompts = [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
                for p in problems]
     t0 = time.perf_counter()
-    completions = engine.generate(prompts, sp, seed) if prompts else []
+    kw = {"problems": problems} if getattr(engine, "takes_problems", False) else {}  # multi-turn
+    completions = engine.generate(prompts, sp, seed, **kw) if prompts else []
     t_gen = time.perf_counter() - t0
     rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
         for c in comps:
             rows.append((g, p, ids, c))
-            texts.append(tokenizer.decode(c.ids, skip_special_tokens=True))
+            # multi-turn: the last reply is graded
+            texts.append(c.turns[-1]["content"] if c.turns else tokenizer.decode(c.ids, skip_special_tokens=True))
             samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
-                            "response_len": len(c.ids), "truncated": c.truncated,
+                            "response_len": sum(c.loss_mask) if c.loss_mask else len(c.ids),
+                            "truncated": c.truncated,
                             "max_new_tokens": sp.max_new_tokens, "columns": p.columns,
                             "source": p.source})
     episodes = []
@@ -302,7 +320,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
         total, info = parts.pop("reward"), parts.pop("info", {})
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=version), c.truncated, text, c.versions, info,
-                                routing=c.routing, source=p.source))
+                                routing=c.routing, source=p.source, loss_mask=c.loss_mask, turns=c.turns))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 
@@ -394,7 +412,7 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int,
     where it has any this step, their mean reward (`reward/<name>/mean`)."""
     n = max(1, len(episodes))
     out = {"reward/mean": sum(e.reward for e in episodes) / n,
-           "response_len/mean": sum(len(e.response_ids) for e in episodes) / n,
+           "response_len/mean": sum(I.sampled_tokens(e) for e in episodes) / n,
            "response/truncated_frac": sum(e.truncated for e in episodes) / n,
            **staleness_metrics(episodes, version),
            # generation ranks run in parallel: the step waits for the slowest
@@ -408,7 +426,8 @@ def episode_metrics(episodes: list[Episode], stats: list[dict], version: int,
         out[f"data/{name}/frac"] = len(mine) / n
         if mine:
             out[f"reward/{name}/mean"] = sum(mine) / len(mine)
-    out["rollout/response_tokens"] = sum(len(e.response_ids) for e in episodes)
+    out |= multiturn.turn_metrics(episodes)
+    out["rollout/response_tokens"] = sum(I.sampled_tokens(e) for e in episodes)
     if out["time/generate_s"] > 0:
         out["time/gen_tokens_per_s"] = out["rollout/response_tokens"] / out["time/generate_s"]
     return out

@@ -141,7 +141,9 @@ class Recorder:
                  "group": e.group, "version": e.version,
                  "problem": problems[e.index].marked, "gold": problems[e.index].answer,
                  "reward": e.reward, "advantage": a, "parts": e.parts, "info": e.info,
-                 "length": len(e.response_ids), "truncated": e.truncated, "response": e.text}
+                 "length": sum(e.loss_mask) if getattr(e, "loss_mask", None) else len(e.response_ids),
+                 "truncated": e.truncated, "response": e.text,
+                 **({"turns": e.turns} if getattr(e, "turns", None) else {})}  # multi-turn: every turn
                 for e, a in list(zip(episodes, advantages))[:n]]
         with _writing(self.out_dir / "samples.jsonl"):
             for r in rows:

@@ -103,7 +103,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
-    rollout.engine_class(cfg.rollout.engine)  # a known engine (rollout.ENGINES)
+    rollout.check(cfg.rollout)  # a known engine (rollout.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 
@@ -207,7 +207,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     device, ro = rank_device(cfg, world, dev), cfg.rollout
     model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
     manual_seed_all(cfg.run.seed)
-    procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
@@ -436,7 +436,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)
-    procs = inputs.processors(model_path, cfg.model, cfg.data)  # a bad folder: a config error
+    procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     eval_set = load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)

@@ -41,6 +41,7 @@ import model as M
 import registry
 import routing as R
 from failures import fault_active
+from multiturn import max_sampled_tokens
 from microbatches import agree_plans, packing, rank_shares, shares_prompt
 from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
                      reshard)
@@ -214,9 +215,10 @@ def responses(s: Step) -> SimpleNamespace:
     needs gathered from every trainer rank's proximal pass."""
     eps = s.episodes
     r = SimpleNamespace(rewards=s.scores, truncated=torch.tensor([e.truncated for e in eps]),
-                        lengths=[len(e.response_ids) for e in eps],
+                        lengths=[I.sampled_tokens(e) for e in eps],
                         groups=[e.group for e in eps],
-                        engine_logprobs=[torch.tensor(e.logprobs) for e in eps])
+                        engine_logprobs=[torch.tensor(e.logprobs)[torch.tensor(I.loss_mask(e), dtype=torch.bool)]
+                                         for e in eps])  # the sampled tokens (multi-turn: not inserted ones)
     needs = {n for f in s.lc.filters for n in registry.FILTERS[f].needs}
     if not needs:
         return r
@@ -238,11 +240,11 @@ def responses(s: Step) -> SimpleNamespace:
 def denominators(s: Step) -> None:
     """Each mini-batch's global loss denominator over its kept responses (never below 1)."""
     size = len(s.episodes) // len(s.updates)
-    lengths = [len(e.response_ids) for e in s.episodes]
+    lengths = [I.sampled_tokens(e) for e in s.episodes]  # multi-turn: inserted tokens never count
     for j, u in enumerate(s.updates):
         whole = slice(j * size, (j + 1) * size)
         u.denom = max(1.0, L.loss_denominator(lengths[whole], s.keep[whole].tolist(),
-                                              s.lc.aggregation, s.rc.max_new_tokens))
+                                              s.lc.aggregation, max_sampled_tokens(s.rc)))
 
 
 def advantages(s: Step) -> None:
@@ -308,7 +310,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
             lp, old, s.adv[chunk].to(lp.device), mask, lc, ref_logprobs=ref_lp,
             behaviour_logprobs=behaviour,
             entropy=ent if entropy_grad else None, loss_denominator=float(u.denom),
-            max_response_len=s.rc.max_new_tokens, kl_coef=kl_coef)
+            max_response_len=max_sampled_tokens(s.rc), kl_coef=kl_coef)
         if fault_active("nan_loss", s.step):  # tests: a non-finite loss
             loss = loss * float("nan")
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the

