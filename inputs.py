@@ -256,7 +256,8 @@ def sequence_tokens(procs: Processors, episodes: list, images: list) -> int:
     """Tokens of one sequence: `episodes` (one prompt, whose images are `images`) after one copy
     of their prompt, images expanded."""
     return (len(episodes[0].prompt_ids) - len(images) + image_tokens(procs, images)
-            + sum(len(e.response_ids) for e in episodes))
+            + sum(len(e.response_ids) + image_tokens(procs, getattr(e, "images", None) or [])
+                  - len(getattr(e, "images", None) or []) for e in episodes))
 
 
 def prompt_len(procs: Processors, user_text: str, images: list) -> int:
@@ -283,6 +284,12 @@ def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tupl
         return {}, []
     mm = image_inputs(procs.image_processor, images, pixels)
     return mm, n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size)
+
+
+def episode_images(images, e) -> list:
+    """Episode `e`'s images in the order its tokens show them: its problem's (`images[e.index]`),
+    then those its inserted turns showed (multi-turn)."""
+    return list(images[e.index]) + list(getattr(e, "images", None) or [])
 
 
 def loss_mask(e) -> list[int]:
@@ -333,9 +340,12 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     tokens = procs.tokens
     mm, counts = _vision_inputs(procs, [im for ims in images for im in ims], pixels)
     it = iter(counts)
-    prompts = [expand_images(e.prompt_ids, [next(it) for _ in ims], tokens.image_pad)
-               for e, ims in zip(episodes, images)]
-    width = max(len(p) + len(e.response_ids) for p, e in zip(prompts, episodes))
+    prompts, where = [], []  # expanded prompts; each response token's source index (turn images)
+    for e, ims in zip(episodes, images):
+        cs, k = [next(it) for _ in ims], e.prompt_ids.count(tokens.image_pad)
+        prompts.append(expand_images(e.prompt_ids, cs[:k], tokens.image_pad))
+        where.append(_expanded_index(e.response_ids, cs[k:], tokens.image_pad))
+    width = max(len(p) + len(w) for p, w in zip(prompts, where))
     B = len(episodes)
     ids = torch.full((B, width), tokens.pad, dtype=torch.long)
     attn = torch.zeros(B, width, dtype=torch.long)
@@ -343,25 +353,34 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     slots = torch.zeros(B, width, dtype=torch.long)                 # every response token
     engine_lp = torch.zeros(B, width, dtype=torch.float32)
     versions = torch.full((B, width), -1, dtype=torch.long)
-    for i, (p, e) in enumerate(zip(prompts, episodes)):
-        n, r = len(p), len(e.response_ids)
-        ids[i, :n + r] = torch.tensor(p + e.response_ids)
+    for i, (p, e, w) in enumerate(zip(prompts, episodes, where)):
+        n, r, w = len(p), len(w), torch.tensor(w, dtype=torch.long)
+        ids[i, :n + r] = torch.tensor(p + [e.response_ids[j] for j in w])
         attn[i, :n + r] = 1
         slots[i, n:n + r] = 1
-        resp[i, n:n + r] = torch.tensor(loss_mask(e))
-        engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)
-        versions[i, n:n + r] = torch.tensor(token_versions(e))
+        resp[i, n:n + r] = torch.tensor(loss_mask(e))[w]
+        engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)[w]
+        versions[i, n:n + r] = torch.tensor(token_versions(e))[w]
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
                token_versions=versions,
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
     pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major: each episode in order
-    _add_routing(out, episodes, pred[0], pred[1])                # column t - 1 predicts token t
+    _add_routing(out, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
+                 pred[0], pred[1])                               # column t - 1 predicts token t
     return {k: v.to(device) for k, v in out.items()}
 
 
-def _add_routing(out: dict, episodes, rows: torch.Tensor, cols: torch.Tensor) -> None:
-    """MoE episodes carrying the engine's routing: `routing` [rows, W, L, k] (routing.py)."""
-    replay = routing.batch_routing(tuple(out["input_ids"].shape), rows, cols, episodes)
+def _expanded_index(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
+    """For each token of `ids` once its image placeholders are expanded (`counts`: a multi-turn
+    response's turn images), the index of the token it comes from."""
+    it = iter(counts)
+    return [j for j, t in enumerate(ids) for _ in range(next(it) if t == image_pad and counts else 1)]
+
+
+def _add_routing(out: dict, parts: list, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """MoE episodes carrying the engine's routing (`parts`: each episode's routing or None, and
+    its expanded index): `routing` [rows, W, L, k] (routing.py)."""
+    replay = routing.batch_routing(tuple(out["input_ids"].shape), rows, cols, parts)
     if replay is not None:
         out["routing"] = replay
 
@@ -412,6 +431,9 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     response: `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row`: its row).
     """
     varlen = packing == "varlen"
+    if any(getattr(e, "images", None) for e in episodes):
+        raise ValueError("an episode whose inserted turns show images needs one row per episode "
+                         "(train.share_prompt = false, train.packing = false)")
     seqs = units(episodes, images, share_prompt and not varlen)
     layout, built, mm = _place(episodes, images, procs, seqs, packing, pixels)
     W = max(sum(len(built[k][1]) for k in row) for row in layout)
@@ -435,7 +457,8 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
                                                for k, u in enumerate(seqs) for i in u)), **mm)
     if not varlen:
         out["attention_mask_4d"] = _block_mask(out, W)
-    _add_routing(out, [episodes[i] for u in seqs for i in u], out["pred_row"], out["pred_col"])
+    _add_routing(out, [(getattr(episodes[i], "routing", None), range(len(episodes[i].response_ids)))
+                       for u in seqs for i in u], out["pred_row"], out["pred_col"])
     return {k: v.to(device) for k, v in out.items()}
 
 

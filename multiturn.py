@@ -40,6 +40,7 @@ class _Live:
     truncated: bool = False
     done: bool = False
     raw: str = ""  # the last reply decoded with its special tokens
+    images: list = field(default_factory=list)  # pictures the inserted turns showed
     first: object = None  # the first turn's Completion
 
 
@@ -76,7 +77,7 @@ class Conversations:
                 break
             room = [self._room(c, sp) for c in live]
             rows = (prompts if turn == 0 else
-                    [(c.prompt[0] + c.ids, c.prompt[1]) for c in live])
+                    [(c.prompt[0] + c.ids, list(c.prompt[1]) + c.images) for c in live])
             step_sp = replace(sp, n=sp.n if turn == 0 else 1, max_new_tokens=max(room))
             out = self.engine.generate(rows, step_sp, seed + turn * 104_729)
             for c, comp, r in zip(live, [x for cs in out for x in cs], room):
@@ -88,7 +89,7 @@ class Conversations:
         # the engine's own Completion records (rollout.Completion), refilled with the whole episode
         done = [replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
                         versions=_versions(c.versions), routing=_routing(c.routing), loss_mask=c.mask,
-                        turns=c.turns) for c in convs]
+                        turns=c.turns, images=c.images) for c in convs]
         return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
 
     def _room(self, c: _Live, sp) -> int:
@@ -127,7 +128,8 @@ class Conversations:
         c.versions += [None] * len(ids)
         c.mask += [0] * len(ids)
         c.routing.append((None, len(ids)))
-        c.turns += messages
+        c.images += [im for m in messages for im in m.get("images", [])]
+        c.turns += [{k: v for k, v in m.items() if k != "images"} for m in messages]
 
     def _respond(self, c: _Live) -> list[dict]:
         if self.runner is not None:

@@ -49,6 +49,7 @@ class Episode:
     # ones, 0 on inserted user / tool turns ([] = all sampled); the turns with their roles
     loss_mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
+    images: list = field(default_factory=list)  # pictures inserted turns showed (after the problem's)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Completion:
     routing: torch.Tensor | None = None  # MoE: [len(ids), L, k] (routing.py)
     loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
     turns: list[dict] = field(default_factory=list)
+    images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
@@ -120,16 +122,21 @@ def engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def check(rc) -> None:
-    """`[rollout]`'s names: a known engine, environment and tools; ConfigError naming the key."""
+def check(rc, tc) -> None:
+    """`[rollout]`'s names: a known engine, environment and tools; an environment that shows
+    images needs one row per episode (`[train]` tc); ConfigError naming the key."""
     engine_class(rc.engine)
     envs.check(rc.env, rc.tools)
+    if envs.extra_images(rc.env) and (tc.share_prompt or tc.packing):
+        raise ConfigError(f"rollout.env={rc.env} shows images in its turns: they need one row per "
+                          "episode (train.share_prompt = false, train.packing = false)")
 
 
 def build_engine(cfg, path: str, procs: I.Processors, *, dev: D.Device, device: torch.device,
                  seed: int, max_images: int = 1) -> Engine:
     """This generation rank's engine, from the run's config (`[rollout]`, `[model]`,
     cluster.timeout_s, run.verbose); `max_images`: the most images one prompt holds."""
+    max_images += envs.extra_images(cfg.rollout.env)  # pictures an environment shows in its turns
     engine = engine_class(cfg.rollout.engine).from_config(cfg, path, procs, dev=dev, device=device,
                                                           seed=seed, max_images=max_images)
     return multiturn.wrap(engine, cfg.rollout, procs)  # rollout.env / rollout.tools: conversations
@@ -320,7 +327,8 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
         total, info = parts.pop("reward"), parts.pop("info", {})
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=version), c.truncated, text, c.versions, info,
-                                routing=c.routing, source=p.source, loss_mask=c.loss_mask, turns=c.turns))
+                                routing=c.routing, source=p.source, loss_mask=c.loss_mask, turns=c.turns,
+                                images=c.images))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 

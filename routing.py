@@ -151,16 +151,17 @@ def generated_routing(calls: list[list[torch.Tensor]], rows: int, steps: int,
 
 
 def batch_routing(shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor,
-                  episodes: list) -> torch.Tensor | None:
-    """The [rows, W, L, k] replay tensor of a trainer batch of `shape` [rows, W]: the response
-    tokens of `episodes` (in that order) are predicted at (`rows`, `cols`) [N]; each one's
-    routing goes there, -1 elsewhere (and for an episode without). None when none has routing."""
-    ref = next((e.routing for e in episodes if getattr(e, "routing", None) is not None), None)
+                  parts: list) -> torch.Tensor | None:
+    """The [rows, W, L, k] replay tensor of a trainer batch of `shape` [rows, W]: `parts` holds
+    each episode's (routing [R, L, k] or None, the index of each of its batch tokens into its
+    response: turn images expand); its tokens, in that order, are predicted at (`rows`, `cols`)
+    [N]; each one's routing goes there, -1 elsewhere (and for an episode without). None when no
+    episode has routing."""
+    ref = next((r for r, _ in parts if r is not None), None)
     if ref is None:
         return None
-    parts = [e.routing.to(torch.int16) if getattr(e, "routing", None) is not None
-             else torch.full((len(e.response_ids), *ref.shape[1:]), -1, dtype=torch.int16)
-             for e in episodes]
+    rows_of = [r.to(torch.int16)[list(w)] if r is not None
+               else torch.full((len(w), *ref.shape[1:]), -1, dtype=torch.int16) for r, w in parts]
     out = torch.full((*shape, *ref.shape[1:]), -1, dtype=torch.int16)
-    out[rows, cols] = torch.cat(parts)
+    out[rows, cols] = torch.cat(rows_of)
     return out

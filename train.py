@@ -103,7 +103,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
-    rollout.check(cfg.rollout)  # a known engine (rollout.ENGINES), environment and tools (envs/)
+    rollout.check(cfg.rollout, cfg.train)  # a known engine (rollout.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 

@@ -169,7 +169,7 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     out = []
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
-        batch = I.collate(eps, [images[e.index] for e in eps], procs, tr.device,
+        batch = I.collate(eps, [I.episode_images(images, e) for e in eps], procs, tr.device,
                           share_prompt=shares_prompt(tc, procs), pixels=tr.pixels,
                           packing=packing(tc, tr.device))
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
@@ -293,7 +293,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     for k, mb in enumerate(u.plan):
         chunk = [u.idx[j] for j in mb]
         eps = [s.episodes[i] for i in chunk]
-        batch = I.collate(eps, [s.images[e.index] for e in eps], s.procs, tr.device,
+        batch = I.collate(eps, [I.episode_images(s.images, e) for e in eps], s.procs, tr.device,
                           share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels,
                           packing=packing(s.tc, tr.device))
         mask = batch["response_mask"].float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)

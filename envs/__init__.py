@@ -4,8 +4,10 @@ An environment is a class with ``step(problem, conversation) -> message | None``
 the episode's data.Problem (its text, gold answer, columns), `conversation` the turns after the
 prompt so far (``{"role": "assistant" | "user" | "tool", "content": str}``, the last one the
 model's reply); it returns the next user message (a string, or a ``{"role": "user", "content":
-...}`` dict) or None to end the episode. It is built once per generation rank
-(``cls()``) and called from one thread. The last reply is graded by the reward functions.
+...}`` dict) or None to end the episode; for a VLM a message may show pictures: ``{"role":
+"user", "content": [{"type": "image"}, {"type": "text", "text": ...}], "images": [PIL images, in
+order]}``, at most the class's ``images_per_episode`` in one episode (what the engines reserve
+room for). It is built once per generation rank (``cls()``) and called from one thread. The last reply is graded by the reward functions.
 Tool calls (`rollout.tools`, envs.tools) are answered before the environment is asked. Every
 module of this package is imported on first use, so a new environment is a new file here with
 ``@register("name")`` on its class (docs/multiturn.md).
@@ -59,6 +61,11 @@ def schemas(tools: list) -> tuple:
     load()
     from envs import tools as T
     return tuple(T.schemas(list(tools)))
+
+
+def extra_images(name: str) -> int:
+    """The most images environment `name` adds to one episode (0 for none, or no environment)."""
+    return int(getattr(REGISTRY[name], "images_per_episode", 0)) if name and name in names() else 0
 
 
 def get(name: str) -> Any:

@@ -260,3 +260,42 @@ def test_engines_running_ahead_with_partial_rollouts_take_conversations(tmp_path
     assert all(r["rollout/turns_mean"] > 1.5 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) == 2 and max(r["rollout/partial_frac"] for r in rows) > 0
     assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
+
+
+@envs.register("test_look_again")
+class _LookAgain:
+    """A test environment that shows the problem's picture again after the first reply."""
+    images_per_episode = 1
+
+    def step(self, problem, conversation):
+        if sum(t["role"] == "assistant" for t in conversation) > 1:
+            return None
+        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Look again."}],
+                "images": [problem.images[0]]}
+
+
+def test_a_turn_that_shows_an_image_trains_with_the_engines_logprobs(tiny_dir):
+    """The HF engine continues each conversation with the turn's picture; the trainer's batch
+    (one row per episode, the picture expanded inside the response) gives the engine's logprobs
+    of every sampled token; shared-prompt rows are refused at start for such an environment."""
+    path, procs = _procs(tiny_dir)
+    rc = C.RolloutConfig(env="test_look_again", max_turns=2, max_new_tokens=8)
+    eng = MT.wrap(R.HFEngine(path, torch.float32, procs, CPU), rc, procs)
+    problems = synthetic.make_synthetic(2, seed=4)
+    prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
+    out = eng.generate(prompts, R.Sampling(n=2, max_new_tokens=8), 3, problems=problems)
+    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated,
+                     loss_mask=c.loss_mask, turns=c.turns, images=c.images)
+           for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    assert all(len(e.images) == 1 and e.response_ids.count(procs.tokens.image_pad) == 1 for e in eps)
+    by_index = {p.index: p.images for p in problems}
+    batch = I.collate(eps, [I.episode_images(by_index, e) for e in eps], procs, CPU)
+    lp, _ = M.sequence_logprobs(M.load_model(path), batch, procs.tokens, 1.0)
+    m = batch["response_mask"].bool()
+    assert int(m.sum()) == sum(I.sampled_tokens(e) for e in eps)
+    assert float((lp - batch["engine_logprobs"])[m].abs().max()) <= 1e-4
+    with pytest.raises(ValueError, match="one row per episode"):
+        I.collate(eps, [I.episode_images(by_index, e) for e in eps], procs, CPU, share_prompt=True)
+    with pytest.raises(ConfigError, match="train.share_prompt = false"):
+        load_config(None, ["--rollout.env=test_look_again"])
+    load_config(None, ["--rollout.env=test_look_again", "--train.share_prompt=false"])
