@@ -457,10 +457,6 @@ def _check_rollout(cfg: Config, need) -> None:
     need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
          "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
          "its own check points, not at the sync")
-    need(ro.engine != "vllm" or (ro.max_staleness <= 1 and not ro.partial and ro.stale == "wait"),
-         "rollout.max_staleness > 1, rollout.partial and rollout.stale = 'drop' are built for the "
-         "hf engine only (vLLM receives weights in its own worker processes, which cannot load "
-         "them while this rank's generate call runs); use rollout.engine = 'hf' or k <= 1")
     need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
          "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
          "one device)")

@@ -122,9 +122,10 @@ def test_config_rules():
                            "--rollout.stale=skip"])
     with pytest.raises(ConfigError, match="rollout.partial needs"):
         load_config(None, ["--rollout.partial=true"])
-    with pytest.raises(ConfigError, match="hf engine only"):
-        load_config(None, ["--rollout.engine=vllm", "--rollout.max_staleness=4",
-                           "--loss.correction=token_mask"])
+    cfg = load_config(None, ["--rollout.engine=vllm", "--rollout.max_staleness=4",  # vllm_ahead.py
+                             "--loss.correction=token_mask", "--rollout.partial=true",
+                             "--rollout.stale=drop"])
+    assert (cfg.rollout.engine, cfg.rollout.max_staleness, cfg.rollout.stale) == ("vllm", 4, "drop")
     cfg = load_config(None, ["--rollout.max_staleness=4", "--loss.correction=geometric_mask",
                              "--rollout.partial=true", "--rollout.stale=drop"])
     assert (cfg.rollout.max_staleness, cfg.loss.correction) == (4, "geometric_mask")
