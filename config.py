@@ -466,6 +466,9 @@ def _check_rollout(cfg: Config, need) -> None:
              "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
         need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
              "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
+        need(not cfg.model.moe_routing_replay or (ro.max_staleness <= 1 and not ro.partial and ro.stale == "wait"),
+             "model.moe_routing_replay with vLLM running ahead (max_staleness > 1, partial or drop): its "
+             "stepped path returns no routing yet; use rollout.engine = 'hf' or k <= 1")
         need(not (ro.env or ro.tools) or 0 < ro.max_episode_tokens <= ro.max_model_len - cfg.data.max_prompt_len,
              f"multi-turn with vLLM: rollout.max_episode_tokens ({ro.max_episode_tokens}) must be > 0 and at "
              f"most rollout.max_model_len - data.max_prompt_len ({ro.max_model_len - cfg.data.max_prompt_len}): "

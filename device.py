@@ -27,6 +27,9 @@ class Device:
     # vLLM serves linear-attention (Gated DeltaNet) models here: its CPU build's causal_conv1d
     # kernels fail while loading them (measured with vLLM 0.23.0+cpu)
     vllm_linear_attention: bool = True
+    # vLLM returns each token's routed experts (enable_return_routed_experts; routing.py): its CPU
+    # build returns all zeros there (its CPU MoE kernel never fills the capture, vLLM 0.23.0+cpu)
+    vllm_routed_experts: bool = True
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
     # train.packing's rows: "mask" = rows no wider than their longest sequence under a 4-D block
     # mask (SDPA); "varlen" = every sequence of a micro-batch in one row, no mask, positions
@@ -37,7 +40,8 @@ class Device:
 
 TABLE = {
     "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
-                  vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False),
+                  vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
+                  vllm_routed_experts=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
                    packed_attention="varlen"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",

