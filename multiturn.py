@@ -87,9 +87,12 @@ class Conversations:
             for c in live:  # the last allowed turn: the conversation ends with this reply
                 c.done = c.done or turn + 1 == self.max_turns
         # the engine's own Completion records (rollout.Completion), refilled with the whole episode
+        graded = getattr(self.env, "reward", None)  # an environment's own final reward, if it has one
         done = [replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
                         versions=_versions(c.versions), routing=_routing(c.routing), loss_mask=c.mask,
-                        turns=c.turns, images=c.images) for c in convs]
+                        turns=c.turns, images=c.images,
+                        env_reward=None if graded is None else float(graded(c.problem, c.turns)))
+                for c in convs]
         return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
 
     def _room(self, c: _Live, sp) -> int:

@@ -73,6 +73,7 @@ class Completion:
     loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
+    env_reward: float | None = None  # multi-turn: the environment's final reward (envs/), if it gives one
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)
@@ -325,6 +326,8 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     episodes = []
     for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
+        if c.env_reward is not None:  # the environment's own grade: a part, added to the total
+            parts["env"], total = c.env_reward, total + c.env_reward
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=version), c.truncated, text, c.versions, info,
                                 routing=c.routing, source=p.source, loss_mask=c.loss_mask, turns=c.turns,

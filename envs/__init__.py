@@ -7,7 +7,9 @@ model's reply); it returns the next user message (a string, or a ``{"role": "use
 ...}`` dict) or None to end the episode; for a VLM a message may show pictures: ``{"role":
 "user", "content": [{"type": "image"}, {"type": "text", "text": ...}], "images": [PIL images, in
 order]}``, at most the class's ``images_per_episode`` in one episode (what the engines reserve
-room for). It is built once per generation rank (``cls()``) and called from one thread. The last reply is graded by the reward functions.
+room for). An environment may also grade the whole conversation: ``reward(problem,
+conversation) -> float``, logged as the reward part `env` and added to the reward functions'
+total. It is built once per generation rank (``cls()``) and called from one thread. The last reply is graded by the reward functions.
 Tool calls (`rollout.tools`, envs.tools) are answered before the environment is asked. Every
 module of this package is imported on first use, so a new environment is a new file here with
 ``@register("name")`` on its class (docs/multiturn.md).

@@ -306,3 +306,27 @@ def test_a_turn_that_shows_an_image_trains_with_the_engines_logprobs(tiny_dir):
     with pytest.raises(ConfigError, match="train.share_prompt = false"):
         load_config(None, ["--rollout.env=test_look_again"])
     load_config(None, ["--rollout.env=test_look_again", "--train.share_prompt=false"])
+
+
+@envs.register("test_graded")
+class _Graded:
+    """A test environment that asks once and grades the conversation by its number of turns."""
+    def step(self, problem, conversation):
+        return "Again." if len(conversation) == 1 else None
+
+    def reward(self, problem, conversation):
+        return 0.25 * len(conversation)
+
+
+def test_an_environments_final_reward_is_a_part_added_to_the_total(tiny_dir):
+    import rewards
+    path, procs = _procs(tiny_dir, "qwen3")
+    rc = C.RolloutConfig(env="test_graded", max_turns=3, max_new_tokens=16)
+    eng = MT.wrap(_Scripted(procs, ["one", "two"]), rc, procs)
+    problems = synthetic.make_synthetic_text(1, seed=1)
+    scorer = rewards.RewardRunner([{"name": "target_fraction", "weight": 1.0, "target": "<answer>"}], 5.0)
+    eps, _ = R.rollout(eng, problems, procs, R.Sampling(n=2, max_new_tokens=16), template=C.DataConfig().template,
+                       scorer=scorer, version=0, group_offset=0, seed=0)
+    assert [e.parts["env"] for e in eps] == [0.75, 0.75]          # assistant, user, assistant
+    assert all(e.reward == e.parts["env"] + e.parts["target_fraction"] for e in eps)
+    scorer.close()
