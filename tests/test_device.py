@@ -14,7 +14,7 @@ from tests.util import ROOT
 def test_table_rows():
     assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                                       vllm_eager_helpers=True, vllm_cpu_moe_fix=True,
-                                      vllm_linear_attention=False)
+                                      vllm_linear_attention=False, vllm_routed_experts=False)
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
                                        packed_attention="varlen")
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
