@@ -319,7 +319,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
             # multi-turn: the last reply is graded
             texts.append(c.turns[-1]["content"] if c.turns else tokenizer.decode(c.ids, skip_special_tokens=True))
             samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
-                            "response_len": sum(c.loss_mask) if c.loss_mask else len(c.ids),
+                            "response_len": I.sampled_tokens(c),
                             "truncated": c.truncated,
                             "max_new_tokens": sp.max_new_tokens, "columns": p.columns,
                             "source": p.source})

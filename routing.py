@@ -180,4 +180,4 @@ def from_vllm(routed, n: int):
     if rows.shape[-1] > 1 and (np.sort(rows, -1)[..., 1:] == np.sort(rows, -1)[..., :-1]).any():
         raise ModelError("vLLM's routed experts repeat an expert within a token's top-k (its MoE "
                          "kernel did not fill the capture): model.moe_routing_replay cannot use them")
-    return torch.from_numpy(rows.astype(np.int16 if rows.max() > 255 else np.uint8))
+    return torch.from_numpy(rows).to(expert_dtype(int(rows.max()) + 1))
