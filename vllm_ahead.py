@@ -85,11 +85,13 @@ class Owner:
     def needs_empty(self) -> bool:
         return any(t.empty for t in self.tasks)  # read without the lock: a stale read costs a step
 
-    def run_tasks(self) -> None:
-        """By the holder: every posted call, in order; errors go back to their posters."""
+    def run_tasks(self, keep: bool = False) -> None:
+        """By the holder: every posted call, in order; errors go back to their posters. `keep`:
+        only the calls that keep the batch's weights (requests are in flight); one that needs
+        the engine empty, and every call after it, waits for the holder's next check."""
         while True:
             with self.cv:
-                if not self.tasks:
+                if not self.tasks or (keep and self.tasks[0].empty):
                     return
                 task = self.tasks.pop(0)
             try:
@@ -230,7 +232,7 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Co
                 eng.owner.run_tasks()  # posted meanwhile: nothing is in flight yet
                 batch.add(eng.weight_version)
                 continue
-            if eng.owner.tasks:
-                eng.owner.run_tasks()
+            if eng.owner.tasks:  # posted since the check above: a weight load waits for it
+                eng.owner.run_tasks(keep=True)
             batch.absorb(engine.step())
     return batch.completions()

@@ -125,6 +125,30 @@ def test_a_load_mid_batch_aborts_and_goes_on_from_the_tokens_so_far():
         assert c.ids[3:] == [_token(100 + 4 + s, len(prompt) + k) for k in range(3)]
 
 
+def test_a_load_posted_after_the_check_waits_until_the_engine_is_empty():
+    """A weight load posted between the worker's `needs_empty()` check and its decode step (here
+    from inside `interrupt()`, the window of a real race) runs only after the batch's requests
+    are aborted: never with requests in flight under the old version."""
+    fake = FakeEngine()
+    eng = _eng(fake, between=lambda: eng.weight_version)
+    seen = []
+
+    def load():
+        seen.append(len(fake.reqs))                          # requests in flight when it ran
+        fake.version = eng.weight_version = 1
+
+    def interrupt():
+        if fake.steps == 2 and not eng.owner.tasks and not seen:
+            threading.Thread(target=lambda: eng.owner.call(load, empty=True), daemon=True).start()
+            while not eng.owner.tasks:
+                time.sleep(0.001)
+        return False
+    eng.interrupt = interrupt
+    out = A.stepped(eng, PROMPTS, SP, seed=100)
+    assert seen == [0]
+    assert all(c.versions == [0, 0, 0, 1, 1, 1] for cs in out for c in cs)  # one step more, then the load
+
+
 def _post_at(eng, fake, step: int, fn, empty: bool) -> None:
     """At the stand-in's `step`, another thread posts `fn` (as the main thread's sync does)."""
     def on_step(n):
