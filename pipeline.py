@@ -35,6 +35,8 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from typing import Callable, NamedTuple
 
+from failures import fault_active
+
 
 class Bound(NamedTuple):
     """The staleness rule: `k`, "wait" or "drop", and the version the trainers hold at `step`
@@ -72,6 +74,9 @@ class Producer:
         self.weights = threading.Lock()     # the receiver's buffers: written by receive, read by _load
         self.error: BaseException | None = None
         self.stopping = self.pause_asked = self.idle = False
+        self.batch: int | None = None       # the batch in flight
+        self._checks, self._held = 0, False  # check points of the batch in flight; GRPO_FAULT's hold
+        self.holding = False
         self.idle_s, self._idle_since, self._last_take = 0.0, None, time.perf_counter()
         self.own, self.partial = engine.OWN_CHANNEL, partial
         if self.own and engine.weight_version != self.loaded:
@@ -111,7 +116,8 @@ class Producer:
             while True:
                 with self.cv:
                     self._wait(self._may_start)
-                    index = self.index
+                    index = self.batch = self.index
+                    self._checks = 0
                 self._load()
                 episodes, stats = self.make(index, self.loaded)
                 groups: dict[int, list] = {}
@@ -132,7 +138,35 @@ class Producer:
     def _pending(self) -> bool:
         """Whether the engine should stop at its next decode step: newer weights wait, or a
         pause or stop is asked (read without the lock: a stale read costs one decode step)."""
+        self._checks += 1
+        if self._checks == 2 and not self._held and fault_active("hold_for_weights"):
+            self._hold_for_weights()
         return self.staged is not None or self.pause_asked or self.stopping
+
+    def _hold_for_weights(self, timeout_s: float = 120.0) -> None:
+        """Tests (`GRPO_FAULT=hold_for_weights`): the first batch generated ahead of the trainers
+        waits after its first decode step until newer weights come, so its episodes span two
+        versions on any machine, whichever side is faster. Only a batch the trainers do not need
+        for their next sync (its index past the step of the weights the engine holds) waits."""
+        with self.cv:
+            trainers_at = self.bound.step0 + (self.loaded - self.bound.version0)
+            if not self.bound.syncs or self.batch is None or self.batch <= trainers_at:
+                return
+            self._held = self.holding = True
+            self.cv.notify_all()
+            end = time.monotonic() + timeout_s
+            while not (self.staged is not None or self.pause_asked or self.stopping
+                       or (self.own and self.engine.weights_waiting())) and time.monotonic() < end:
+                self.cv.wait(0.05)
+            self.holding = False
+
+    def settle(self) -> None:
+        """Tests (`GRPO_FAULT=fill_queue@step`, Generation.episodes): until the worker waits at the bound
+        (its queue as full as the staleness rule lets it be), so a step finds the engine as far
+        ahead as it can be on any machine (or held by `hold_for_weights`)."""
+        with self.cv:
+            while not (self.idle or self.holding or self.error or not self.thread.is_alive()):
+                self.cv.wait(timeout=1.0)
 
     def check_point(self) -> int:
         """Before each generate call of a batch (partial rollouts): stop or pause if asked, load the
@@ -213,6 +247,7 @@ class Producer:
                     out.append(group)
                 if not entry[1]:
                     self.queue.popleft()
+                    self.cv.notify_all()  # "drop": room in the queue for the worker's next batch
             now = time.perf_counter()
             idle = self.idle_s + (now - self._idle_since if self._idle_since else 0.0)
             self.idle_s, self._idle_since = 0.0, (now if self.idle else None)
@@ -292,6 +327,8 @@ class Generation:
 
     def episodes(self, step: int, version: int) -> tuple[list, dict]:
         if self.producer is not None:
+            if fault_active("fill_queue", step):  # tests: the engine as far ahead as it may be
+                self.producer.settle()
             per_gen = self.cfg.rollout.prompts_per_step // len(self.world.gens)
             return self.producer.take(per_gen, self.producer.bound.version_at(step) - self.producer.bound.k,
                                       self.world.gen_index * per_gen)

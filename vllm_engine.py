@@ -422,6 +422,10 @@ class VLLMEngine:
         self.owner.call(receive, empty=not stage)
         return version
 
+    def weights_waiting(self) -> bool:
+        """A receive posted by :meth:`receive_ahead` waits for the worker thread's next check."""
+        return bool(self.owner.tasks)
+
     def load_staged(self) -> int | None:
         """Load what :meth:`receive_ahead` staged (a batch's start); its version, or None
         when nothing is staged."""

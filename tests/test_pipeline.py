@@ -94,6 +94,19 @@ def test_drop_at_the_bound_counts_and_moves_the_stream_on():
         p.stop()
 
 
+def test_drop_refills_the_queue_after_a_take_without_waiting_for_a_sync():
+    """"drop" bounds the queue, not the versions: a take makes room and the worker starts its
+    next batch at once (it used to sleep until the next weight sync woke it)."""
+    p = P.Producer(Engine(), batch, P.Bound(1, "drop", 0, 0, True), (0, 0), limit=None)
+    try:
+        settle(p, 2)
+        p.take(PER, 0, 0)
+        settle(p, 2)  # batch 2 made with no sync in between
+        assert [q[0] for q in p.queue] == [1, 2] and p.loaded == 0
+    finally:
+        p.stop()
+
+
 def test_position_resumes_inside_a_batch():
     p = P.Producer(Engine(), batch, P.Bound(1, "drop", 5, 5, True), (5, 1), limit=None)
     try:
@@ -139,6 +152,38 @@ def test_partial_loads_new_weights_between_chunks_and_pause():
     finally:
         p.stop()
     assert engine.between is None
+
+
+def test_hold_for_weights_and_settle_pin_the_schedule_on_any_machine(monkeypatch):
+    """The tests' schedule hooks (GRPO_FAULT): `hold_for_weights` holds the first batch made
+    ahead of the trainers after its first decode step until newer weights come, so its tokens
+    span two versions whichever side is faster; `settle` returns once the worker waits at the
+    bound (or is held). Batch 0, which the trainers need before any sync, is never held."""
+    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights")
+    engine = Engine()
+    seen: dict[int, list[int]] = {}
+
+    def make(index, version):
+        v, got = engine.between(), []
+        for _ in range(4):  # four decode steps, the check point's question before each
+            if engine.interrupt():
+                v = engine.between()
+            got.append(v)
+        seen[index] = got
+        return batch(index, min(got))
+    p = P.Producer(engine, make, P.Bound(4, "wait", 0, 0, True), (0, 0), limit=8, partial=True)
+    try:
+        p.take(PER, -4, 0)                   # step 0 trains batch 0
+        p.settle()
+        assert p.holding and 1 not in seen   # batch 1 (ahead) held after one decode step
+        p.receive_weights(Source(1))         # the sync after step 0
+        p.take(PER, -3, 0)
+        assert seen[0] == [0, 0, 0, 0] and seen[1] == [0, 1, 1, 1]
+        p.settle()                           # batches 2..5 (5 needs version 1), then the bound
+        assert p.idle and [q[0] for q in p.queue] == [2, 3, 4, 5]
+        assert all(seen[i] == [1] * 4 for i in (2, 3, 4, 5))  # held once only
+    finally:
+        p.stop()
 
 
 @pytest.mark.parametrize("how", ["interrupt", "chunk"])
