@@ -202,14 +202,19 @@ class TrainConfig:
     min_lr_ratio: float = num(0.0, "[0, 1]")  # linear / cosine: the final LR as a fraction of lr
     grad_clip: float = num(1.0, "> 0")       # max global gradient norm
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
-    micro_batch_tokens: int = num(0, ">= 0")  # > 0: group sequences by length, at most this many padded tokens each
+    # > 0: group sequences by length, at most this many padded tokens each; packed rows: at most
+    # this many tokens a micro-batch (0: micro_batch_size x the longest sequence, the slots of a
+    # padded micro-batch of micro_batch_size rows)
+    micro_batch_tokens: int = num(0, ">= 0")
     share_prompt: bool = True                # one row per prompt: its G responses share one encoding of the prompt and image
     # Packed rows: a micro-batch's sequences (a prompt with its G responses under share_prompt,
-    # else one episode each) side by side in rows no wider than its longest sequence, each
-    # attending only within itself (positions restarted), padding only at each row's tail; the
-    # step's episodes go to the trainer ranks balanced by token count. Needs micro_batch_tokens
-    # > 0; refused at start for a model with linear-attention layers (state would cross sequences).
-    packing: bool = False
+    # else one episode each) side by side in one row, no padding, each attending only within
+    # itself (positions restarted); the step's episodes go to the trainer ranks balanced by token
+    # count. true: refused at start for a model with linear-attention layers (state would cross
+    # sequences); "auto": on where the device's layout was measured faster than padded
+    # micro-batches (device.Device.packs_by_default) and the model packs exactly, else off (said
+    # at start).
+    packing: bool | str = "auto"
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
     # Several updates per rollout batch (peers' names: docs/loss.md): the step's episodes split into
     # mini_batches (each its own loss denominator), ppo_epochs seeded shuffled passes over them,
@@ -421,8 +426,8 @@ def validate(cfg: Config) -> None:
              "with 0 there is no reference policy)")
     _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
-    need(not cfg.train.packing or cfg.train.micro_batch_tokens > 0,
-         "train.packing needs train.micro_batch_tokens > 0 (the token slots of one micro-batch)")
+    need(cfg.train.packing in (True, False, "auto"),
+         f"train.packing: expected true, false or \"auto\", got {cfg.train.packing!r}")
     need(cfg.train.lr_schedule in LR_SCHEDULES,
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     need(cfg.eval.split in ("validation", "test"),

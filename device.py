@@ -31,11 +31,16 @@ class Device:
     # build returns all zeros there (its CPU MoE kernel never fills the capture, vLLM 0.23.0+cpu)
     vllm_routed_experts: bool = True
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
-    # train.packing's rows: "mask" = rows no wider than their longest sequence under a 4-D block
-    # mask (SDPA); "varlen" = every sequence of a micro-batch in one row, no mask, positions
-    # restarting per sequence, run by flash_attention_2 (flash-attn's varlen kernel on CUDA,
-    # npu_fusion_attention's TND layout on NPU: transformers' packed-sequence path)
-    packed_attention: str = "mask"
+    # train.packing's rows, every sequence of a micro-batch in one row: "segments" = attention.py's
+    # kernel (each prompt causally, each response over its prompt and itself: SDPA calls per piece,
+    # prompts shared by their responses, no mask); "varlen" = no mask, positions restarting per
+    # sequence, run by flash_attention_2 (flash-attn's varlen kernel on CUDA, npu_fusion_attention's
+    # TND layout on NPU: transformers' packed-sequence path; a prompt copied per response)
+    packed_attention: str = "segments"
+    # what train.packing = "auto" picks: packed rows only where their layout was measured faster
+    # than padded micro-batches (bench/packing.py; docs/benchmarks.md). The accelerators' varlen
+    # layout has not run on hardware yet, so padded rows stay their default until it has
+    packs_by_default: bool = True
 
 
 TABLE = {
@@ -43,9 +48,9 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   packed_attention="varlen"),
+                   packed_attention="varlen", packs_by_default=False),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                  experts="eager", packed_attention="varlen"),
+                  experts="eager", packed_attention="varlen", packs_by_default=False),
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+import attention as A
 import families as F
 import routing
 from errors import ModelError, one_line
@@ -330,11 +331,12 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
       response see the prompt and itself only, so the result equals one row per episode while the
       prompt (and its images) is encoded once per group instead of G times. T = longest response.
       Only for models whose layers all take the mask (model.packs_exactly).
-    - packed rows (`packing`, :func:`pack`; device.Device.packed_attention): "mask": those units
-      (a prompt run, or one episode each without `share_prompt`) of different prompts side by
-      side in rows no wider than the longest (first-fit decreasing) under a 4-D block mask;
-      "varlen": every episode (its prompt copied: a varlen kernel cannot share one) in one row,
-      no mask; each attends only within itself, positions restarted.
+    - packed rows (`packing`, :func:`pack`; device.Device.packed_attention): every sequence of
+      the micro-batch in one row, each attending only within itself, positions restarted;
+      "segments": the units (a prompt run, or one episode each without `share_prompt`), laid out
+      for attention.py's kernel (`segments`: no mask); "varlen": every episode (its prompt
+      copied: a varlen kernel cannot share one), no mask.
+    Every layout also gives `attention_pairs`, the query-key pairs its kernel computes.
     `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
     """
     if share_prompt or packing:
@@ -365,7 +367,7 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)[w]
         versions[i, n:n + r] = torch.tensor(token_versions(e))[w]
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
-               token_versions=versions,
+               token_versions=versions, attention_pairs=torch.tensor(B * width * width),
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
     pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major: each episode in order
     _add_routing(out, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
@@ -424,15 +426,19 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
          pixels: dict | None = None, share_prompt: bool = True,
          packing: str | None = None) -> dict[str, torch.Tensor]:
     """Packed rows (see :func:`collate`): each row holds whole sequences ([prompt | response 1 |
-    response 2 | ...], :func:`units`), one per row unless `packing`, then padding.
+    response 2 | ...], :func:`units`), one per row unless `packing` (then all in one row), then
+    padding.
 
-    Extra keys: `attention_mask_4d` [rows, 1, W, W] (not for "varlen"; bool: a prompt token sees
-    its prompt causally; a response token its prompt and itself causally; nothing crosses a
-    sequence; padding sees itself), per sequence its row, first column and prompt length
+    Extra keys: `attention_mask_4d` [rows, 1, W, W] (without `packing`; bool: a prompt token sees
+    its prompt causally; a response token its prompt and itself causally; padding sees itself),
+    `segments` ("segments": one row per response, (row, prompt's column, prompt length, the
+    response's column, its length): attention.layout's input), per sequence its row, first column and prompt length
     (`seq_row`, `seq_col`, `prompt_len` [S]), and for every response token (episode-major) its
     sequence, the column whose hidden state predicts it, its own column and its index in its
     response: `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row`: its row).
     """
+    if packing not in (None, "segments", "varlen"):
+        raise ValueError(f"packing: {packing!r} is not a layout (None, 'segments', 'varlen')")
     varlen = packing == "varlen"
     if any(getattr(e, "images", None) for e in episodes):
         raise ValueError("an episode whose inserted turns show images needs one row per episode "
@@ -458,8 +464,13 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
                                                 for k, u in enumerate(seqs) for i in u)),
                 episode_pairs=torch.tensor(sum((built[k][0] + len(episodes[i].response_ids)) ** 2
                                                for k, u in enumerate(seqs) for i in u)), **mm)
-    if not varlen:
+    if packing == "segments":
+        out["segments"] = _segments(out)
+        out["attention_pairs"] = torch.tensor(A.pairs(A.layout(out["segments"])))
+    elif packing is None:
         out["attention_mask_4d"] = _block_mask(out, W)
+    if "attention_pairs" not in out:  # a dense kernel: every pair of every row
+        out["attention_pairs"] = torch.tensor(len(layout) * W * W)
     _add_routing(out, [(getattr(episodes[i], "routing", None), range(len(episodes[i].response_ids)))
                        for u in seqs for i in u], out["pred_row"], out["pred_col"])
     return {k: v.to(device) for k, v in out.items()}
@@ -467,12 +478,10 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
 
 def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: str | None,
            pixels: dict | None) -> tuple[list[list[int]], dict, dict]:
-    """Which sequences share a row (one row for "varlen", first-fit decreasing into rows no wider
-    than the longest for "mask", else one each), every sequence's (prompt length, tokens), and
-    the image inputs in row-major order (the order the model meets the image tokens in)."""
-    lengths = [sequence_tokens(procs, [episodes[i] for i in u], images[u[0]]) for u in seqs]
-    layout = ([list(range(len(seqs)))] if packing == "varlen" else
-              first_fit(lengths, max(lengths)) if packing else [[k] for k in range(len(seqs))])
+    """Which sequences share a row (all of them with `packing`, else one each), every
+    sequence's (prompt length, tokens), and the image inputs in row-major order (the order the
+    model meets the image tokens in)."""
+    layout = [list(range(len(seqs)))] if packing else [[k] for k in range(len(seqs))]
     order = [k for row in layout for k in row]
     mm, counts = _vision_inputs(procs, [im for k in order for im in images[seqs[k][0]]], pixels)
     it = iter(counts)
@@ -512,6 +521,17 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
                 token_versions=versions, seq_row=seq_row_t,
                 pred_seq=pred_seq_t, pred_row=seq_row_t[pred_seq_t], pred_col=torch.tensor(pred_col),
                 target_col=torch.tensor(target_col), offset=torch.tensor(offset))
+
+
+def _segments(b: dict) -> torch.Tensor:
+    """[responses, 5]: each response's row, its prompt's column and length, its own column and
+    length, in row-major order (attention.layout's input)."""
+    first = (b["offset"] == 0).nonzero().flatten()                     # each response's first token
+    lengths = torch.diff(torch.cat([first, torch.tensor([len(b["offset"])])]))
+    k = b["pred_seq"][first]
+    rows = torch.stack([b["seq_row"][k], b["seq_col"][k], b["prompt_len"][k], b["target_col"][first],
+                        lengths], 1)
+    return rows[torch.argsort(rows[:, 0] * (rows[:, 3].max() + 1) + rows[:, 3])]
 
 
 def _block_mask(b: dict, W: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import device as D
+import envs
 import inputs as I
 from errors import ConfigError
 
@@ -41,22 +42,45 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
     return mbs
 
 
-def layout_note(tc, procs: I.Processors, model_path: str) -> str | None:
-    """At start: `train.packing` refused (ConfigError) for a model whose layers take no 4-D mask
-    (linear attention: its recurrent state would run from one packed sequence into the next);
-    the note that `train.share_prompt` falls back to one row per episode for such a model."""
+def packs(tc) -> bool:
+    """Packed rows: `train.packing = true`, or "auto" once :func:`resolve_layout` decided it so
+    (undecided, as in a script that never starts a run, it counts as off)."""
+    return tc.packing is True
+
+
+def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.device,
+                   env: str = "") -> list[str]:
+    """At start: `train.packing = "auto"` decided (tc.packing set to true or false: on where the
+    device's packed layout was measured faster, device.Device.packs_by_default, the model packs
+    exactly and the environment `env` (rollout.env) shows no images in its turns) and said; `true`
+    refused (ConfigError) for a model whose layers take no 4-D mask (linear attention: its
+    recurrent state would run from one packed sequence into the next); the note that
+    `train.share_prompt` falls back to one row per episode for such a model. Returns the lines
+    to print."""
+    row, notes, one_row_per_episode = D.TABLE[device.type], [], envs.extra_images(env) > 0
+    if tc.packing == "auto":
+        why = ("the model has linear-attention layers" if not procs.packs_exactly else
+               "the environment's turns show images: one row per episode" if one_row_per_episode else
+               f"{device.type}'s {row.packed_attention} layout, measured faster than padded rows"
+               if row.packs_by_default else
+               f"{device.type}'s {row.packed_attention} layout has not run on hardware yet; "
+               "train.packing = true uses it")
+        tc.packing = procs.packs_exactly and row.packs_by_default and not one_row_per_episode
+        notes.append(f"train.packing {'on' if tc.packing else 'off'} (auto: {why})")
     if procs.packs_exactly:
-        return None
-    if tc.packing:
+        return notes
+    if packs(tc):
         raise ConfigError(f"train.packing: {model_path} has linear-attention layers, whose state "
                           "would cross packed sequences; use train.packing = false")
-    return (f"note: {model_path} has layers that take no 4D mask (linear attention): "
-            "train.share_prompt falls back to one row per episode" if tc.share_prompt else None)
+    if tc.share_prompt:
+        notes.append(f"note: {model_path} has layers that take no 4D mask (linear attention): "
+                     "train.share_prompt falls back to one row per episode")
+    return notes
 
 
 def packing(tc, device: torch.device) -> str | None:
     """How `train.packing` lays rows out on `device` (device.Device.packed_attention), or None."""
-    return D.TABLE[device.type].packed_attention if tc.packing else None
+    return D.TABLE[device.type].packed_attention if packs(tc) else None
 
 
 def shares_prompt(tc, procs: I.Processors) -> bool:
@@ -84,17 +108,17 @@ def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.P
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
                tc, count: int | None = None) -> list[list[int]]:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`). With
-    `train.packing` the sequences (:func:`_units`) first-fit into rows no wider than the longest,
-    `micro_batch_tokens` slots a micro-batch; with `share_prompt` and a token budget the units
-    are a prompt's runs (what is really computed); else each episode, fixed-size in order."""
+    `train.packing` the sequences (:func:`_units`) first-fit into micro-batches of
+    `micro_batch_tokens` (0: `micro_batch_size` x the longest; one longer sequence alone), each
+    one packed row; with `share_prompt`
+    and a token budget the units are a prompt's runs (what is really computed); else each
+    episode, fixed-size in order."""
     share = shares_prompt(tc, procs)
-    if tc.packing:
+    if packs(tc):
         units, lengths = _units(episodes, idx, images, procs, share)
-        cap = max(lengths)
-        rows = I.first_fit(lengths, cap)
-        per = max(1, tc.micro_batch_tokens // cap)                  # rows per micro-batch
-        mbs = [[j for r in rows[k:k + per] for u in sorted(r) for j in units[u]]
-               for k in range(0, len(rows), per)]
+        budget = tc.micro_batch_tokens or tc.micro_batch_size * max(lengths)
+        rows = I.first_fit(lengths, max(budget, max(lengths)))
+        mbs = [[j for u in sorted(r) for j in units[u]] for r in rows]
         return _split_to(mbs, count, len(idx))
     if not (share and tc.micro_batch_tokens > 0):
         lengths = [I.sequence_tokens(procs, [episodes[i]], images[episodes[i].index]) for i in idx]
@@ -117,7 +141,7 @@ def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, 
     shares, tokens = [], [0] * n_trainers
     for j in range(tc.mini_batches):
         mb = list(range(j * size, (j + 1) * size))
-        if tc.packing:
+        if packs(tc):
             units, lengths = _units(episodes, mb, images, procs, shares_prompt(tc, procs))
             if len(units) % n_trainers:  # prompt groups that do not divide evenly: episodes
                 units, lengths = _units(episodes, mb, images, procs, False)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import attention as A
 import device as D
 import families as F
 import routing as R
@@ -137,11 +138,18 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[pr, pc] = True
-    # no 4-D mask ("varlen"): the attention finds the sequences from the restarting positions
+    # no 4-D mask for packed rows: attention.py's kernel takes the layout ("segments"), or the
+    # varlen kernel finds the sequences from the restarting positions ("varlen")
+    layout = {}
+    if "segments" in batch:
+        if (got := text_config(model.config)._attn_implementation) != A.NAME:
+            raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
+                             f"{A.NAME!r} (trainer.build), not {got!r}")
+        layout = {"grpo_segments": A.layout(batch["segments"].cpu())}
     logits = _logits_at(model, keep, batch.get("routing"), input_ids=ids,
                         attention_mask=batch.get("attention_mask_4d"),
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,
-                        **_model_inputs(batch, tokens))
+                        **_model_inputs(batch, tokens), **layout)
     where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
     where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
     lp_sel, ent_sel = token_logprobs(logits[where[pr, pc]], ids[pr, batch["target_col"]], tokens,
@@ -200,7 +208,7 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
     out[:, pr, tc] = (nxt[batch["pred_seq"]] + batch["offset"]).expand(pos.shape[0], -1)
     if rope_index is None:
         return out[0]
-    if "attention_mask_4d" in batch:
+    if "attention_mask_4d" in batch or "segments" in batch:
         return out
     # varlen: a first row of text positions restarting per sequence, which is where transformers'
     # VL models find packed sequences ([4, rows, W]: text + the 3 mRoPE rows)
@@ -262,6 +270,12 @@ def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool 
     with torch.device("meta") if meta else torch.device("cpu"):
         return F.auto_class(config).from_config(config, dtype=dtype, attn_implementation=attention,
                                                 **_kernels(device_type))
+
+
+def attention_for(layout: str | None) -> str:
+    """transformers' attn_implementation for the trainer's models under `train.packing`'s row
+    layout (device.Device.packed_attention; None: not packing)."""
+    return {"varlen": "flash_attention_2", "segments": A.NAME}.get(layout, "sdpa")
 
 
 def _kernels(device_type: str) -> dict:

@@ -201,6 +201,7 @@ class Setup:
     trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
     mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
+    notes: tuple = ()              # what the start decided from the model (train.packing's layout)
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
@@ -212,9 +213,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
-    note = microbatches.layout_note(cfg.train, procs, model_path)  # packing refused: ConfigError
-    if world.is_root and note:
-        print(note, flush=True)
+    notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
@@ -231,7 +230,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
-                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed))
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes))
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
@@ -280,8 +279,8 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
         note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
-        if note:
-            rec.say(f"   {note}")
+        for line in filter(None, (note, *s.notes)):
+            rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
     return s, progress, rec

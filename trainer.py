@@ -50,8 +50,9 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
-    # train.packing on an accelerator: one row per micro-batch for flash-attention's varlen kernel
-    attention = "flash_attention_2" if packing(tc, device) == "varlen" else "sdpa"
+    # train.packing: one row per micro-batch, for flash-attention's varlen kernel on an
+    # accelerator, for attention.py's kernel on the CPU
+    attention = M.attention_for(packing(tc, device))
     policy = M.model_from_config(model_path, meta=True, device_type=device.type,
                                  attention=attention)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest

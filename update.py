@@ -339,7 +339,7 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
     sums["tokens"] += float(batch["attention_mask"].sum())
     sums["episode_tokens"] += float(batch["episode_tokens"])
     sums["slots"] += float(batch["attention_mask"].numel())
-    sums["pairs"] += float(batch["attention_mask"].numel() * batch["attention_mask"].shape[1])
+    sums["pairs"] += float(batch["attention_pairs"])
     sums["episode_pairs"] += float(batch["episode_pairs"])
     sums["resp_tokens"] += float(rmask.sum())
     if not fresh.any():
@@ -364,7 +364,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
            "logprob_diff/tokens": tot["fresh_tokens"],
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
-           # query-key pairs a dense kernel computes (rows x W^2) over one unpadded row per episode
+           # query-key pairs the kernel computes (a dense one: rows x W^2; packed rows on the CPU:
+           # attention.pairs) over one unpadded row per episode
            "train/attention_frac": tot["pairs"] / max(1.0, tot["episode_pairs"]),
            "train/tokens": tot["episode_tokens"],
            "train/micro_batches": tot["micro_batches"] / n_tr,

@@ -2,14 +2,24 @@
 
     python bench/packing.py                      # tiny Qwen2.5-VL, CPU, fp32
     python bench/packing.py --no-share-prompt    # one sequence per episode (no shared prompts)
+    python bench/packing.py --shapes 3b --layers 1 --prompts 8   # Qwen2.5-VL-3B's text layers
 
 The workload: `--prompts` synthetic geometry prompts x `--group` responses whose lengths are
 long-tailed as GRPO's are (half 8-32 tokens, a tenth at `--max-new-tokens`, the rest between;
-seeded), random ordinary tokens. Both variants run the trainer's own path
-(`update.plan` -> `update.accumulate_gradients`: forward + backward of every micro-batch, one
-mini-batch) with `train.micro_batch_tokens = --budget`, alternating, `--reps` times each; the
-median time counts. `rank_token_imbalance` is `microbatches.rank_shares` over 2 trainer ranks:
-contiguous slices (padded) against the balanced split (packed). Prints one JSON object.
+seeded), random ordinary tokens. Three layouts run the trainer's own path (`update.plan` ->
+`update.accumulate_gradients`: forward + backward of every micro-batch, one mini-batch),
+alternating, `--reps` times each; the median time counts:
+- "padded": micro-batches of `--rows` sequences in the step's order, each padded to its longest
+  (`train.micro_batch_size`, the reference configs' layout);
+- "packed": `train.packing = true` with the same token budget (`train.micro_batch_tokens = 0`:
+  `--rows` x the longest sequence), one row per micro-batch (the device's layout: on the CPU
+  attention.py's kernel);
+- "padded_sorted": the token-budget planner (`train.micro_batch_tokens` = that budget), which
+  sorts the sequences by length before padding them: the strongest padded baseline.
+`--shapes 3b`: Qwen2.5-VL-3B's decoder layers (hidden 2048, 16 heads, 2 KV heads, head dim
+128, MLP 11008), `--layers` of them, with the tiny vision tower and vocabulary.
+`rank_token_imbalance` is `microbatches.rank_shares` over 2 trainer ranks: contiguous slices
+(padded) against the balanced split (packed). Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -75,16 +85,24 @@ def run(a) -> dict:
     path = str(F.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny"))
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     eps, images = workload(a, procs)
-    policy = M.apply_fsdp(M.load_model(path).train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    model = M.load_model(path) if a.shapes == "tiny" else shaped_3b(path, a.layers)
+    policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=torch.device("cpu"),
                          pixels={}, kl_coef=None, version=0)
     base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
-            f"--train.micro_batch_tokens={a.budget}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
-    variants = {"padded": base, "packed": base + ["--train.packing=true"]}
-    steps, times, stats = {}, {k: [] for k in variants}, {}
+            f"--train.micro_batch_size={a.rows}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
+    cfg = load_config(None, base + ["--train.packing=true"])
+    share = MB.shares_prompt(cfg.train, procs)
+    budget = a.rows * max(MB._units(eps, list(range(len(eps))), images, procs, share)[1])
+    variants = {"padded": base + ["--train.packing=false"], "packed": base + ["--train.packing=true"],
+                "padded_sorted": base + ["--train.packing=false", f"--train.micro_batch_tokens={budget}"]}
+    steps, times, stats, attention = {}, {k: [] for k in variants}, {}, {}
     for name, over in variants.items():
         cfg = load_config(None, over)
+        # the attention the trainer builds its models with for this config (trainer.build)
+        attention[name] = M.attention_for(MB.packing(cfg.train, torch.device("cpu")))
+        policy.set_attn_implementation(attention[name])
         s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
         U.plan(s)
         U.denominators(s)
@@ -92,6 +110,7 @@ def run(a) -> dict:
         steps[name] = s
     for _ in range(a.reps):
         for name, s in steps.items():
+            policy.set_attn_implementation(attention[name])
             policy.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             stats[name] = U.accumulate_gradients(s, s.updates[0])
@@ -104,16 +123,33 @@ def run(a) -> dict:
                      "attention_frac": round(st["pairs"] / st["episode_pairs"], 4),
                      "micro_batches": int(st["micro_batches"])}
     imb = {}
-    for name, over in (("padded", base), ("balanced", variants["packed"])):
+    for name, over in (("padded", variants["padded"]), ("balanced", variants["packed"])):
         imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, over).train, 2)[1], 4)
     dist.destroy_process_group()
-    return {"workload": {"model": "tiny qwen2_5_vl", "prompts": a.prompts, "group": a.group,
-                         "max_new_tokens": a.max_new_tokens, "budget": a.budget,
-                         "share_prompt": a.share_prompt, "tokens": int(stats["padded"]["episode_tokens"]),
-                         "reps": a.reps},
-            "padded": out["padded"], "packed": out["packed"],
-            "speedup": round(out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"], 3),
+    tps = {k: v["tokens_per_s"] for k, v in out.items()}
+    return {"workload": {"model": f"{a.shapes} qwen2_5_vl" + (f", {a.layers} layer(s)" if a.shapes != "tiny" else ""),
+                         "prompts": a.prompts, "group": a.group, "max_new_tokens": a.max_new_tokens,
+                         "rows": a.rows, "budget": budget, "share_prompt": a.share_prompt,
+                         "tokens": int(stats["padded"]["episode_tokens"]), "reps": a.reps},
+            "padded": out["padded"], "packed": out["packed"], "padded_sorted": out["padded_sorted"],
+            "speedup": round(tps["packed"] / tps["padded"], 3),
+            "speedup_vs_sorted": round(tps["packed"] / tps["padded_sorted"], 3),
             "rank_token_imbalance": imb}
+
+
+def shaped_3b(path: str, layers: int):
+    """A random model with Qwen2.5-VL-3B's decoder layers (`layers` of them) on the tiny
+    folder's vocabulary and vision tower (its output projected to the 3B's hidden size)."""
+    import families as F
+    import model as M
+    config = M.load_config(path)
+    t = config.text_config
+    t.hidden_size, t.intermediate_size, t.num_hidden_layers = 2048, 11008, layers
+    t.num_attention_heads, t.num_key_value_heads, t.head_dim = 16, 2, 128
+    t.rope_parameters = {**t.rope_parameters, "mrope_section": [16, 24, 24]}  # 3B's: head_dim / 2
+    t.layer_types = ["full_attention"] * layers
+    config.vision_config.out_hidden_size = 2048
+    return F.auto_class(config).from_config(config, attn_implementation="sdpa")
 
 
 def main(argv=None) -> None:
@@ -121,7 +157,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=4096, help="train.micro_batch_tokens")
+    ap.add_argument("--rows", type=int, default=8, help="train.micro_batch_size of the padded layout")
+    ap.add_argument("--shapes", choices=["tiny", "3b"], default="tiny")
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers with --shapes 3b")
     ap.add_argument("--no-share-prompt", dest="share_prompt", action="store_false")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)

@@ -70,7 +70,7 @@ def _two_turn_episode(procs, vision: bool):
     return e, p.images, mask
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="mask")])
+@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")])
 def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens(tiny_dir, layout):
     path, procs = _procs(tiny_dir)
     e, images, mask = _two_turn_episode(procs, vision=True)
@@ -78,7 +78,9 @@ def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens
     eps, adv = [e, other], torch.tensor([1.5, -0.5])
     model = M.load_model(path).train()
     batch = I.collate(eps, [images, images], procs, CPU, **layout)
+    model.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
     lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    model.set_attn_implementation("sdpa")
     rmask = batch["response_mask"].float()
     denom = float(sum(I.sampled_tokens(x) for x in eps))
     loss, _ = L.policy_loss(lp, lp.detach(), adv, rmask, loss_denominator=denom)

@@ -52,8 +52,17 @@ def _episodes(path: str, vision: bool):
     return procs, eps, {p.index: p.images for p in problems}
 
 
+def _attend(cfg, *models) -> None:
+    """The attention the trainer builds its models with for `cfg` (model.attention_for)."""
+    name = M.attention_for(MB.packing(cfg.train, CPU))
+    for m in models:
+        if m is not None:
+            m.set_attn_implementation(name)
+
+
 def _grads(policy, ref, procs, eps, images, over: list[str]):
     cfg = load_config(None, [f"--rollout.max_new_tokens={LONG}", *over])
+    _attend(cfg, policy, ref)
     policy.zero_grad(set_to_none=True)
     tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None,
                          version=0)
@@ -73,6 +82,7 @@ def _compare(policy, ref, procs, eps, images, over):
                            over + layout + ["--train.packing=true", "--train.micro_batch_tokens=100000"])
         assert packed["loss"] == pytest.approx(flat["loss"], abs=1e-5, rel=1e-5)
         assert packed["micro_batches"] == 1 and packed["slots"] < flat["slots"]
+        assert packed["slots"] == packed["tokens"] and packed["pairs"] < flat["pairs"]  # no padding
         assert set(g) == set(g_flat) and g_flat
         for n in g:
             torch.testing.assert_close(g[n], g_flat[n], atol=1e-5, rtol=1e-4, msg=n)
@@ -110,16 +120,38 @@ def test_packed_rows_with_lora(tiny_dir, gloo_world):
     _compare(policy, None, procs, eps, images, ["--model.lora_rank=4", "--loss.kl_coef=0"])
 
 
-def test_plan_fills_rows_to_the_longest_and_ranks_balance_by_tokens():
-    """Long-tailed lengths: rows no wider than the longest sequence, at most the last row's tail
-    as padding per micro-batch, and balanced ranks within 5% of the mean."""
-    rows = I.first_fit([256, 30, 8, 200, 60, 12, 250, 40], 256)
-    assert all(sum([256, 30, 8, 200, 60, 12, 250, 40][i] for i in r) <= 256 for r in rows)
-    assert sorted(i for r in rows for i in r) == list(range(8)) and len(rows) == 4
+def test_plan_fills_micro_batches_to_the_budget_and_ranks_balance_by_tokens():
+    """Long-tailed lengths: first-fit decreasing fills each micro-batch (one packed row) up to
+    the token budget, a longer sequence alone; balanced ranks within 5% of the mean."""
+    lens = [256, 30, 8, 200, 60, 12, 250, 40]
+    rows = I.first_fit(lens, 300)
+    assert all(sum(lens[i] for i in r) <= 300 for r in rows)
+    assert sorted(i for r in rows for i in r) == list(range(8)) and len(rows) == 3
+    assert I.first_fit([500, 20], 300) == [[0], [1]]
     lengths = [256 if i % 10 == 0 else 8 + (i * 7) % 25 if i % 2 else 40 + i * 3 for i in range(64)]
     parts = MB._balance(lengths, 2)
     loads = [sum(lengths[i] for i in p) for p in parts]
     assert [len(p) for p in parts] == [32, 32] and max(loads) / (sum(loads) / 2) <= 1.05
+
+
+def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypatch):
+    """train.packing = "auto" (the default): on for the CPU's kernel, off on CUDA / NPU (their
+    varlen layout has not run on hardware), off for an environment whose turns show images (one
+    row per episode); each decision is one start-up line; an undecided "auto" plans padded
+    micro-batches (a script that never starts a run)."""
+    import envs
+    path = tiny_dir("qwen2_5_vl")
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    for device, on, why in ((CPU, True, "cpu's segments layout, measured faster"),
+                            (torch.device("cuda"), False, "cuda's varlen layout has not run on hardware")):
+        tc = load_config(None, []).train
+        assert tc.packing == "auto" and not MB.packs(tc)
+        [line] = MB.resolve_layout(tc, procs, path, device)
+        assert tc.packing is on and line.startswith(f"train.packing {'on' if on else 'off'} (auto: {why}")
+    monkeypatch.setitem(envs.REGISTRY, "shows_images", type("E", (), {"images_per_episode": 1}))
+    tc = load_config(None, []).train
+    assert "turns show images" in MB.resolve_layout(tc, procs, path, CPU, "shows_images")[0]
+    assert tc.packing is False
 
 
 def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
@@ -128,7 +160,10 @@ def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(t
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     tc = load_config(None, ["--train.packing=true", "--train.micro_batch_tokens=4096"]).train
     with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
-        MB.layout_note(tc, procs, path)
+        MB.resolve_layout(tc, procs, path, CPU)
+    auto = load_config(None, []).train                    # the default: off for it, saying why
+    assert MB.resolve_layout(auto, procs, path, CPU)[0] == (
+        "train.packing off (auto: the model has linear-attention layers)") and auto.packing is False
     # the leak: sequences sharing a packed row differ from each alone (the recurrent state runs
     # across the boundary, which a 4-D mask cannot stop); the same check passes for a family
     # that packs exactly
@@ -141,9 +176,11 @@ def _packed_gap(path, procs, eps, images) -> float:
     """Largest |logprob packed - logprob alone| over the response tokens of `eps`."""
     policy = M.load_model(path).eval()
     with torch.no_grad():
-        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, packing="mask")
-        assert both["input_ids"].shape[0] < len(eps)             # rows hold several sequences
+        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, packing="segments")
+        policy.set_attn_implementation(M.attention_for("segments"))
         lp = M.sequence_logprobs(policy, both, procs.tokens, 1.0)[0]
+        policy.set_attn_implementation("sdpa")
+        assert both["input_ids"].shape[0] < len(eps)             # rows hold several sequences
         gap = 0.0
         for i, e in enumerate(eps):
             one = I.collate([e], [images[e.index]], procs, CPU)
@@ -157,7 +194,7 @@ def test_demo_learns_with_packing_and_two_trainer_ranks(tmp_path):
     """Two trainer ranks: the first step's loss and gradient norm equal unpacked rows', the
     engine parity holds, and the demo learns as it does without packing."""
     runs = {}
-    for name, extra in (("flat", []), ("packed", ["--train.packing=true", "--train.micro_batch_tokens=2048"])):
+    for name, extra in (("flat", ["--train.packing=false"]), ("packed", ["--train.packing=true", "--train.micro_batch_tokens=2048"])):
         out = tmp_path / name
         torchrun(3, [*TINY, f"--run.out_dir={out}", "--run.steps=12", "--run.keep_last=0", *extra])
         runs[name] = metrics(out)
@@ -167,6 +204,34 @@ def test_demo_learns_with_packing_and_two_trainer_ranks(tmp_path):
     assert all(r["logprob_diff/max"] <= 1e-4 for r in packed)
     assert all(r["train/rank_token_imbalance"] >= 1.0 for r in packed)
     assert packed[-1]["reward/mean"] > 0.3 and flat[-1]["reward/mean"] > 0.3
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
+def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny_dir, gloo_world):
+    """device.Device.packed_attention = "segments" (the CPU's): every sequence of a micro-batch
+    in one row with shared prompts and no padding, attention.py's kernel computing each prompt
+    causally and each response over its prompt and itself: the logprobs equal each episode's
+    alone, with fewer query-key pairs than one dense row per prompt; a model built with plain
+    SDPA refuses such a batch instead of attending across sequences."""
+    path = tiny_dir(family)
+    procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+    policy = M.load_model(path).eval()
+    with torch.no_grad():
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
+                        packing="segments")
+        dense = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True)
+        assert row["input_ids"].shape[0] == 1 and "attention_mask_4d" not in row
+        assert int(row["attention_mask"].sum()) == row["input_ids"].numel()   # no padding at all
+        assert int(row["attention_pairs"]) < int(dense["attention_pairs"])
+        with pytest.raises(ValueError, match="attn_implementation='grpo_segments'"):
+            M.sequence_logprobs(policy, row, procs.tokens, 1.0)
+        policy.set_attn_implementation(M.attention_for("segments"))
+        lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
+        policy.set_attn_implementation("sdpa")
+        for i, e in enumerate(eps):
+            one = I.collate([e], [images[e.index]], procs, CPU)
+            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
+            torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
@@ -198,7 +263,7 @@ def test_packing_with_every_option_equals_unpacked(tmp_path):
             "--loss.kl_target=0.01", "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=0",
             "--model.activation_checkpointing=true", "--train.micro_batch_tokens=2048"]
     runs = {}
-    for name, extra in (("flat", []), ("packed", ["--train.packing=true"])):
+    for name, extra in (("flat", ["--train.packing=false"]), ("packed", ["--train.packing=true"])):
         out = tmp_path / name
         torchrun(3, [*TINY, f"--run.out_dir={out}", "--run.steps=3", "--run.keep_last=0", *opts, *extra])
         runs[name] = metrics(out)

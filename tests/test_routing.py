@@ -63,10 +63,11 @@ def test_the_engine_records_one_choice_per_response_token_and_layer(moe):
         assert e.routing.dtype == torch.uint8 and int(e.routing.max()) < cfg.num_experts
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="mask")])
+@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")])
 def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
     path, procs, eps, images, trainer = moe
     batch = I.collate(eps, images, procs, CPU, **layout)
+    trainer.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
     rows, cols = ((batch["pred_row"], batch["pred_col"]) if "pred_row" in batch
                   else batch["response_mask"][:, 1:].nonzero(as_tuple=True))
     engine = torch.cat([e.routing for e in eps]).long()                      # [N, L, k], as rows/cols
@@ -85,6 +86,7 @@ def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
     finally:
         routing.attach(trainer, replay=False)
     assert torch.equal(replayed, engine)
+    trainer.set_attn_implementation("sdpa")
     # still counted against the trainer's own top-k (which after a replayed layer sees the
     # engine's experts' output: agreement is per layer given the layers before)
     assert routing.take_counts(trainer)[1] == total

@@ -1,0 +1,106 @@
+"""The CPU kernel for packed rows (`train.packing`, device.Device.packed_attention = "segments").
+
+A packed row holds whole sequences side by side: a prompt and its responses (one response
+each without `train.share_prompt`). A dense kernel under a 4-D block mask computes every
+query-key pair of the row, masked or not, so a row wider than its longest sequence costs more
+attention than the padding it saves. This kernel computes only the pairs that count: each
+prompt attends to itself causally, each response to its prompt and to itself causally, one
+`sdpa_attention_forward` call per piece (transformers' own: GQA, scaling and dtype as usual).
+So a micro-batch is one row of whole sequences, as wide as `train.micro_batch_tokens`, with no
+padding and no [W, W] mask.
+
+It is registered with transformers under :data:`NAME` (the trainer's models are built with it,
+trainer.build); the row's layout rides in the forward's keyword `grpo_segments` (through
+activation checkpointing's recomputation too), built by inputs.pack. transformers builds no
+mask for an attention name its mask registry lacks (masking_utils: checked in 5.5.4, 5.17 and
+5.24). Any other call (the vision tower, a batch without the keyword) is plain SDPA.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "grpo_segments"
+
+# One row's layout: [(prompt start, prompt length, [(response start, response length), ...]), ...]
+Layout = list[list[tuple[int, int, list[tuple[int, int]]]]]
+
+
+def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       grpo_segments: Layout | None = None, **kwargs):
+    """transformers' attention interface: query [rows, H, W, D], key/value [rows, Hkv, W, D] ->
+    ([rows, W, H, D], None). Columns outside every sequence (a row's unused tail) get zeros."""
+    if grpo_segments is None or not getattr(module, "is_causal", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    kw = dict(dropout=dropout, scaling=scaling)
+    rows = []
+    for r, seqs in enumerate(grpo_segments):
+        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
+        cols, vals = [], []
+        # a prompt and its first response (right after it) are plainly causal together
+        _causal_buckets(module, q, k, v, [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs],
+                        cols, vals, kw)
+        for start, plen, responses in seqs:
+            pk, pv = k[:, :, start:start + plen], v[:, :, start:start + plen]
+            for s, n in responses[1:]:  # the prompt, then itself causally
+                mask = torch.ones(n, plen + n, dtype=torch.bool, device=q.device).tril(plen)
+                out = sdpa_attention_forward(module, q[:, :, s:s + n], torch.cat([pk, k[:, :, s:s + n]], 2),
+                                             torch.cat([pv, v[:, :, s:s + n]], 2), mask[None, None],
+                                             is_causal=False, **kw)[0]
+                cols.append(torch.arange(s, s + n, device=q.device))
+                vals.append(out[0])
+        W, H, D = q.shape[2], q.shape[1], q.shape[3]
+        rows.append(q.new_zeros(W, H, D).index_put((torch.cat(cols),), torch.cat(vals)))
+    return torch.stack(rows), None
+
+
+def _causal_buckets(module, q, k, v, spans: list[tuple[int, int]], cols: list, vals: list,
+                    kw: dict, ratio: float = 1.25) -> None:
+    """Causal attention within each span (start, length) of one row ([1, H, W, D]): spans of
+    similar length (within `ratio` of a bucket's shortest) go through one batched call, each
+    padded at its end with the columns after it (a causal query never sees them; the padded
+    queries' outputs are dropped). Appends each span's columns and outputs [n, H, D]."""
+    W = q.shape[2]
+    order = sorted(range(len(spans)), key=lambda i: spans[i][1])
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and spans[order[j]][1] <= spans[order[i]][1] * ratio:
+            j += 1
+        group = [spans[t] for t in order[i:j]]
+        m = group[-1][1]
+        idx = (torch.tensor([st for st, _ in group], device=q.device)[:, None]
+               + torch.arange(m, device=q.device)[None, :]).clamp(max=W - 1)         # [n, m]
+        out = sdpa_attention_forward(module, q[0][:, idx].transpose(0, 1), k[0][:, idx].transpose(0, 1),
+                                     v[0][:, idx].transpose(0, 1), None, is_causal=True, **kw)[0]
+        for b, (st, n) in enumerate(group):                                         # out [n, m, H, D]
+            cols.append(torch.arange(st, st + n, device=q.device))
+            vals.append(out[b, :n])
+        i = j
+
+
+def layout(segments: torch.Tensor) -> Layout:
+    """The per-row layout of a packed batch's `segments` ([responses, 5]: row, prompt's column,
+    prompt length, the response's column, its length, in row-major order; inputs.pack)."""
+    out: Layout = []
+    for row, pcol, plen, rcol, n in segments.tolist():
+        while len(out) <= row:
+            out.append([])
+        if not out[row] or out[row][-1][0] != pcol:
+            out[row].append((pcol, plen, []))
+        out[row][-1][2].append((rcol, n))
+    return out
+
+
+def pairs(layout: Layout) -> int:
+    """The query-key pairs the kernel computes for `layout` (train/attention_frac): each span
+    of a prompt and its first response as if alone (its bucket's padding aside), then each
+    further response over its prompt and itself."""
+    return sum((plen + responses[0][1]) ** 2 + sum(n * (plen + n) for _, n in responses[1:])
+               for seqs in layout for _, plen, responses in seqs)
+
+
+AttentionInterface.register(NAME, segments_attention)
