@@ -19,7 +19,7 @@ import pytest
 import pipeline as P
 import rollout as R
 import vllm_ahead as A
-from tests.util import TINY, VLLM_CPU, metrics, torchrun, use_vllm_cpu_build
+from tests.util import ROOT, TINY, VLLM_CPU, metrics, torchrun, use_vllm_cpu_build
 
 STOP = 2
 
@@ -376,3 +376,28 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     assert all(r["logprob_diff/max"] <= 1e-4 for r in rows)
     assert "a staged weight sync holds" in p.stdout + p.stderr
     assert [r["step"] for r in rows if "eval/n" in r] == [2, 5]  # the worker paused between batches
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_runs_two_turn_episodes_ahead_with_partial_rollouts(tmp_path, shim, monkeypatch):
+    """Multi-turn episodes (the recheck environment: two turns) on vLLM running two versions
+    ahead with partial rollouts (docs/multiturn.md, docs/async.md): every episode has its two
+    turns, batch 1 spans two versions (GRPO_FAULT's hold), step 1 finds the engine at the bound,
+    the parity holds over the sampled tokens of the trainers' version, and samples.jsonl keeps
+    each conversation's turns with their roles."""
+    import json
+    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
+    torchrun(3, [*TINY, *VLLM, *TOY, "--config", str(ROOT / "configs" / "presets" / "recheck.toml"),
+                 "--data.max_prompt_len=384", "--rollout.max_episode_tokens=96",
+                 "--rollout.max_staleness=2", "--rollout.partial=true", "--loss.correction=token_mask",
+                 "--run.steps=6", "--run.log_samples=-1", f"--run.out_dir={tmp_path}"], timeout=400)
+    rows = metrics(tmp_path)
+    print("vLLM two turns, k=2 partial:", [(r["step"], r["rollout/staleness_max"], round(r["rollout/partial_frac"], 2),
+                                            r["logprob_diff/tokens"], f'{r["logprob_diff/max"]:.1e}') for r in rows])
+    assert [r["step"] for r in rows] == list(range(6)) and all(r["rollout/turns_mean"] == 2.0 for r in rows)
+    assert rows[1]["rollout/partial_frac"] > 0 and max(r["rollout/staleness_max"] for r in rows) == 2
+    assert all(r["logprob_diff/max"] <= 1e-4 for r in rows) and rows[0]["logprob_diff/tokens"] > 0
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples and all([t["role"] for t in s["turns"]] == ["assistant", "user", "assistant"]
+                           for s in samples), samples[0].get("turns")
