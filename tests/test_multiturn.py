@@ -70,38 +70,91 @@ def _two_turn_episode(procs, vision: bool):
     return e, p.images, mask
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")])
-def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens(tiny_dir, layout):
+LAYOUTS = [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")]
+TWO_TURNS = C.RolloutConfig(env="recheck", max_turns=2, max_new_tokens=16)  # 32 sampled tokens at most
+KL = dict(kl_coef=0.1, kl_estimator="k3")
+
+
+def _noisy(path):
+    """The tiny model with seeded Gaussian noise on its weights: a reference unlike the policy."""
+    ref = M.load_model(path).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return ref.requires_grad_(False)
+
+
+def _batched_loss(model, ref, eps, adv, images, procs, layout, aggregation):
+    """The trainer's way: one batch in `layout`, policy_loss over its response_mask with the
+    step's denominator (update.denominators: sampled tokens only) and a k3 KL to `ref`."""
+    batch = I.collate(eps, [images] * len(eps), procs, CPU, **layout)
+    for m in (model, ref):
+        m.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
+    lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
+    with torch.no_grad():
+        ref_lp, _ = M.sequence_logprobs(ref, batch, procs.tokens, 1.0)
+    for m in (model, ref):
+        m.set_attn_implementation("sdpa")
+    denom = L.loss_denominator([I.sampled_tokens(x) for x in eps], [True] * len(eps), aggregation,
+                               MT.max_sampled_tokens(TWO_TURNS))
+    loss, metrics = L.policy_loss(lp, lp.detach(), adv, batch["response_mask"].float(),
+                                  ref_logprobs=ref_lp, loss_denominator=denom, aggregation=aggregation,
+                                  max_response_len=MT.max_sampled_tokens(TWO_TURNS), **KL)
+    return loss, metrics, batch
+
+
+def _by_hand(model, ref, eps, masks, adv, images, procs, aggregation):
+    """Each episode alone in one row, every position's logprob, then only the positions `masks`
+    marks sampled: the per-token PPO term (ratio 1) + 0.1 x k3 KL, aggregated with denominators
+    written out here. Returns (loss, the mean KL over sampled tokens)."""
+    per_episode, kls, n_tokens = [], [], []
+    for x, mask, a in zip(eps, masks, adv):
+        one = I.collate([x], [images], procs, CPU)
+        ids = one["input_ids"]
+        inputs = dict(input_ids=ids, attention_mask=one["attention_mask"], **M._model_inputs(one, procs.tokens))
+        tok_lp, _ = M.token_logprobs(model(**inputs).logits[0, :-1], ids[0, 1:], procs.tokens, 1.0)
+        with torch.no_grad():
+            ref_lp, _ = M.token_logprobs(ref(**inputs).logits[0, :-1], ids[0, 1:], procs.tokens, 1.0)
+        P = len(ids[0]) - len(mask)
+        m = torch.tensor([0.0] * (P - 1) + [float(v) for v in mask]) > 0
+        # selected, not multiplied: a suppressed id (an image pad, the inserted <|im_start|>) has -inf
+        sel, ref_sel = tok_lp[m], ref_lp[m]
+        d = ref_sel - sel
+        kl = torch.exp(d) - d - 1.0
+        per_episode.append(-a * torch.exp(sel - sel.detach()) + 0.1 * kl)
+        kls.append(kl.detach())
+        n_tokens.append(sum(mask))
+    B, most = len(eps), 2 * 16                          # two turns of 16 new tokens at most
+    if aggregation == "token-mean":
+        loss = sum(t.sum() for t in per_episode) / sum(n_tokens)
+    elif aggregation == "seq-mean-token-mean":
+        loss = sum(t.sum() / n for t, n in zip(per_episode, n_tokens)) / B
+    else:
+        loss = sum(t.sum() for t in per_episode) / (B * most)
+    return loss, float(torch.cat(kls).sum()) / sum(n_tokens)
+
+
+@pytest.mark.parametrize("aggregation", L.AGGREGATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens(tiny_dir, layout, aggregation):
+    """A two-turn episode and a one-turn one, every aggregation, with a KL term to a reference
+    that is not the policy: the loss, its gradients and the KL metric equal a hand-built
+    computation over the sampled tokens alone (the inserted ones in no sum and no denominator:
+    a token count, a per-episode mean, and Dr. GRPO's constant of two turns x max_new_tokens)."""
     path, procs = _procs(tiny_dir)
     e, images, mask = _two_turn_episode(procs, vision=True)
     other = R.Episode(e.index, 0, e.prompt_ids, list(range(90, 97)), [-2.0] * 7, 0.0, {}, 0, True)
     eps, adv = [e, other], torch.tensor([1.5, -0.5])
-    model = M.load_model(path).train()
-    batch = I.collate(eps, [images, images], procs, CPU, **layout)
-    model.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
-    lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
-    model.set_attn_implementation("sdpa")
-    rmask = batch["response_mask"].float()
-    denom = float(sum(I.sampled_tokens(x) for x in eps))
-    loss, _ = L.policy_loss(lp, lp.detach(), adv, rmask, loss_denominator=denom)
+    model, ref = M.load_model(path).train(), _noisy(path)
+    loss, metrics, batch = _batched_loss(model, ref, eps, adv, images, procs, layout, aggregation)
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    # by hand: each episode alone in one row, every position's logprob, the mask over sampled tokens
-    total = 0.0
-    for x, a in zip(eps, adv):
-        one = I.collate([x], [images], procs, CPU)
-        ids = one["input_ids"]
-        logits = model(input_ids=ids, attention_mask=one["attention_mask"],
-                       **M._model_inputs(one, procs.tokens)).logits[0, :-1]
-        tok_lp, _ = M.token_logprobs(logits, ids[0, 1:], procs.tokens, 1.0)
-        P = len(ids[0]) - len(x.response_ids)
-        m = torch.tensor([0.0] * (P - 1) + [float(v) for v in I.loss_mask(x)])
-        # selected, not multiplied: a suppressed id (an image pad, the inserted <|im_start|>) has -inf
-        sel = tok_lp[m > 0]
-        total = total - (a * torch.exp(sel - sel.detach())).sum()
-    (total / denom).backward()
-    assert abs(float(loss.detach()) - float((total / denom).detach())) < 1e-6
+    total, kl_mean = _by_hand(model, ref, eps, [mask, [1] * 7], adv, images, procs, aggregation)
+    total.backward()
+    assert abs(float(loss.detach()) - float(total.detach())) < 1e-6
+    assert abs(metrics["kl"] - kl_mean) < 1e-6 and kl_mean > 1e-4   # the reference differs
     for n, p in model.named_parameters():
         if p.grad is not None:
             assert torch.allclose(ours[n], p.grad, atol=1e-6), n
