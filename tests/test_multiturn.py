@@ -3,6 +3,8 @@ a loss mask that keeps them out of the loss, its denominators, the entropy, the 
 length metrics, the environment and tool loop, and a single-turn run unchanged."""
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -219,8 +221,14 @@ def test_the_recheck_environment_asks_once_and_the_last_reply_is_graded(tiny_dir
     assert [t["role"] for t in a.turns] == ["assistant", "user", "assistant"]
     assert a.turns[-1]["content"] == "second" and a.turns[1]["content"] == "Check your answer."
     assert eng.engine.calls == [(1, 2, 16), (2, 1, 16)]  # then each conversation alone, n = 1
-    n_ins = len(a.ids) - sum(a.loss_mask)
-    assert n_ins > 0 and a.loss_mask[:len(a.loss_mask) - n_ins] != a.loss_mask
+    # the ids are reply 1 (stopped on its end-of-turn), the inserted turn, reply 2; the loss mask is 0
+    # exactly on the inserted turn's positions
+    tok, eos = procs.tokenizer, procs.tokens.eos
+    r1, r2 = (tok.encode(w, add_special_tokens=False) + [eos] for w in ("first", "second"))
+    ins = MT.inserted_ids(procs, [{"role": "user", "content": "Check your answer."}], eos)
+    assert ins and a.ids == r1 + ins + r2
+    assert a.loss_mask == [1] * len(r1) + [0] * len(ins) + [1] * len(r2)
+    assert a.logprobs == [-0.5] * len(r1) + [0.0] * len(ins) + [-0.5] * len(r2)
     assert procs.tokenizer.decode(a.ids, skip_special_tokens=True).count("Check your answer.") == 1
 
 
@@ -283,6 +291,58 @@ def test_tool_calls_become_tool_turns_and_errors_are_told_to_the_model(tiny_dir)
     text = procs.tokenizer.decode(c.ids)
     assert text.count("<tool_response>") == 3 and "<tools>" in procs.tokenizer.decode(I.prompt_ids(procs, "q", 0))
     eng.shutdown()
+
+
+BARE = '<tool_call>\n{"name": "%s", "arguments": {}}\n</tool_call>'
+
+
+@pytest.fixture
+def bad_tools(monkeypatch):
+    """Three test tools in a copy of the registry (the real one is given back after the test):
+    one sleeps far past any timeout (until the test ends), one raises, one returns 10 MB."""
+    from envs import tools as T
+    monkeypatch.setattr(T, "TOOLS", dict(T._known()))
+    release = threading.Event()
+    none = {"type": "object", "properties": {}}
+    T.tool("_mt_sleep", "sleeps", none)(lambda: release.wait(120) and "woke")
+    T.tool("_mt_raise", "raises", none)(lambda: {}["missing"])
+    T.tool("_mt_big", "returns 10 MB", none)(lambda: "x" * 10 * 2**20)
+    yield ["_mt_sleep", "_mt_raise", "_mt_big"]
+    release.set()
+
+
+def test_a_tool_that_hangs_raises_or_returns_10_mb_is_an_error_turn_and_the_episode_goes_on(tiny_dir, bad_tools):
+    """The three bad tools called one per reply through the episode loop: each comes back as an
+    error tool turn, the model replies after each, the last reply ends the episode; all three
+    count in rollout/tool_errors; the hung call costs about tool_timeout_s (it sleeps 120 s)."""
+    path, _ = _procs(tiny_dir, "qwen3")
+    timeout = 0.5
+    rc = C.RolloutConfig(tools=bad_tools, tool_timeout_s=timeout, max_turns=4, max_new_tokens=64)
+    procs = I.load_processors(path, 56 * 56, 112 * 112, tools=envs.schemas(bad_tools))
+    replies = [BARE % t for t in bad_tools] + ["The answer is 5."]
+    eng = MT.wrap(_Scripted(procs, replies), rc, procs)
+    t0 = time.monotonic()
+    try:
+        [[c]] = eng.generate([(I.prompt_ids(procs, "q", 0), [])], R.Sampling(n=1, max_new_tokens=64), 0)
+    finally:
+        eng.shutdown()
+    took = time.monotonic() - t0
+    assert timeout <= took < timeout + 30, took    # not the tool's 120 s: generous on a loaded machine
+    assert [t["role"] for t in c.turns] == ["assistant", "tool"] * 3 + ["assistant"], c.turns
+    tools = c.turns[1::2]
+    assert [t["name"] for t in tools] == bad_tools and all(t.get("error") for t in tools)
+    assert tools[0]["content"] == f"error: _mt_sleep: timed out: no result within {timeout:g} s"
+    assert tools[1]["content"] == "error: _mt_raise: the tool raised KeyError: 'missing'"
+    assert tools[2]["content"] == ("error: _mt_big: the result is 10,485,760 characters, over the "
+                                   "limit of 10,000")
+    assert c.turns[-1]["content"] == "The answer is 5." and not c.truncated
+    assert eng.engine.calls == [(1, 1, 64)] * 4                    # a reply after each error turn
+    assert procs.tokenizer.decode(c.ids).count("<tool_response>") == 3
+    assert sum(c.loss_mask) == sum(len(procs.tokenizer.encode(r, add_special_tokens=False)) + 1
+                                   for r in replies)              # the replies' tokens (+ end of turn)
+    e = R.Episode(0, 0, [], c.ids, c.logprobs, 0.0, {}, 0, c.truncated, turns=c.turns, loss_mask=c.loss_mask)
+    assert MT.turn_metrics([e]) == {"rollout/turns_mean": 4.0, "rollout/tool_calls_mean": 3.0,
+                                    "rollout/tool_errors": 3.0}
 
 
 @pytest.mark.slow
