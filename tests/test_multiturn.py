@@ -114,7 +114,8 @@ def _by_hand(model, ref, eps, masks, adv, images, procs, aggregation):
     for x, mask, a in zip(eps, masks, adv):
         one = I.collate([x], [images], procs, CPU)
         ids = one["input_ids"]
-        inputs = dict(input_ids=ids, attention_mask=one["attention_mask"], **M._model_inputs(one, procs.tokens))
+        inputs = dict(input_ids=ids, attention_mask=one["attention_mask"],
+                      **M._model_inputs(one, procs.tokens))
         tok_lp, _ = M.token_logprobs(model(**inputs).logits[0, :-1], ids[0, 1:], procs.tokens, 1.0)
         with torch.no_grad():
             ref_lp, _ = M.token_logprobs(ref(**inputs).logits[0, :-1], ids[0, 1:], procs.tokens, 1.0)
@@ -265,6 +266,68 @@ def test_three_ranks_learn_with_the_recheck_environment(tmp_path):
     assert all(r["logprob_diff/tokens"] == r["rollout/response_tokens"] for r in rows)
     first, last = (sum(r["reward/target_fraction"] for r in rows[a:b]) / 4 for a, b in ((0, 4), (-4, None)))
     assert last > first + 0.1, (first, last)
+
+
+# ----------------------------------------------------------------------- short runs in a world of one
+ONE_TURN = ["--rollout.env=recheck", "--rollout.max_turns=1"]  # Conversations, stopped after a reply
+TURN_KEYS = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors")
+RUNS = {"plain": ["--run.steps=3"], "one_turn": ["--run.steps=3", *ONE_TURN],
+        "plain_padded": ["--run.steps=3", "--train.packing=false"],
+        "one_turn_padded": ["--run.steps=3", "--train.packing=false", *ONE_TURN],
+        "two_turns": ["--run.steps=2", "--rollout.env=recheck", "--rollout.max_turns=2", "--run.eval_every=2",
+                      "--run.eval_size=2", "--run.log_samples=-1"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tiny demo's config in a world of one (tests/util.run_inline: one interpreter, imports
+    paid once, a few seconds in all): the folders of the RUNS above."""
+    from tests.util import run_inline
+    root = tmp_path_factory.mktemp("multiturn_runs")
+    run_inline([[*TINY, "--run.keep_last=0", f"--run.out_dir={root / name}", *args]
+                for name, args in RUNS.items()], timeout=600)
+    return root
+
+
+def _rows(path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("plain,one_turn", [("plain", "one_turn"), ("plain_padded", "one_turn_padded")])
+def test_a_single_turn_run_is_the_one_turn_case_of_conversations_bit_for_bit(runs, plain, one_turn):
+    """The same seed, 3 steps, packed rows and padded micro-batches: a plain run and one whose
+    episodes go through multiturn.Conversations (the recheck environment, max_turns = 1) log
+    the same value for every metric but the timings (time/...) and the turn metrics, which
+    only the latter has; their samples are the same but for the latter's `turns`."""
+    a, b = metrics(runs / plain), metrics(runs / one_turn)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
+    for x, y in zip(a, b):
+        assert not any(k in x for k in TURN_KEYS)
+        assert y["rollout/turns_mean"] == 1.0 and y["rollout/tool_errors"] == 0.0   # it went through them
+        same = [k for k in x if not k.startswith("time/")]
+        theirs = {k for k in y if not k.startswith("time/") and k not in TURN_KEYS}
+        assert len(same) > 30 and set(same) == theirs
+        assert {k: x[k] for k in same} == {k: y[k] for k in same}, x["step"]
+    sa, sb = _rows(runs / plain / "samples.jsonl"), _rows(runs / one_turn / "samples.jsonl")
+    assert sa and all(r["turns"] == [{"role": "assistant", "content": r["response"]}] for r in sb)
+    assert sa == [{k: v for k, v in r.items() if k != "turns"} for r in sb]
+
+
+def test_samples_and_evaluation_records_keep_every_turn_and_its_role(runs):
+    """A two-turn run (recheck) with an evaluation: each samples.jsonl row and each
+    eval/step_N.jsonl row keeps the conversation (assistant, the inserted user turn, assistant),
+    `response` is the last reply, `length` counts the sampled tokens (at most 2 x 16)."""
+    run = runs / "two_turns"
+    samples = _rows(run / "samples.jsonl")
+    evals = _rows(run / "eval" / "step_000002.jsonl")
+    assert len(samples) == 2 * 16 and len(evals) == 2                  # every episode; eval_size 2, greedy
+    for r in samples + evals:
+        assert [t["role"] for t in r["turns"]] == ["assistant", "user", "assistant"], r
+        assert r["turns"][1]["content"] == "Check your answer." and r["turns"][-1]["content"] == r["response"]
+        assert all(isinstance(t["content"], str) for t in r["turns"]) and 2 <= r["length"] <= 2 * 16
+    assert all(r["rollout/turns_mean"] == 2.0 for r in metrics(run))
+    assert [r["after"] for r in _rows(run / "eval.jsonl")] == [2]
 
 
 CALL = '<tool_call>\n{"name": "%s", "arguments": {"expression": "%s"}}\n</tool_call>'
