@@ -330,6 +330,31 @@ def test_samples_and_evaluation_records_keep_every_turn_and_its_role(runs):
     assert [r["after"] for r in _rows(run / "eval.jsonl")] == [2]
 
 
+GEOMETRY_CALCULATOR = ("python train.py --config configs/qwen3vl_4b.toml --config "
+                       "configs/presets/calculator.toml --dry-run")
+
+
+def test_the_geometry3k_calculator_config_resolves_with_the_tool():
+    """The documented Qwen3-VL-4B Geometry3K config with the calculator preset stacked on it
+    passes its dry run (a real interpreter) and resolves to a run that offers the calculator."""
+    import subprocess
+    import sys
+    import tomllib
+
+    from tests.util import ROOT, env
+    assert GEOMETRY_CALCULATOR in (ROOT / "docs" / "multiturn.md").read_text()  # tests/test_examples.py too
+    p = subprocess.run([sys.executable, *GEOMETRY_CALCULATOR.split()[1:]], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    toml, _, plan = p.stdout.partition("\n{")                   # the resolved config, then the plan
+    cfg = tomllib.loads(toml)
+    assert cfg["rollout"]["tools"] == ["calculator"] and cfg["rollout"]["env"] == ""
+    assert cfg["rollout"]["max_turns"] == 4 and cfg["rollout"]["max_episode_tokens"] == 512
+    assert cfg["model"]["path"] == "Qwen/Qwen3-VL-4B-Instruct"
+    assert cfg["data"]["source"] == "hiyouga/geometry3k"
+    assert '"groups"' in plan
+
+
 CALL = '<tool_call>\n{"name": "%s", "arguments": {"expression": "%s"}}\n</tool_call>'
 
 
