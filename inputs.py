@@ -369,9 +369,9 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
                token_versions=versions, attention_pairs=torch.tensor(B * width * width),
                episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
-    pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major: each episode in order
-    _add_routing(out, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
-                 pred[0], pred[1])                               # column t - 1 predicts token t
+    pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major; column t - 1 predicts t
+    _add_routing(out, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)], pred,
+                 [(e, i, 0, len(p)) for i, (e, p) in enumerate(zip(episodes, prompts))])
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -382,12 +382,15 @@ def _expanded_index(ids: list[int], counts: list[int], image_pad: int) -> list[i
     return [j for j, t in enumerate(ids) for _ in range(next(it) if t == image_pad and counts else 1)]
 
 
-def _add_routing(out: dict, parts: list, rows: torch.Tensor, cols: torch.Tensor) -> None:
+def _add_routing(out: dict, parts: list, pred: tuple, prompts: list) -> None:
     """MoE episodes carrying the engine's routing (`parts`: each episode's routing or None, and
-    its expanded index): `routing` [rows, W, L, k] (routing.py)."""
-    replay = routing.batch_routing(tuple(out["input_ids"].shape), rows, cols, parts)
-    if replay is not None:
-        out["routing"] = replay
+    its expanded index, predicted at `pred` (rows, cols); `prompts`: each prompt copy's episode
+    (its prompt_routing), row, first column, length): `routing` [rows, W, L, k] and
+    `routing_counted` [rows, W] (routing.batch_routing)."""
+    prompts = [(getattr(e, "prompt_routing", None), r, c, n) for e, r, c, n in prompts]
+    got = routing.batch_routing(tuple(out["input_ids"].shape), *pred, parts, prompts)
+    if got is not None:
+        out["routing"], out["routing_counted"] = got
 
 
 def _same_images(a: list, b: list) -> bool:
@@ -472,7 +475,9 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     if "attention_pairs" not in out:  # a dense kernel: every pair of every row
         out["attention_pairs"] = torch.tensor(len(layout) * W * W)
     _add_routing(out, [(getattr(episodes[i], "routing", None), range(len(episodes[i].response_ids)))
-                       for u in seqs for i in u], out["pred_row"], out["pred_col"])
+                       for u in seqs for i in u], (out["pred_row"], out["pred_col"]),
+                 [(episodes[u[0]], seq_row[k], seq_col[k], built[k][0])  # a shared prompt: the first's
+                  for k, u in enumerate(seqs)])
     return {k: v.to(device) for k, v in out.items()}
 
 

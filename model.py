@@ -120,7 +120,7 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[:, :-1] = mask
-    logits = _logits_at(model, keep, batch.get("routing"), input_ids=ids,
+    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
                         attention_mask=batch["attention_mask"], use_cache=False,
                         **_model_inputs(batch, tokens))
     rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
@@ -146,7 +146,7 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
                              f"{A.NAME!r} (trainer.build), not {got!r}")
         layout = {"grpo_segments": A.layout(batch["segments"].cpu())}
-    logits = _logits_at(model, keep, batch.get("routing"), input_ids=ids,
+    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
                         attention_mask=batch.get("attention_mask_4d"),
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,
                         **_model_inputs(batch, tokens), **layout)
@@ -218,11 +218,12 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None,
+               counted: torch.Tensor | None = None, **inputs) -> torch.Tensor:
     """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
     pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
     [rows, W, vocab] tensor exists whatever the transformers version. `routing`: the batch's
-    MoE routing to replay (routing.replaying)."""
+    MoE routing to replay, `counted`: the entries its agreement counts (routing.replaying)."""
     head = model.get_output_embeddings()
 
     def select(_module, args):
@@ -230,7 +231,7 @@ def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None, *
 
     handle = head.register_forward_pre_hook(select)
     try:
-        with R.replaying(model, routing):                        # MoE: the engine's experts
+        with R.replaying(model, routing, counted):               # MoE: the engine's experts
             return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
     finally:
         handle.remove()

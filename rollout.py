@@ -45,6 +45,7 @@ class Episode:
     info: dict = field(default_factory=dict)  # what reward functions returned beside the score (samples only)
     source: str = ""            # its problem's data.sources name ("" for the one data.source)
     routing: torch.Tensor | None = None  # MoE: [R, L, k] experts of the input predicting each token (routing.py)
+    prompt_routing: torch.Tensor | None = None  # MoE: [P - 1, L, k] the other prompt tokens' (expanded prompt)
     # multi-turn (multiturn.py): response_ids are every token after the prompt; 1 on the sampled
     # ones, 0 on inserted user / tool turns ([] = all sampled); the turns with their roles
     loss_mask: list[int] = field(default_factory=list)
@@ -70,6 +71,7 @@ class Completion:
     truncated: bool
     versions: list[int] = field(default_factory=list)  # chunked generation: each token's weight version
     routing: torch.Tensor | None = None  # MoE: [len(ids), L, k] (routing.py)
+    prompt_routing: torch.Tensor | None = None  # MoE: the prompt's tokens but the last (routing.py)
     loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
@@ -185,13 +187,14 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
         if self.between is not None and not sp.greedy:
             return self._chunked(prompts, sp, seed)
-        resp, lp, routes = self._sample(prompts, sp, seed)
+        resp, lp, routes, before = self._sample(prompts, sp, seed)
         per_prompt = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in prompts]
-        for row, (r, l, x) in enumerate(zip(resp, lp, routes)):
+        for row, (r, l, x, b) in enumerate(zip(resp, lp, routes, before)):
             n, stopped = self._cut(r)
             result[row // per_prompt].append(Completion(r[:n], l[:n], truncated=not stopped,
-                                                        routing=None if x is None else x[:n]))
+                                                        routing=None if x is None else x[:n],
+                                                        prompt_routing=b))
         return result
 
     def _cut(self, r: list[int]) -> tuple[int, bool]:
@@ -213,9 +216,9 @@ class HFEngine:
             n_new = min(self.chunk or sp.max_new_tokens, sp.max_new_tokens - len(seqs[live[0]].ids))
             rows = prompts if c == 0 else [(prompts[owner[i]][0] + seqs[i].ids, prompts[owner[i]][1])
                                            for i in live]
-            resp, lp, routes = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
-                                                          max_new_tokens=n_new), seed + c * 7919)
-            for i, r, l, x in zip(live, resp, lp, routes):
+            resp, lp, routes, before = self._sample(rows, replace(sp, n=sp.n if c == 0 else 1,
+                                                                  max_new_tokens=n_new), seed + c * 7919)
+            for i, r, l, x, b in zip(live, resp, lp, routes, before):
                 n, stopped = self._cut(r[:n_new])
                 seqs[i].ids += r[:n]
                 seqs[i].logprobs += l[:n]
@@ -223,15 +226,17 @@ class HFEngine:
                 seqs[i].truncated = not stopped
                 if x is not None:  # each chunk's tokens as that chunk routed their predictors
                     seqs[i].routing = x[:n] if c == 0 else torch.cat([seqs[i].routing, x[:n]])
+                    seqs[i].prompt_routing = b if c == 0 else seqs[i].prompt_routing  # chunk 0's prefill
             live = [i for i in live if seqs[i].truncated and len(seqs[i].ids) < sp.max_new_tokens]
             c += 1
         return [seqs[p * sp.n:(p + 1) * sp.n] for p in range(len(prompts))]
 
     @torch.no_grad()
-    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int) -> tuple[list, list, list]:
+    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int) -> tuple[list, list, list, list]:
         """One transformers generate call: every row's sampled tokens and their logprobs
         (lists; rows prompt-major, sp.n per prompt, 1 when greedy), up to max_new_tokens, and
-        for a MoE model each row's routing [T, L, k] (routing.generated_routing; else None)."""
+        for a MoE model each row's routing [T, L, k] and its prompt's but the last token's
+        [P - 1, L, k] (routing.generated_routing, routing.prompt_routing; else None)."""
         tk = self.tokens
         images = [im for _, ims in prompts for im in ims]
         mm, mm_kw = {}, {}
@@ -264,9 +269,12 @@ class HFEngine:
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
         temp = 1.0 if sp.greedy else sp.temperature
         lp, _ = M.token_logprobs(logits, resp, tk, temp)
-        routes = (list(R.generated_routing(calls, *resp.shape, self.experts).cpu()) if self.experts
-                  else [None] * resp.shape[0])
-        return resp.tolist(), lp.tolist(), routes
+        if not self.experts:
+            return resp.tolist(), lp.tolist(), [None] * resp.shape[0], [None] * resp.shape[0]
+        routes = list(R.generated_routing(calls, *resp.shape, self.experts).cpu())
+        per = resp.shape[0] // len(rows)                                  # rows prompt-major
+        before = R.prompt_routing(calls, [len(rows[i // per]) for i in range(resp.shape[0])], self.experts)
+        return resp.tolist(), lp.tolist(), routes, before
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
@@ -314,8 +322,9 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     t_gen = time.perf_counter() - t0
     rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
-        for c in comps:
-            rows.append((g, p, ids, c))
+        # MoE: the G samples' equal prompt routing as one tensor (pickled once in the exchange)
+        for c, before in zip(comps, R.shared([getattr(c, "prompt_routing", None) for c in comps])):
+            rows.append((g, p, ids, c, before))
             # multi-turn: the last reply is graded
             texts.append(c.turns[-1]["content"] if c.turns else tokenizer.decode(c.ids, skip_special_tokens=True))
             samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
@@ -324,14 +333,14 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
                             "max_new_tokens": sp.max_new_tokens, "columns": p.columns,
                             "source": p.source})
     episodes = []
-    for (g, p, ids, c), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
+    for (g, p, ids, c, before), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
         if c.env_reward is not None:  # the environment's own grade: a part, added to the total
             parts["env"], total = c.env_reward, total + c.env_reward
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=version), c.truncated, text, c.versions, info,
-                                routing=c.routing, source=p.source, loss_mask=c.loss_mask, turns=c.turns,
-                                images=c.images))
+                                routing=c.routing, prompt_routing=before, source=p.source,
+                                loss_mask=c.loss_mask, turns=c.turns, images=c.images))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
 

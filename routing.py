@@ -2,24 +2,28 @@
 
 The experts a token is routed to in the engine and in the trainer differ under bf16 and kernel
 differences, and the policy ratio then compares two different sub-networks. With
-`model.moe_routing_replay` the engine's choice travels with the episode (`Episode.routing`) and
-the trainer's forwards (proximal pass, updates, reference) use it.
+`model.moe_routing_replay` the engine's choice travels with the episode and the trainer's
+forwards (proximal pass, updates, reference) use it.
 
 What is replayed: for each response token r_j, the experts of every MoE layer for the token that
 PREDICTS it (the last prompt token for r_0, r_{j-1} after): the input whose hidden state gives
-r_j's logprob, which is what the engine computed when it sampled r_j. Other prompt tokens (and
-the last response token, which predicts nothing) keep the trainer's own routing.
-`Episode.routing` is an int tensor [R, L, k] (R response tokens, L MoE layers, k experts per
-token; uint8 up to 256 experts, else int16: L * k bytes per token, twice that past 256 experts).
+r_j's logprob, which is what the engine computed when it sampled r_j (`Episode.routing` [R, L, k]);
+and every other prompt token's, as the engine's prefill routed it (`Episode.prompt_routing`
+[P - 1, L, k] over the prompt as the trainer sees it, image tokens expanded; None where the engine
+returns none or its count is not P - 1: those keep the trainer's own). The last response token,
+which predicts nothing, and multi-turn's inserted tokens keep the trainer's own routing. R response
+tokens, L MoE layers, k experts per token; uint8 up to 256 experts, else int16: L * k bytes per
+token, twice that past 256 experts.
 
 Mechanics: a forward hook on every router module (families.moe_routers, in layer order) reads
 the replay tensor of the current forward (set by :func:`replaying` around it, one [N, L, k] row
 per flattened input token, -1 = none) and returns the replayed indices with their weights taken
 from the router's own softmax at those indices (normalised as the router normalises), so the
 gradient still reaches the router; where the engine's choice equals the trainer's the output is
-the router's own, bit for bit. The same hook counts, for every token with an engine choice,
-whether the trainer's own top-k (as a set) equals it: `train/routing_agreement`, with or
-without replay. :func:`capture` records what a transformers generate call routed (the HF engine).
+the router's own, bit for bit. The same hook counts, for every RESPONSE token's predictor with an
+engine choice (the batch's `routing_counted`; prompt tokens are replayed, not counted), whether
+the trainer's own top-k (as a set) equals it: `train/routing_agreement`, with or without replay.
+:func:`capture` records what a transformers generate call routed (the HF engine).
 """
 from __future__ import annotations
 
@@ -44,8 +48,10 @@ def _hook(layer: int):
         own = out[2]                                               # [N, k]
         want = replay[:, layer].to(own.device, torch.long)         # [N, k], -1: no choice
         has = want[:, 0] >= 0
-        same = (own.sort(-1).values == want.sort(-1).values).all(-1) & has
-        counts = torch.stack([same.sum(), has.sum()])              # stays on the device: no sync
+        counted = module._grpo_counted                             # [N] bool: response predictors
+        counted = has if counted is None else has & counted.to(has.device)
+        same = (own.sort(-1).values == want.sort(-1).values).all(-1) & counted
+        counts = torch.stack([same.sum(), counted.sum()])          # stays on the device: no sync
         module._grpo_counts = counts if module._grpo_counts is None else module._grpo_counts + counts
         if not module._grpo_apply:
             return None
@@ -66,28 +72,30 @@ def attach(model, replay: bool) -> int:
     routers = families.moe_routers(model)
     for layer, r in enumerate(routers):
         if not hasattr(r, "_grpo_counts"):
-            r._grpo_counts = r._grpo_replay = None
+            r._grpo_counts = r._grpo_replay = r._grpo_counted = None
             r.register_forward_hook(_hook(layer))
         r._grpo_apply = replay
     return len(routers)
 
 
 @contextmanager
-def replaying(model, routing: torch.Tensor | None):
+def replaying(model, routing: torch.Tensor | None, counted: torch.Tensor | None = None):
     """Around one forward of `model` over a batch whose `routing` is [rows, W, L, k] (-1 = the
-    trainer's own): replay it (if attached so), count the agreement. None: nothing."""
+    trainer's own): replay it (if attached so), count the agreement over the entries `counted`
+    [rows, W] marks (None: every one with a choice). `routing` None: nothing."""
     routers = [r for r in families.moe_routers(model) if hasattr(r, "_grpo_counts")]
     if routing is None or not routers:
         yield
         return
     flat = routing.reshape(-1, *routing.shape[2:])                 # [rows * W, L, k]
+    marks = None if counted is None else counted.reshape(-1)
     for r in routers:
-        r._grpo_replay = flat
+        r._grpo_replay, r._grpo_counted = flat, marks
     try:
         yield
     finally:
         for r in routers:
-            r._grpo_replay = None
+            r._grpo_replay = r._grpo_counted = None
 
 
 def take_counts(model) -> tuple[int, int]:
@@ -151,33 +159,68 @@ def generated_routing(calls: list[list[torch.Tensor]], rows: int, steps: int,
     return torch.stack([first] + later, 1).to(expert_dtype(num_experts))                # [rows, T, L, k]
 
 
-def batch_routing(shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor,
-                  parts: list) -> torch.Tensor | None:
-    """The [rows, W, L, k] replay tensor of a trainer batch of `shape` [rows, W]: `parts` holds
-    each episode's (routing [R, L, k] or None, the index of each of its batch tokens into its
-    response: turn images expand); its tokens, in that order, are predicted at (`rows`, `cols`)
-    [N]; each one's routing goes there, -1 elsewhere (and for an episode without). None when no
-    episode has routing."""
+def prompt_routing(calls: list[list[torch.Tensor]], lengths: list[int],
+                   num_experts: int) -> list[torch.Tensor]:
+    """From :func:`capture`'s calls of one generate over len(`lengths`) left-padded rows (row r's
+    prompt: the prefill's last `lengths[r]` positions, images expanded): each row's prompt tokens
+    but the last (whose routing is :func:`generated_routing`'s entry 0), [lengths[r] - 1, L, k],
+    each its own copy (a view would carry the whole prefill's storage when pickled)."""
+    rows = len(lengths)
+    pre = torch.stack([c.reshape(rows, -1, c.shape[-1]) for c in calls[0]], 2)  # [rows, W, L, k]
+    W, dtype = pre.shape[1], expert_dtype(num_experts)
+    return [pre[r, W - n:W - 1].to("cpu", dtype, copy=True) for r, n in enumerate(lengths)]
+
+
+def shared(tensors: list) -> list:
+    """`tensors` (the prompt routing of one prompt's G samples, maybe None) with each one equal
+    to an earlier one replaced by that one: pickled together (the step's exchange), a shared
+    tensor goes over the wire once."""
+    out: list = []
+    for t in tensors:
+        out.append(next((u for u in out if t is not None and u is not None and u.shape == t.shape
+                         and torch.equal(u, t)), t))
+    return out
+
+
+def batch_routing(shape: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor, parts: list,
+                  prompts: list = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The [rows, W, L, k] replay tensor of a trainer batch of `shape` [rows, W] and which of its
+    entries the agreement counts ([rows, W] bool: the response tokens' predictors). `parts`
+    holds each episode's (routing [R, L, k] or None, the index of each of its batch tokens into
+    its response: turn images expand); its tokens, in that order, are predicted at (`rows`,
+    `cols`) [N]; each one's routing goes there. `prompts`: each prompt copy's (prompt routing
+    [P - 1, L, k] or None, row, first column, P): its tokens but the last get it (only when its
+    count is P - 1). -1 elsewhere (and for an episode without). None when no episode has
+    routing."""
     ref = next((r for r, _ in parts if r is not None), None)
     if ref is None:
         return None
     rows_of = [r.to(torch.int16)[list(w)] if r is not None
                else torch.full((len(w), *ref.shape[1:]), -1, dtype=torch.int16) for r, w in parts]
     out = torch.full((*shape, *ref.shape[1:]), -1, dtype=torch.int16)
+    for pr, row, col, n in prompts:
+        if pr is not None and pr.shape[0] == n - 1 and pr.shape[1:] == ref.shape[1:]:
+            out[row, col:col + n - 1] = pr.to(torch.int16)
     out[rows, cols] = torch.cat(rows_of)
-    return out
+    counted = torch.zeros(shape, dtype=torch.bool)
+    counted[rows, cols] = True
+    return out, counted
 
 
-def from_vllm(routed, n: int):
-    """Response token j's row of routing.py's [R, L, k]: vLLM's row of the position predicting
-    it (the last prompt token, then token j - 1): its last `n` rows. None without a capture;
+def from_vllm(routed, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """vLLM's capture `routed` [prompt + response - 1, L, k] of a response of `n` tokens as
+    (routing.py's [n, L, k]: the rows of the positions predicting each token, its last `n`; the
+    prompt's other tokens' [prompt - 1, L, k], the rows before: `Episode.prompt_routing`, used
+    where their count matches the trainer's expanded prompt). (None, None) without a capture;
     ModelError for one that repeats an expert within a token's top-k (an engine whose MoE kernel
     does not fill the capture returns zeros)."""
     if routed is None or not n:
-        return None
+        return None, None
     import numpy as np
-    rows = np.asarray(routed)[-n:]                                     # [n, L, k]
-    if rows.shape[-1] > 1 and (np.sort(rows, -1)[..., 1:] == np.sort(rows, -1)[..., :-1]).any():
+    every = np.asarray(routed)
+    if every.shape[-1] > 1 and (np.sort(every, -1)[..., 1:] == np.sort(every, -1)[..., :-1]).any():
         raise ModelError("vLLM's routed experts repeat an expert within a token's top-k (its MoE "
                          "kernel did not fill the capture): model.moe_routing_replay cannot use them")
-    return torch.from_numpy(rows).to(expert_dtype(int(rows.max()) + 1))
+    dtype = expert_dtype(int(every.max()) + 1)
+    return (torch.from_numpy(every[-n:].copy()).to(dtype),
+            torch.from_numpy(every[:-n].copy()).to(dtype) if len(every) > n else None)

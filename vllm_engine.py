@@ -68,8 +68,9 @@ def vllm_completion(token_ids, logprobs, finish_reason: str | None, routed=None)
     """One of vLLM's `CompletionOutput`s (its token_ids, logprobs, finish_reason and, when it
     captures them, `routed_experts` [prompt + response - 1, L, k]) as a Completion."""
     ids = list(token_ids)
+    routing, before = R.from_vllm(routed, len(ids))
     return Completion(ids, [float(lp[t].logprob) for t, lp in zip(ids, logprobs, strict=True)],
-                      truncated=finish_reason == "length", routing=R.from_vllm(routed, len(ids)))
+                      truncated=finish_reason == "length", routing=routing, prompt_routing=before)
 
 
 IMAGE_PROCESSOR_SEEN: dict[str, str] = {}  # this process: which image processor vLLM loaded

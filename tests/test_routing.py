@@ -1,7 +1,8 @@
-"""MoE routing replay (routing.py): the HF engine records what each response token's predictor was
-routed to; with `model.moe_routing_replay` the trainer's forward routes exactly so, in every
-layout (one row per episode, shared prompts, packed rows); without it only the agreement is
-counted; a dense family is refused."""
+"""MoE routing replay (routing.py): the HF engine records what each response token's predictor and
+every other prompt token was routed to; with `model.moe_routing_replay` the trainer's forward
+routes exactly so, in every layout (one row per episode, shared prompts, packed rows); the
+agreement counts the response tokens' predictors only, with or without replay; a dense family is
+refused."""
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,23 @@ def _episodes(path: str, dtype=torch.bfloat16):
                 p.images if vl else []) for p in problems]
     out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=12), seed=2)
     eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated,
-                     routing=c.routing) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
-    return procs, eps, [prompts[e.group][1] for e in eps], engine.model
+                     routing=c.routing, prompt_routing=c.prompt_routing)
+           for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
+    return procs, eps, [prompts[e.group][1] for e in eps], engine
+
+
+def _prompt_columns(batch, eps, images, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every prompt copy's tokens but its last, as flat indices into the batch's [rows * W]
+    tokens, and the engine's routing of them [N, L, k] (a shared prompt: its first episode's)."""
+    W = batch["input_ids"].shape[1]
+    if "seq_row" not in batch:  # one row per episode: its prompt first
+        lens = batch["attention_mask"].sum(-1) - torch.tensor([len(e.response_ids) for e in eps])
+        starts, firsts = torch.arange(len(eps)) * W, list(range(len(eps)))
+    else:
+        lens, starts = batch["prompt_len"], batch["seq_row"] * W + batch["seq_col"]
+        firsts = [u[0] for u in I.units(eps, images, layout.get("share_prompt", False))]
+    flat = torch.cat([s + torch.arange(int(n) - 1) for s, n in zip(starts, lens)])
+    return flat, torch.cat([eps[i].prompt_routing for i in firsts]).long()
 
 
 def _routed(model, batch, procs) -> list[torch.Tensor]:
@@ -65,6 +81,8 @@ def test_the_engine_records_one_choice_per_response_token_and_layer(moe):
 
 @pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")])
 def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
+    """...and every prompt token the engine routed (the prompt's last: as r_0's predictor); the
+    agreement still counts the response tokens' predictors only."""
     path, procs, eps, images, trainer = moe
     batch = I.collate(eps, images, procs, CPU, **layout)
     trainer.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
@@ -73,23 +91,53 @@ def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
     engine = torch.cat([e.routing for e in eps]).long()                      # [N, L, k], as rows/cols
     W = batch["input_ids"].shape[1]
     flat = rows * W + cols
+    at_prompt, engine_prompt = _prompt_columns(batch, eps, images, layout)
+    assert not set(at_prompt.tolist()) & set(flat.tolist())
+    assert torch.equal(batch["routing_counted"].flatten().nonzero().flatten(), flat.unique())
     routing.attach(trainer, replay=False)
-    own = torch.stack(_routed(trainer, batch, procs), 1)[flat]             # [N, L, k]
+    every = torch.stack(_routed(trainer, batch, procs), 1)                  # [rows * W, L, k]
+    own = every[flat]
     same, total = routing.take_counts(trainer)
     assert total == len(flat.unique()) * engine.shape[1]  # shared prompts: one column predicts G firsts
     first = torch.tensor([int(f) not in set(flat[:j].tolist()) for j, f in enumerate(flat)])
     agree = (own.sort(-1).values == engine.sort(-1).values).all(-1)[first]   # each column once
     assert 0 < same < total and same == int(agree.sum())  # the perturbed trainer disagrees somewhere
+    own_prompt = (every[at_prompt].sort(-1).values == engine_prompt.sort(-1).values).all(-1)
+    assert not own_prompt.all()                           # ... on the prompt's tokens too
     routing.attach(trainer, replay=True)
     try:
-        replayed = torch.stack(_routed(trainer, batch, procs), 1)[flat]
+        replayed = torch.stack(_routed(trainer, batch, procs), 1)
     finally:
         routing.attach(trainer, replay=False)
-    assert torch.equal(replayed, engine)
+    assert torch.equal(replayed[flat], engine)
+    assert torch.equal(replayed[at_prompt], engine_prompt)
     trainer.set_attn_implementation("sdpa")
     # still counted against the trainer's own top-k (which after a replayed layer sees the
-    # engine's experts' output: agreement is per layer given the layers before)
+    # engine's experts' output: agreement is per layer given the layers before), response
+    # tokens' predictors only
     assert routing.take_counts(trainer)[1] == total
+
+
+@pytest.mark.parametrize("kind", MOE)
+def test_the_engines_prompt_routing_is_what_a_trainer_forward_routes_at_those_positions(tiny_dir, kind):
+    """The same weights and dtype (the engine's own model as the trainer): the prefill's routing
+    of each row's prompt (left-padded in the engine, prompts of different lengths) is the
+    trainer's at the prompt's columns, and r_0's predictor is the prompt's last token; a partial
+    rollout (HFEngine._chunked) keeps chunk 0's prefill."""
+    procs, eps, images, engine = _episodes(tiny_dir(kind), dtype=torch.float32)
+    model = engine.model
+    assert len({len(e.prompt_routing) for e in eps}) > 1                   # left padding differs
+    batch = I.collate(eps, images, procs, CPU)
+    every = torch.stack(_routed(model, batch, procs), 1)
+    at_prompt, engine_prompt = _prompt_columns(batch, eps, images, {})
+    assert torch.equal(every[at_prompt].sort(-1).values, engine_prompt.sort(-1).values)
+    last = at_prompt.reshape(-1)[torch.cumsum(torch.tensor([len(e.prompt_routing) for e in eps]), 0) - 1] + 1
+    assert torch.equal(every[last].sort(-1).values,
+                       torch.stack([e.routing[0] for e in eps]).long().sort(-1).values)
+    engine.between, engine.chunk = (lambda: 0), 3                          # partial rollouts
+    prompts = [(eps[i].prompt_ids, images[i]) for i in (0, 3)]
+    chunked = [c for cs in engine.generate(prompts, R.Sampling(n=3, max_new_tokens=12), seed=2) for c in cs]
+    assert all(torch.equal(c.prompt_routing, e.prompt_routing) for c, e in zip(chunked, eps))
 
 
 def test_replaying_the_trainers_own_choice_changes_nothing_bit_for_bit(moe):
@@ -153,11 +201,30 @@ def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_closer
 def test_vllms_routing_rows_are_the_predicting_positions_and_a_zero_capture_is_refused():
     import numpy as np
     routed = np.arange(9 * 2 * 2).reshape(9, 2, 2)        # prompt 5 + response 5 - 1 positions
-    got = routing.from_vllm(routed, 5)
+    got, before = routing.from_vllm(routed, 5)
     assert got.tolist() == routed[4:].tolist() and got.dtype == torch.uint8  # the last prompt token first
-    assert routing.from_vllm(None, 5) is None
+    assert before.tolist() == routed[:4].tolist() and before.dtype == torch.uint8  # the prompt's others
+    assert routing.from_vllm(None, 5) == (None, None)
     with pytest.raises(Exception, match="repeat an expert"):
         routing.from_vllm(np.zeros((9, 2, 2), dtype=np.int32), 5)
+
+
+def test_a_prompt_routing_of_another_length_is_not_used_and_equal_ones_go_once():
+    """vLLM's prompt rows count its own expansion of the images: used only where they count the
+    trainer's expanded prompt but its last token; the G samples' equal ones are one tensor."""
+    import pickle
+    resp = torch.tensor([[[0, 1]], [[1, 2]], [[2, 3]]], dtype=torch.uint8)         # [3, L=1, k=2]
+    prompt = torch.tensor([[[3, 0]]] * 3, dtype=torch.uint8)                        # 3 = P - 1
+    rows, cols = torch.zeros(6, dtype=torch.long), torch.tensor([3, 4, 5, 11, 12, 13])
+    out, counted = routing.batch_routing((1, 15), rows, cols, [(resp, range(3))] * 2,
+                                         [(prompt, 0, 0, 4), (torch.cat([prompt, prompt]), 0, 8, 4)])
+    assert out[0, :3].tolist() == prompt.tolist() and (out[0, 8:11] == -1).all()  # 6 rows for 3: not used
+    assert out[0, 3:6].tolist() == resp.tolist() and out[0, 11:14].tolist() == resp.tolist()
+    assert counted[0].nonzero().flatten().tolist() == cols.tolist()               # responses' only
+    a, b, c = torch.ones(400, dtype=torch.uint8), torch.ones(400, dtype=torch.uint8), torch.zeros(400)
+    got = routing.shared([a, b, c, None])
+    assert got[0] is a and got[1] is a and got[2] is c and got[3] is None
+    assert len(pickle.dumps(got)) < len(pickle.dumps([a, b, c, None])) - 300
 
 
 def test_replay_with_vllm_is_refused_where_its_build_captures_nothing(tiny_dir):
