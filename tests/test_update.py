@@ -156,6 +156,22 @@ def test_kl_in_reward_and_the_adaptive_coefficient(tiny_step):
     assert "train/reward_kl" not in in_loss and in_loss["train/kl_coef"] == 0.05
 
 
+def test_a_horizon_small_enough_to_turn_the_peers_multiplier_negative_keeps_the_coefficient_positive(tiny_step):
+    """Issue 35 item 3, through the update path: 16 responses per step over a horizon of 1 with
+    the KL far below its target: verl's and OpenRLHF's multiplier 1 - 0.2 x 16 / 1 = -2.2 would
+    make the coefficient negative (a KL in the loss then stops the run); clipped, it halves each
+    step and the updates go on with it."""
+    cfg = step_config(["--loss.kl_coef=0.05", "--loss.kl_target=10", "--loss.kl_horizon=1"])
+    assert 1 - 0.2 * len(tiny_step.eps) / cfg.loss.kl_horizon < 0                  # the peers'
+    tr = make_trainer(tiny_step, cfg, ref_noise=0.05)
+    for k in range(3):
+        out, _ = run_step(tiny_step, tr, cfg, k=k)
+        assert out["train/kl_seq_mean"] < cfg.loss.kl_target
+        assert out["train/kl_coef"] == pytest.approx(0.05 * 0.5 ** k) and out["train/kl_coef"] >= 0
+        assert out["kl"] > 0                           # the KL term ran in the loss, coefficient and all
+    assert tr.kl_coef == pytest.approx(0.05 * 0.5 ** 3) and tr.kl_coef >= 0
+
+
 # --------------------------------------------------------------------------- item 4
 def test_diagnostics_with_an_excluded_micro_batch_weigh_kept_tokens(tiny_step):
     # group 0's rewards all equal: DAPO's dynamic sampling drops it, and with micro-batches of
