@@ -254,11 +254,23 @@ def test_a_single_turn_run_has_no_turn_records():
 
 
 @pytest.mark.slow
-def test_three_ranks_learn_with_the_recheck_environment(tmp_path):
-    """The tiny demo with two turns per episode on 3 ranks (HF engine): the shaping reward rises
-    as in the single-turn demo, the parity holds over the sampled tokens."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_three_ranks_learn_with_the_recheck_environment(tmp_path, monkeypatch, engine):
+    """The tiny demo with two turns per episode on 3 ranks, on both engines: the shaping reward
+    rises as in the single-turn demo, the parity holds over the sampled tokens. vLLM holds a
+    continued conversation as a prompt: its budget fits max_model_len; it runs the demo's 30
+    steps (its sampling learns this two-turn task a little later than the HF engine's: 0.003 ->
+    0.29 over 30 steps, recorded 2026-12-04)."""
+    extra = ["--run.steps=24"]
+    if engine == "vllm":
+        from tests.util import skip_without_vllm_under_compat_pins, use_vllm_cpu_build
+        skip_without_vllm_under_compat_pins()
+        monkeypatch.setenv("PYTHONPATH", __import__("os").environ.get("PYTHONPATH", ""))
+        use_vllm_cpu_build()
+        extra = ["--run.steps=30", "--rollout.engine=vllm", "--rollout.max_model_len=512",
+                 "--data.max_prompt_len=384", "--rollout.max_episode_tokens=96", "--run.keep_last=0"]
     run = tmp_path / "recheck"
-    torchrun(3, [*TINY, "--rollout.env=recheck", "--rollout.max_turns=2", "--run.steps=24",
+    torchrun(3, [*TINY, "--rollout.env=recheck", "--rollout.max_turns=2", *extra,
                  f"--run.out_dir={run}"], timeout=600)
     rows = metrics(run)
     assert all(r["rollout/turns_mean"] > 1.5 for r in rows)
@@ -434,11 +446,11 @@ def test_a_tool_that_hangs_raises_or_returns_10_mb_is_an_error_turn_and_the_epis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,env", [("hf", ""), ("vllm", "recheck")])
-def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monkeypatch, engine, env):
-    """The tiny text demo with `rollout.tools = ["calculator"]` on 3 ranks, on vLLM with the
-    recheck environment too (its two-turn run; the HF engine's is the VL demo's above): the
-    shaping reward rises as in the single-turn demo, the parity holds over the sampled tokens,
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monkeypatch, engine):
+    """The tiny text demo with `rollout.tools = ["calculator"]` on 3 ranks, on both engines (the
+    two-turn runs are the VL demo's above): the shaping reward rises as in the single-turn
+    demo, the parity holds over the sampled tokens,
     the tool metrics are logged and agree with each other (a random tiny model rarely calls the
     tool: how often is not asserted)."""
     from tests.util import ROOT, skip_without_vllm_under_compat_pins, use_vllm_cpu_build
@@ -448,15 +460,15 @@ def test_the_text_demo_learns_with_the_calculator_on_both_engines(tmp_path, monk
         use_vllm_cpu_build()
     run = tmp_path / engine
     torchrun(3, [*TINY_TEXT, "--config", str(ROOT / "configs" / "presets" / "calculator.toml"),
-                 f"--rollout.env={env}", f"--rollout.engine={engine}", "--run.steps=24", "--run.keep_last=0",
+                 f"--rollout.engine={engine}", "--run.steps=24", "--run.keep_last=0",
                  f"--run.out_dir={run}"], timeout=900)
     rows = metrics(run)
     for r in rows:   # the preset's max_turns = 4; 16 episodes a step; an error is one of the tool turns
         turns, calls = r["rollout/turns_mean"], r["rollout/tool_calls_mean"]
-        assert (2.0 if env else 1.0) <= turns <= 4.0, r
+        assert 1.0 <= turns <= 4.0, r
         assert 0.0 <= r["rollout/tool_errors"] <= 16 * calls + 1e-6, r
-        if not env:  # tools alone: each turn after the first follows a round of one or more tool turns
-            assert turns - 1.0 <= calls + 1e-9 and (turns > 1.0) == (calls > 0.0), r
+        # tools alone: each turn after the first follows a round of one or more tool turns
+        assert turns - 1.0 <= calls + 1e-9 and (turns > 1.0) == (calls > 0.0), r
     assert all(r["logprob_diff/tokens"] == r["rollout/response_tokens"] for r in rows)
     assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
     first, last = (sum(r["reward/target_fraction"] for r in rows[a:b]) / 4 for a, b in ((0, 4), (-4, None)))
