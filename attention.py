@@ -64,13 +64,8 @@ def _causal_buckets(module, q, k, v, spans: list[tuple[int, int]], cols: list, v
     padded at its end with the columns after it (a causal query never sees them; the padded
     queries' outputs are dropped). Appends each span's columns and outputs [n, H, D]."""
     W = q.shape[2]
-    order = sorted(range(len(spans)), key=lambda i: spans[i][1])
-    i = 0
-    while i < len(order):
-        j = i
-        while j < len(order) and spans[order[j]][1] <= spans[order[i]][1] * ratio:
-            j += 1
-        group = [spans[t] for t in order[i:j]]
+    for bucket in buckets([n for _, n in spans], ratio):
+        group = [spans[t] for t in bucket]
         m = group[-1][1]
         idx = (torch.tensor([st for st, _ in group], device=q.device)[:, None]
                + torch.arange(m, device=q.device)[None, :]).clamp(max=W - 1)         # [n, m]
@@ -79,7 +74,18 @@ def _causal_buckets(module, q, k, v, spans: list[tuple[int, int]], cols: list, v
         for b, (st, n) in enumerate(group):                                         # out [n, m, H, D]
             cols.append(torch.arange(st, st + n, device=q.device))
             vals.append(out[b, :n])
-        i = j
+
+
+def buckets(lengths: list[int], ratio: float = 1.25) -> list[list[int]]:
+    """Indices of `lengths` in buckets of similar length, shortest first: a bucket takes every
+    length up to `ratio` x its shortest, and its calls are as long as its longest."""
+    order, out = sorted(range(len(lengths)), key=lambda i: lengths[i]), []
+    for i in order:
+        if out and lengths[i] <= lengths[out[-1][0]] * ratio:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def layout(segments: torch.Tensor) -> Layout:
@@ -96,11 +102,15 @@ def layout(segments: torch.Tensor) -> Layout:
 
 
 def pairs(layout: Layout) -> int:
-    """The query-key pairs the kernel computes for `layout` (train/attention_frac): each span
-    of a prompt and its first response as if alone (its bucket's padding aside), then each
-    further response over its prompt and itself."""
-    return sum((plen + responses[0][1]) ** 2 + sum(n * (plen + n) for _, n in responses[1:])
-               for seqs in layout for _, plen, responses in seqs)
+    """The query-key pairs the kernel computes for `layout` (train/attention_frac): each bucket
+    of spans (a prompt and its first response) as long as its longest span, then each further
+    response over its prompt and itself."""
+    total = 0
+    for seqs in layout:
+        spans = [plen + responses[0][1] for _, plen, responses in seqs]
+        total += sum(len(b) * spans[b[-1]] ** 2 for b in buckets(spans))
+        total += sum(n * (plen + n) for _, plen, responses in seqs for _, n in responses[1:])
+    return total
 
 
 AttentionInterface.register(NAME, segments_attention)

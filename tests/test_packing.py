@@ -206,6 +206,16 @@ def test_demo_learns_with_packing_and_two_trainer_ranks(tmp_path):
     assert packed[-1]["reward/mean"] > 0.3 and flat[-1]["reward/mean"] > 0.3
 
 
+def test_the_kernels_pair_count_is_what_it_computes():
+    """attention.pairs (train/attention_frac): spans (a prompt and its first response) in buckets
+    of similar length, each span as long as its bucket's longest, then each further response
+    over its prompt and itself."""
+    import attention as A
+    assert A.buckets([10, 30, 11, 12, 40, 13]) == [[0, 2, 3], [5], [1], [4]]
+    row = [(0, 4, [(4, 2), (6, 3)]), (9, 5, [(14, 1)]), (15, 20, [(35, 10)])]  # spans 6, 6, 30
+    assert A.pairs([row]) == 2 * 6 ** 2 + 30 ** 2 + 3 * (4 + 3)
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
 def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny_dir, gloo_world):
     """device.Device.packed_attention = "segments" (the CPU's): every sequence of a micro-batch
