@@ -319,7 +319,9 @@ def _prompts_by_step(out) -> dict[int, set[int]]:
 @pytest.mark.slow
 @needs_vllm
 def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monkeypatch):
-    """k = 4 with partial rollouts on vLLM, 6 steps then a resume to 8 (two launches). The
+    """k = 4 with partial rollouts on vLLM, 6 steps then a resume to 8 (two launches), the
+    episodes two-turn conversations (the recheck environment: multi-turn on the asynchronous
+    path, docs/multiturn.md; both turns every step, turns and roles in samples.jsonl). The
     schedule is pinned whatever the machine's speeds (GRPO_FAULT's hooks, pipeline.py): batch 1,
     made while the trainers train step 0, is held after its first decode step until version 1
     arrives, so its episodes span two versions; at step 1 the engine is let run to the bound
@@ -329,9 +331,13 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     trains at every step the prompts of that step's batch of the seeded stream (the run it
     continues would: step t trains batch t), batches regenerated from the checkpoint's weights
     (staleness 0 at the first resumed step)."""
+    import json
+
     import data
     monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
     common = [*TINY, *VLLM, *TOY, *K4, "--rollout.partial=true", "--rollout.max_new_tokens=32",
+              "--config", str(ROOT / "configs" / "presets" / "recheck.toml"), "--data.max_prompt_len=384",
+              "--rollout.max_episode_tokens=96",
               "--run.log_samples=-1", "--run.keep_last=1", f"--run.out_dir={tmp_path}",
               "--run.eval_every=4", "--run.eval_size=4"]  # evaluation pauses the worker mid-batch
     torchrun(3, [*common, "--run.steps=6"], timeout=400)
@@ -348,9 +354,12 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     assert rows[0]["logprob_diff/tokens"] > 0 and rows[6]["logprob_diff/tokens"] > 0
     assert rows[6]["rollout/staleness_max"] == 0
     assert [r["step"] for r in rows if "eval/n" in r] == [3, 5, 7] and rows[3]["eval/n"] == 4  # 5: run 1's end
+    assert all(r["rollout/turns_mean"] == 2.0 for r in rows)
     stream = [SimpleNamespace(index=i) for i in range(8)]
     want = {t: {q.index for q in data.step_problems(stream, t, 4, 0)} for t in range(8)}
     assert _prompts_by_step(tmp_path) == want
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all([t["role"] for t in s["turns"]] == ["assistant", "user", "assistant"] for s in samples)
 
 
 @pytest.mark.slow
@@ -377,27 +386,3 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     assert "a staged weight sync holds" in p.stdout + p.stderr
     assert [r["step"] for r in rows if "eval/n" in r] == [2, 5]  # the worker paused between batches
 
-
-@pytest.mark.slow
-@needs_vllm
-def test_vllm_runs_two_turn_episodes_ahead_with_partial_rollouts(tmp_path, shim, monkeypatch):
-    """Multi-turn episodes (the recheck environment: two turns) on vLLM running two versions
-    ahead with partial rollouts (docs/multiturn.md, docs/async.md): every episode has its two
-    turns, batch 1 spans two versions (GRPO_FAULT's hold), step 1 finds the engine at the bound,
-    the parity holds over the sampled tokens of the trainers' version, and samples.jsonl keeps
-    each conversation's turns with their roles."""
-    import json
-    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
-    torchrun(3, [*TINY, *VLLM, *TOY, "--config", str(ROOT / "configs" / "presets" / "recheck.toml"),
-                 "--data.max_prompt_len=384", "--rollout.max_episode_tokens=96",
-                 "--rollout.max_staleness=2", "--rollout.partial=true", "--loss.correction=token_mask",
-                 "--run.steps=6", "--run.log_samples=-1", f"--run.out_dir={tmp_path}"], timeout=400)
-    rows = metrics(tmp_path)
-    print("vLLM two turns, k=2 partial:", [(r["step"], r["rollout/staleness_max"], round(r["rollout/partial_frac"], 2),
-                                            r["logprob_diff/tokens"], f'{r["logprob_diff/max"]:.1e}') for r in rows])
-    assert [r["step"] for r in rows] == list(range(6)) and all(r["rollout/turns_mean"] == 2.0 for r in rows)
-    assert rows[1]["rollout/partial_frac"] > 0 and max(r["rollout/staleness_max"] for r in rows) == 2
-    assert all(r["logprob_diff/max"] <= 1e-4 for r in rows) and rows[0]["logprob_diff/tokens"] > 0
-    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert samples and all([t["role"] for t in s["turns"]] == ["assistant", "user", "assistant"]
-                           for s in samples), samples[0].get("turns")
