@@ -216,6 +216,14 @@ def test_the_kernels_pair_count_is_what_it_computes():
     assert A.pairs([row]) == 2 * 6 ** 2 + 30 ** 2 + 3 * (4 + 3)
 
 
+def _each_alone(policy, lp, procs, eps, images) -> None:
+    """`lp` (a packed row's logprobs, episode-major) equals each episode's own row's."""
+    for i, e in enumerate(eps):
+        one = I.collate([e], [images[e.index]], procs, CPU)
+        alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
+        torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
 def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny_dir, gloo_world):
     """device.Device.packed_attention = "segments" (the CPU's): every sequence of a micro-batch
@@ -238,10 +246,7 @@ def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny
         policy.set_attn_implementation(M.attention_for("segments"))
         lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
         policy.set_attn_implementation("sdpa")
-        for i, e in enumerate(eps):
-            one = I.collate([e], [images[e.index]], procs, CPU)
-            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
-            torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
+        _each_alone(policy, lp, procs, eps, images)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
@@ -259,10 +264,7 @@ def test_varlen_rows_need_no_mask(family, tiny_dir, gloo_world):
         assert row["input_ids"].shape[0] == 1 and "attention_mask_4d" not in row
         assert int(row["attention_mask"].sum()) == row["input_ids"].numel()   # no padding at all
         lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
-        for i, e in enumerate(eps):
-            one = I.collate([e], [images[e.index]], procs, CPU)
-            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
-            torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
+        _each_alone(policy, lp, procs, eps, images)
 
 
 @pytest.mark.slow
