@@ -110,9 +110,8 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`). With
     `train.packing` the sequences (:func:`_units`) first-fit into micro-batches of
     `micro_batch_tokens` (0: `micro_batch_size` x the longest; one longer sequence alone), each
-    one packed row; with `share_prompt`
-    and a token budget the units are a prompt's runs (what is really computed); else each
-    episode, fixed-size in order."""
+    one packed row; with `share_prompt` and a token budget the units are a prompt's runs (what
+    is really computed); else each episode, fixed-size in order."""
     share = shares_prompt(tc, procs)
     if packs(tc):
         units, lengths = _units(episodes, idx, images, procs, share)
