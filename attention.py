@@ -43,15 +43,9 @@ def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         # a prompt and its first response (right after it) are plainly causal together
         _causal_buckets(module, q, k, v, [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs],
                         cols, vals, kw)
-        for start, plen, responses in seqs:
-            pk, pv = k[:, :, start:start + plen], v[:, :, start:start + plen]
-            for s, n in responses[1:]:  # the prompt, then itself causally
-                mask = torch.ones(n, plen + n, dtype=torch.bool, device=q.device).tril(plen)
-                out = sdpa_attention_forward(module, q[:, :, s:s + n], torch.cat([pk, k[:, :, s:s + n]], 2),
-                                             torch.cat([pv, v[:, :, s:s + n]], 2), mask[None, None],
-                                             is_causal=False, **kw)[0]
-                cols.append(torch.arange(s, s + n, device=q.device))
-                vals.append(out[0])
+        # each further response over its prompt and itself, similar lengths batched
+        _response_buckets(module, q, k, v, [(start, plen, s, n) for start, plen, responses in seqs
+                                            for s, n in responses[1:]], cols, vals, kw)
         W, H, D = q.shape[2], q.shape[1], q.shape[3]
         rows.append(q.new_zeros(W, H, D).index_put((torch.cat(cols),), torch.cat(vals)))
     return torch.stack(rows), None
@@ -73,6 +67,33 @@ def _causal_buckets(module, q, k, v, spans: list[tuple[int, int]], cols: list, v
                                      v[0][:, idx].transpose(0, 1), None, is_causal=True, **kw)[0]
         for b, (st, n) in enumerate(group):                                         # out [n, m, H, D]
             cols.append(torch.arange(st, st + n, device=q.device))
+            vals.append(out[b, :n])
+
+
+def _response_buckets(module, q, k, v, items: list[tuple[int, int, int, int]], cols: list,
+                      vals: list, kw: dict, ratio: float = 1.25) -> None:
+    """Each response (prompt start, prompt length, response start, length) of one row attending
+    to its prompt and to itself causally: responses of similar length (within `ratio`) go
+    through one call, whose keys are the longest prompt's width then the longest response's,
+    with a mask for the shorter ones (a query past its response's end is dropped; every query
+    sees its prompt, so no row of the mask is empty). Appends each response's columns and
+    outputs [n, H, D]."""
+    W, dev = q.shape[2], q.device
+    for bucket in buckets([it[3] for it in items], ratio):
+        group = [items[t] for t in bucket]
+        m, P = group[-1][3], max(it[1] for it in group)
+        ar_p, ar_m = torch.arange(P, device=dev), torch.arange(m, device=dev)
+        starts = torch.tensor([[it[0], it[2]] for it in group], device=dev)      # [b, 2]
+        qidx = (starts[:, 1:] + ar_m).clamp(max=W - 1)                          # [b, m]
+        kidx = torch.cat([(starts[:, :1] + ar_p).clamp(max=W - 1), qidx], 1)    # [b, P + m]
+        plens = torch.tensor([it[1] for it in group], device=dev)
+        mask = torch.cat([(ar_p[None, :] < plens[:, None])[:, None, :].expand(-1, m, -1),
+                          (ar_m[None, :] <= ar_m[:, None])[None].expand(len(group), -1, -1)], 2)
+        out = sdpa_attention_forward(module, q[0][:, qidx].transpose(0, 1), k[0][:, kidx].transpose(0, 1),
+                                     v[0][:, kidx].transpose(0, 1), mask[:, None], is_causal=False,
+                                     **kw)[0]                                    # [b, m, H, D]
+        for b, (_, _, s, n) in enumerate(group):
+            cols.append(torch.arange(s, s + n, device=dev))
             vals.append(out[b, :n])
 
 
@@ -109,7 +130,10 @@ def pairs(layout: Layout) -> int:
     for seqs in layout:
         spans = [plen + responses[0][1] for _, plen, responses in seqs]
         total += sum(len(b) * spans[b[-1]] ** 2 for b in buckets(spans))
-        total += sum(n * (plen + n) for _, plen, responses in seqs for _, n in responses[1:])
+        further = [(plen, n) for _, plen, responses in seqs for _, n in responses[1:]]
+        for b in buckets([n for _, n in further]):
+            m = further[b[-1]][1]
+            total += len(b) * m * (max(further[t][0] for t in b) + m)
     return total
 
 

@@ -17,7 +17,8 @@ from typing import Any
 from cli import USAGE, split_argv  # noqa: F401 - train.py's command line, read with the config
 from errors import ConfigError
 
-
+# train.packing's row layouts by name (inputs.pack builds them, model.attention_for runs them)
+PACKED_LAYOUTS = ("segments", "varlen")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.aggregate
 KL_ESTIMATORS = ("k1", "k2", "k3")   # loss.kl_penalty
@@ -213,7 +214,9 @@ class TrainConfig:
     # count. true: refused at start for a model with linear-attention layers (state would cross
     # sequences); "auto": on where the device's layout was measured faster than padded
     # micro-batches (device.Device.packs_by_default) and the model packs exactly, else off (said
-    # at start).
+    # at start). true uses the device's layout (device.Device.packed_attention); "segments"
+    # (attention.py's kernel: SDPA per piece, prompts shared) or "varlen" (flash_attention_2:
+    # the flash-attn package on CUDA, torch_npu's fused op on NPU) names one.
     packing: bool | str = "auto"
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
     # Several updates per rollout batch (peers' names: docs/loss.md): the step's episodes split into
@@ -426,8 +429,9 @@ def validate(cfg: Config) -> None:
              "with 0 there is no reference policy)")
     _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
-    need(cfg.train.packing in (True, False, "auto"),
-         f"train.packing: expected true, false or \"auto\", got {cfg.train.packing!r}")
+    need(cfg.train.packing in (True, False, "auto", *PACKED_LAYOUTS),
+         "train.packing: expected true, false, \"auto\", \"segments\" or \"varlen\", got "
+         f"{cfg.train.packing!r}")
     need(cfg.train.lr_schedule in LR_SCHEDULES,
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     need(cfg.eval.split in ("validation", "test"),

@@ -233,6 +233,14 @@ def peak_memory_gb(dev: Device) -> float:
     return 0.0
 
 
+def reset_peak_memory(dev: Device) -> None:
+    """Start :func:`peak_memory_gb` over from what is allocated now (a no-op on CPU)."""
+    if dev.kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    elif dev.kind == "npu":
+        torch.npu.reset_peak_memory_stats()
+
+
 def device_name(dev: Device) -> str:
     """A human-readable name of this process's accelerator (the CPU's, on CPU)."""
     if dev.kind == "cuda":

@@ -14,6 +14,7 @@ import torch
 import attention as A
 import families as F
 import routing
+from config import PACKED_LAYOUTS
 from errors import ModelError, one_line
 from model import load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
@@ -440,8 +441,8 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     sequence, the column whose hidden state predicts it, its own column and its index in its
     response: `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row`: its row).
     """
-    if packing not in (None, "segments", "varlen"):
-        raise ValueError(f"packing: {packing!r} is not a layout (None, 'segments', 'varlen')")
+    if packing is not None and packing not in PACKED_LAYOUTS:
+        raise ValueError(f"packing: {packing!r} is not a layout (None, {PACKED_LAYOUTS})")
     varlen = packing == "varlen"
     if any(getattr(e, "images", None) for e in episodes):
         raise ValueError("an episode whose inserted turns show images needs one row per episode "

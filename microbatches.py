@@ -11,6 +11,7 @@ import torch.distributed as dist
 import device as D
 import envs
 import inputs as I
+from config import PACKED_LAYOUTS as LAYOUTS
 from errors import ConfigError
 
 
@@ -43,9 +44,10 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
 
 
 def packs(tc) -> bool:
-    """Packed rows: `train.packing = true`, or "auto" once :func:`resolve_layout` decided it so
-    (undecided, as in a script that never starts a run, it counts as off)."""
-    return tc.packing is True
+    """Packed rows: `train.packing = true` or a layout's name, or "auto" once
+    :func:`resolve_layout` decided it so (undecided, as in a script that never starts a run, it
+    counts as off)."""
+    return tc.packing is True or tc.packing in LAYOUTS
 
 
 def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.device,
@@ -79,8 +81,11 @@ def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.devic
 
 
 def packing(tc, device: torch.device) -> str | None:
-    """How `train.packing` lays rows out on `device` (device.Device.packed_attention), or None."""
-    return D.TABLE[device.type].packed_attention if packs(tc) else None
+    """How `train.packing` lays rows out on `device`: the layout it names, for `true` the
+    device's (device.Device.packed_attention), or None."""
+    if not packs(tc):
+        return None
+    return tc.packing if tc.packing in LAYOUTS else D.TABLE[device.type].packed_attention
 
 
 def shares_prompt(tc, procs: I.Processors) -> bool:

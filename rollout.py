@@ -130,7 +130,7 @@ def check(rc, tc) -> None:
     images needs one row per episode (`[train]` tc); ConfigError naming the key."""
     engine_class(rc.engine)
     envs.check(rc.env, rc.tools)
-    if envs.extra_images(rc.env) and (tc.share_prompt or tc.packing is True):
+    if envs.extra_images(rc.env) and (tc.share_prompt or tc.packing not in (False, "auto")):
         raise ConfigError(f"rollout.env={rc.env} shows images in its turns: they need one row per "
                           "episode (train.share_prompt = false, train.packing = false)")
 

@@ -50,8 +50,8 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
-    # train.packing: one row per micro-batch, for flash-attention's varlen kernel on an
-    # accelerator, for attention.py's kernel on the CPU
+    # train.packing: one row per micro-batch, for attention.py's kernel ("segments") or
+    # flash_attention_2's varlen path ("varlen")
     attention = M.attention_for(packing(tc, device))
     policy = M.model_from_config(model_path, meta=True, device_type=device.type,
                                  attention=attention)  # skeleton

@@ -1,36 +1,47 @@
 #!/usr/bin/env bash
 # A first check on ONE NVIDIA GPU, prepared for a machine whose image has torch (2.11) and
 # transformers (5.17) but no vLLM and no package registry: everything else travels with this
-# working tree. Budget: under 8 minutes. Prints ONE JSON object on stdout (logs go to $OUT).
+# working tree. Budget: about 8 minutes. Prints ONE JSON object on stdout (logs go to $OUT).
 #   bash bench/device_check.sh                    # on the GPU machine
 #   GRPO_DEVICE=cpu bash bench/device_check.sh    # the same steps on CPU, tiny model (a dry mode)
 #
 # 0. what the image has: the modules this project imports for the steps below (torch,
 #    transformers, tokenizers, safetensors, huggingface_hub, numpy, PIL); a missing one stops
 #    here with its name (PIL is not a dependency of torch or transformers: if it is missing,
-#    bring a Pillow wheel for the image's Python and `pip install --no-index` it).
-# 1. the tiny demo in a world of ONE on the device: `python train.py` (no torchrun), FSDP2 over
-#    one rank, NCCL ("cpu:gloo,cuda:nccl"), the HF engine in the same process, bf16 mixed
-#    precision and activation checkpointing on. Reports logprob_diff/max (engine fp32 vs trainer
-#    bf16 compute: about 1e-2 is expected, 1e-6 in fp32), the reward and the step time.
-# 2. bench/step.py on Qwen2.5-VL-3B's architecture at random init (nothing downloaded), seq 2048,
-#    bf16, activation checkpointing: tokens/s, MFU, peak memory, and checkpoint calls per step
-#    (layer forwards recomputed in backward: 32 vision blocks + 36 decoder layers = 68 when
-#    checkpointing works, 0 when it does not).
+#    bring a Pillow wheel for the image's Python and `pip install --no-index` it). Also noted:
+#    whether flash-attn imports (train.packing = "varlen" needs it on CUDA).
+# Then each step in turn; a step that fails is named in "failed" (its log's tail on stderr)
+# and the others still run; the exit status is 1 if any failed:
+# pack_3b     bench/packing.py on Qwen2.5-VL-3B's 36 decoder layers, bf16 mixed precision and
+#             activation checkpointing: packed rows (attention.py's "segments" kernel, SDPA per
+#             piece) against padded micro-batches of the same token budget (on CPU: 1 layer).
+# pack_tiny   bench/packing.py on the tiny model in fp32: the same, and packed = padded (the
+#             loss and every gradient, `exact`).
+# demo_packed the tiny demo in a world of ONE, fp32, train.packing = "segments": logprob parity
+#             (about 1e-6 expected) and the reward with packed rows on the device.
+# demo        the tiny demo in a world of ONE on the device: `python train.py` (no torchrun),
+#             FSDP2 over one rank, NCCL ("cpu:gloo,cuda:nccl"), the HF engine in the same
+#             process, bf16 mixed precision and activation checkpointing on. Reports
+#             logprob_diff/max (engine fp32 vs trainer bf16 compute: about 1e-2 is expected).
+# step        bench/step.py on Qwen2.5-VL-3B's architecture at random init (nothing
+#             downloaded), seq 2048, bf16, activation checkpointing: tokens/s, MFU, peak memory,
+#             and checkpoint calls per step (layer forwards recomputed in backward: 32 vision
+#             blocks + 36 decoder layers = 68 when checkpointing works, 0 when it does not).
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
-# CPU), STEP_SEQ (2048; 256 on CPU).
-# Never run on a GPU by this project yet (none was available); the CPU mode is tested.
-set -euo pipefail
+# CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU).
+set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d -t grpo-device-check.XXXXXX)}
 export GRPO_DEVICE=${GRPO_DEVICE:-cuda}
 DEMO_STEPS=${DEMO_STEPS:-10}
 if [ "$GRPO_DEVICE" = cpu ]; then
-  STEP_MODEL=${STEP_MODEL:-tiny}; STEP_SEQ=${STEP_SEQ:-256}
+  STEP_MODEL=${STEP_MODEL:-tiny}; STEP_SEQ=${STEP_SEQ:-256}; PACK_LAYERS=${PACK_LAYERS:-1}
+  PACK_SIZE=(--prompts 4 --max-new-tokens 64 --reps 1)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
-  STEP_MODEL=${STEP_MODEL:-3b}; STEP_SEQ=${STEP_SEQ:-2048}
+  STEP_MODEL=${STEP_MODEL:-3b}; STEP_SEQ=${STEP_SEQ:-2048}; PACK_LAYERS=${PACK_LAYERS:-36}
+  PACK_SIZE=(--reps 3)
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # no network there
 mkdir -p "$OUT"
@@ -53,42 +64,74 @@ import torch
 found["python"] = sys.version.split()[0]
 found["cuda_available"] = torch.cuda.is_available()
 found["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+try:
+    found["flash_attn"] = importlib.import_module("flash_attn").__version__
+except ImportError:
+    found["flash_attn"] = None
 print(json.dumps(found))
 EOF
+[ $? = 0 ] || exit 2
 if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/versions.json"; then
   echo "device_check: GRPO_DEVICE=cuda but torch sees no CUDA device ($(cat "$OUT/versions.json"))" >&2
   exit 3
 fi
 
-# --- 1. the tiny demo, world of one ------------------------------------------------------
-timeout 300 "$PY" train.py --config configs/tiny.toml --run.out_dir="$OUT/demo" \
+failed=()
+stage() {  # stage NAME SECONDS command...: its output in $OUT/NAME.log; a failure is named
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+    echo "device_check: $name ok in $((SECONDS - t0)) s" >&2
+  else
+    echo "device_check: $name FAILED (rc $?, $((SECONDS - t0)) s), its log's tail:" >&2
+    tail -25 "$OUT/$name.log" >&2
+    failed+=("$name")
+  fi
+}
+
+stage pack_3b 150 "$PY" bench/packing.py --shapes 3b --layers "$PACK_LAYERS" --bf16 --checkpointing \
+  --layout segments "${PACK_SIZE[@]}"
+stage pack_tiny 90 "$PY" bench/packing.py --layout segments "${PACK_SIZE[@]}"
+stage demo_packed 120 "$PY" train.py --config configs/tiny.toml --run.out_dir="$OUT/demo_packed" \
+  --run.steps="$DEMO_STEPS" --run.keep_last=0 --rollout.engine=hf --train.packing=segments
+stage demo 120 "$PY" train.py --config configs/tiny.toml --run.out_dir="$OUT/demo" \
   --run.steps="$DEMO_STEPS" --run.keep_last=0 --rollout.engine=hf \
-  --model.mixed_precision=true --model.activation_checkpointing=true \
-  > "$OUT/demo.log" 2>&1 || { echo "device_check: the demo failed, see $OUT/demo.log" >&2;
-                              tail -20 "$OUT/demo.log" >&2; exit 4; }
+  --model.mixed_precision=true --model.activation_checkpointing=true
+stage step 150 "$PY" bench/step.py --model "$STEP_MODEL" --seq-len "$STEP_SEQ" --bf16 --checkpointing
 
-# --- 2. the trainer step on the 3B architecture --------------------------------------------
-timeout 300 "$PY" bench/step.py --model "$STEP_MODEL" --seq-len "$STEP_SEQ" --bf16 \
-  --checkpointing > "$OUT/step.log" 2>&1 || { echo "device_check: bench/step.py failed, see $OUT/step.log" >&2;
-                                              tail -20 "$OUT/step.log" >&2; exit 5; }
-
-# --- 3. one JSON object --------------------------------------------------------------------
-"$PY" - "$OUT" <<'EOF'
+# --- one JSON object: what each step gave ---------------------------------------------------
+"$PY" - "$OUT" "${failed[@]}" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-versions = json.loads((out / "versions.json").read_text())
-rows = [json.loads(l) for l in (out / "demo" / "metrics.jsonl").read_text().splitlines()]
-step = json.loads([l for l in (out / "step.log").read_text().splitlines() if l.startswith("{")][-1])
+out, failed = Path(sys.argv[1]), sys.argv[2:]
+
+
+def last_json(name):
+    log = out / f"{name}.log"
+    lines = [l for l in log.read_text().splitlines() if l.startswith("{")] if log.exists() else []
+    return json.loads(lines[-1]) if lines and name not in failed else None
+
+
+def demo(name):
+    f = out / name / "metrics.jsonl"
+    if name in failed or not f.exists():
+        return None
+    rows = [json.loads(l) for l in f.read_text().splitlines()]
+    return {"steps": len(rows), "logprob_diff/max": max(r["logprob_diff/max"] for r in rows),
+            "logprob_diff/max_median": statistics.median(r["logprob_diff/max"] for r in rows),
+            "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
+            "step_s_median": statistics.median(r["time/step_s"] for r in rows[1:] or rows)}
+
+
+step, d = last_json("step"), demo("demo")
 print(json.dumps({
-    "device": step["device"], "versions": versions,
-    "peak_memory_gb": step["peak_memory_gb"], "tokens_per_s": step["tokens_per_s"],
-    "mfu": step["mfu"], "checkpoint_calls_per_step": step["checkpoint_calls_per_step"],
-    "logprob_diff/max": max(r["logprob_diff/max"] for r in rows),
-    "step": step,
-    "demo": {"steps": len(rows), "logprob_diff/max_median": statistics.median(
-                 r["logprob_diff/max"] for r in rows),
-             "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
-             "step_s_median": statistics.median(r["time/step_s"] for r in rows[1:] or rows)},
+    "device": step["device"] if step else None, "failed": failed,
+    "versions": json.loads((out / "versions.json").read_text()),
+    **{k: step[k] if step else None for k in ("peak_memory_gb", "tokens_per_s", "mfu",
+                                               "checkpoint_calls_per_step")},
+    "logprob_diff/max": d["logprob_diff/max"] if d else None,
+    "step": step, "demo": d, "demo_packed": demo("demo_packed"),
+    "pack_3b": last_json("pack_3b"), "pack_tiny": last_json("pack_tiny"),
 }))
 EOF
+[ ${#failed[@]} = 0 ]

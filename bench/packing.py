@@ -12,14 +12,17 @@ alternating, `--reps` times each; the median time counts:
 - "padded": micro-batches of `--rows` sequences in the step's order, each padded to its longest
   (`train.micro_batch_size`, the reference configs' layout);
 - "packed": `train.packing = true` with the same token budget (`train.micro_batch_tokens = 0`:
-  `--rows` x the longest sequence), one row per micro-batch (the device's layout: on the CPU
-  attention.py's kernel);
+  `--rows` x the longest sequence), one row per micro-batch (the device's layout, or the one
+  `--layout` names: "segments" is attention.py's kernel);
 - "padded_sorted": the token-budget planner (`train.micro_batch_tokens` = that budget), which
   sorts the sequences by length before padding them: the strongest padded baseline.
 `--shapes 3b`: Qwen2.5-VL-3B's decoder layers (hidden 2048, 16 heads, 2 KV heads, head dim
 128, MLP 11008), `--layers` of them, with the tiny vision tower and vocabulary.
 `rank_token_imbalance` is `microbatches.rank_shares` over 2 trainer ranks: contiguous slices
-(padded) against the balanced split (packed). Prints one JSON object.
+(padded) against the balanced split (packed). `exact`: the loss and gradients of a last, untimed
+pass of the packed layout against the padded one's (fp32: ~1e-7). The device is the one
+`device.detect` finds (GRPO_DEVICE forces one); `--bf16` / `--checkpointing` as the trainer's
+`model.mixed_precision` / `model.activation_checkpointing`. Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def run(a) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    import device as D
     import families as F
     import inputs as I
     import microbatches as MB
@@ -79,65 +83,88 @@ def run(a) -> dict:
     import world as W
     from train import load_config
 
+    dev = D.detect()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(W.free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group(dev.backend, rank=0, world_size=1)
+    device = D.torch_device(dev, 0)
     path = str(F.build_tiny(Path(tempfile.gettempdir()) / "grpo-bench-tiny"))
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     eps, images = workload(a, procs)
-    model = M.load_model(path) if a.shapes == "tiny" else shaped_3b(path, a.layers)
-    policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    model = M.load_model(path, device=device) if a.shapes == "tiny" else shaped_3b(path, a.layers, device)
+    policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
+                          mixed_precision=a.bf16, checkpointing=a.checkpointing)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
-    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=torch.device("cpu"),
+    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=device,
                          pixels={}, kl_coef=None, version=0)
     base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
             f"--train.micro_batch_size={a.rows}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
-    cfg = load_config(None, base + ["--train.packing=true"])
-    share = MB.shares_prompt(cfg.train, procs)
+    packed = f"--train.packing={a.layout or 'true'}"
+    share = MB.shares_prompt(load_config(None, base + [packed]).train, procs)
     budget = a.rows * max(MB._units(eps, list(range(len(eps))), images, procs, share)[1])
-    variants = {"padded": base + ["--train.packing=false"], "packed": base + ["--train.packing=true"],
+    variants = {"padded": base + ["--train.packing=false"], "packed": base + [packed],
                 "padded_sorted": base + ["--train.packing=false", f"--train.micro_batch_tokens={budget}"]}
-    steps, times, stats, attention = {}, {k: [] for k in variants}, {}, {}
+    steps, times, stats, attention, peak, grads = {}, {k: [] for k in variants}, {}, {}, {}, {}
     for name, over in variants.items():
         cfg = load_config(None, over)
         # the attention the trainer builds its models with for this config (trainer.build)
-        attention[name] = M.attention_for(MB.packing(cfg.train, torch.device("cpu")))
-        policy.set_attn_implementation(attention[name])
+        attention[name] = M.attention_for(MB.packing(cfg.train, device))
         s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
         U.plan(s)
         U.denominators(s)
         U.advantages(s)
         steps[name] = s
-    for _ in range(a.reps):
+    for rep in range(a.reps + 1):  # the last pass keeps each layout's gradients (not timed)
         for name, s in steps.items():
             policy.set_attn_implementation(attention[name])
             policy.zero_grad(set_to_none=True)
+            D.synchronize(dev)
+            D.reset_peak_memory(dev)
             t0 = time.perf_counter()
             stats[name] = U.accumulate_gradients(s, s.updates[0])
-            times[name].append(time.perf_counter() - t0)
+            D.synchronize(dev)
+            if rep < a.reps:
+                times[name].append(time.perf_counter() - t0)
+            else:
+                grads[name] = {n: p.grad.full_tensor().float() for n, p in policy.named_parameters()
+                               if p.grad is not None}
+            peak[name] = max(peak.get(name, 0.0), D.peak_memory_gb(dev))
     out = {}
     for name, st in stats.items():
         t = statistics.median(times[name])
         out[name] = {"tokens_per_s": round(st["episode_tokens"] / t, 1), "step_s": round(t, 4),
                      "padding_frac": round(1 - st["tokens"] / st["slots"], 4),
                      "attention_frac": round(st["pairs"] / st["episode_pairs"], 4),
-                     "micro_batches": int(st["micro_batches"])}
+                     "micro_batches": int(st["micro_batches"]), "attention": attention[name]}
     imb = {}
     for name, over in (("padded", variants["padded"]), ("balanced", variants["packed"])):
         imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, over).train, 2)[1], 4)
     dist.destroy_process_group()
     tps = {k: v["tokens_per_s"] for k, v in out.items()}
     return {"workload": {"model": f"{a.shapes} qwen2_5_vl" + (f", {a.layers} layer(s)" if a.shapes != "tiny" else ""),
+                         "device": D.device_name(dev), "dtype": "bf16-mixed" if a.bf16 else "fp32",
+                         "checkpointing": a.checkpointing,
                          "prompts": a.prompts, "group": a.group, "max_new_tokens": a.max_new_tokens,
                          "rows": a.rows, "budget": budget, "share_prompt": a.share_prompt,
                          "tokens": int(stats["padded"]["episode_tokens"]), "reps": a.reps},
             "padded": out["padded"], "packed": out["packed"], "padded_sorted": out["padded_sorted"],
             "speedup": round(tps["packed"] / tps["padded"], 3),
             "speedup_vs_sorted": round(tps["packed"] / tps["padded_sorted"], 3),
-            "rank_token_imbalance": imb}
+            "rank_token_imbalance": imb, "exact": exactness(stats, grads),
+            "peak_memory_gb": {k: round(v, 2) for k, v in peak.items()} if dev.kind != "cpu" else None}
 
 
-def shaped_3b(path: str, layers: int):
+def exactness(stats: dict, grads: dict) -> dict:
+    """Packed against padded on the same episodes: the loss's difference and the largest
+    gradient difference relative to the largest gradient (fp32: ~1e-6; bf16: its rounding)."""
+    pk, pd = grads["packed"], grads["padded"]
+    top = max(float(g.abs().max()) for g in pd.values())
+    diff = max(float((pk[n] - g).abs().max()) for n, g in pd.items())
+    return {"loss_diff": abs(stats["packed"]["loss"] - stats["padded"]["loss"]),
+            "grad_max_rel_diff": diff / top if top else diff}
+
+
+def shaped_3b(path: str, layers: int, device):
     """A random model with Qwen2.5-VL-3B's decoder layers (`layers` of them) on the tiny
     folder's vocabulary and vision tower (its output projected to the 3B's hidden size)."""
     import families as F
@@ -149,7 +176,8 @@ def shaped_3b(path: str, layers: int):
     t.rope_parameters = {**t.rope_parameters, "mrope_section": [16, 24, 24]}  # 3B's: head_dim / 2
     t.layer_types = ["full_attention"] * layers
     config.vision_config.out_hidden_size = 2048
-    return F.auto_class(config).from_config(config, attn_implementation="sdpa")
+    with device:  # built where it runs (a 3B-sized model's random init on the host is slow)
+        return F.auto_class(config).from_config(config, attn_implementation="sdpa")
 
 
 def main(argv=None) -> None:
@@ -162,6 +190,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=1, help="decoder layers with --shapes 3b")
     ap.add_argument("--no-share-prompt", dest="share_prompt", action="store_false")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layout", choices=["segments", "varlen"],
+                    help="the packed layout (train.packing's name for it); default the device's")
+    ap.add_argument("--bf16", action="store_true", help="FSDP2 bf16 mixed precision (model.mixed_precision)")
+    ap.add_argument("--checkpointing", action="store_true", help="model.activation_checkpointing")
     ap.add_argument("--seed", type=int, default=0)
     print(json.dumps(run(ap.parse_args(argv))))
 

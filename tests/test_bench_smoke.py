@@ -57,7 +57,10 @@ def test_packing():
     same token budget, balanced ranks no worse than contiguous."""
     r = run(BENCH / "packing.py", "--prompts", "4", "--max-new-tokens", "64", "--reps", "1")
     assert set(r) == {"workload", "padded", "packed", "padded_sorted", "speedup", "speedup_vs_sorted",
-                      "rank_token_imbalance"}
+                      "rank_token_imbalance", "exact", "peak_memory_gb"}
+    # the same episodes give the same loss and gradients packed as padded (fp32)
+    assert r["exact"]["loss_diff"] < 1e-6 and r["exact"]["grad_max_rel_diff"] < 1e-5
+    assert r["packed"]["attention"] == "grpo_segments" and r["padded"]["attention"] == "sdpa"
     for side in ("padded", "packed", "padded_sorted"):
         assert r[side]["tokens_per_s"] > 0 and 0 <= r[side]["padding_frac"] < 1
     assert r["packed"]["padding_frac"] == 0.0 and r["padded"]["padding_frac"] > 0

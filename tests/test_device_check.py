@@ -34,7 +34,26 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     assert r["checkpoint_calls_per_step"] == 4   # tiny model: 2 vision blocks + 2 decoder layers
     assert r["step"]["dtype"] == "bf16-mixed" and r["step"]["checkpointing"] is True
     assert r["demo"]["steps"] == 4 and 0 < r["logprob_diff/max"] < 0.1  # bf16 trainer vs fp32 engine
-    assert r["tokens_per_s"] > 0 and r["versions"]["PIL"]
+    assert r["tokens_per_s"] > 0 and r["versions"]["PIL"] and r["failed"] == []
+    # packed rows: exact against padded (fp32) and in the demo's logprob parity
+    assert r["pack_tiny"]["exact"]["grad_max_rel_diff"] < 1e-5 and r["pack_tiny"]["speedup"] > 0
+    assert r["pack_3b"]["workload"]["model"] == "3b qwen2_5_vl, 1 layer(s)"
+    assert r["pack_3b"]["packed"]["padding_frac"] == 0.0
+    assert r["demo_packed"]["steps"] == 4 and r["demo_packed"]["logprob_diff/max"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_failed_step_is_named_and_the_others_still_run(tmp_path):
+    """A step that fails (here: the demos' run.steps is refused) is named in "failed", its
+    log's tail goes to stderr, the other steps' figures are still printed, and the exit is 1."""
+    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), DEMO_STEPS="-1",
+             OMP_NUM_THREADS="1", PYTHON=sys.executable, STEP_SEQ="64", PACK_LAYERS="1")
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["failed"] == ["demo_packed", "demo"] and "run.steps" in p.stderr
+    assert r["demo"] is None and r["step"]["seq_len"] == 64 and r["pack_tiny"]["speedup"] > 0
 
 
 def test_missing_module_is_named(tmp_path):

@@ -154,6 +154,26 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
     assert tc.packing is False
 
 
+def test_a_layout_can_be_named(tiny_dir):
+    """train.packing = "segments" / "varlen" packs with that layout on any device (true: the
+    device's own); a linear-attention model refuses a named layout as it refuses true; an
+    unknown value is one config error naming the key."""
+    for value, device, layout in (("segments", torch.device("cuda"), "segments"),
+                                  ("varlen", CPU, "varlen"), ("true", torch.device("cuda"), "varlen"),
+                                  ("true", CPU, "segments"), ("false", CPU, None)):
+        tc = load_config(None, [f"--train.packing={value}"]).train
+        assert MB.packing(tc, device) == layout and MB.packs(tc) is (layout is not None)
+    assert M.attention_for("varlen") == "flash_attention_2"
+    linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
+    path = tiny_dir(linear)
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
+        MB.resolve_layout(load_config(None, ["--train.packing=segments"]).train, procs, path, CPU)
+    with pytest.raises(ConfigError, match='train.packing: expected true, false, "auto", "segments" '
+                                          'or "varlen", got \'dense\''):
+        load_config(None, ["--train.packing=dense"])
+
+
 def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
