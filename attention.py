@@ -17,9 +17,13 @@ mask for an attention name its mask registry lacks (masking_utils: checked in 5.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import device as D
 
 NAME = "grpo_segments"
 
@@ -27,74 +31,97 @@ NAME = "grpo_segments"
 Layout = list[list[tuple[int, int, list[tuple[int, int]]]]]
 
 
+@dataclass(frozen=True)
+class Call:
+    """One batched SDPA call of a row: queries at columns `q` [b, m], keys and values at `k`
+    [b, K] (clamped into the row; what lies past a piece is masked or dropped), `mask` [b, 1, m,
+    K] bool, or None for plain causal attention."""
+    q: torch.Tensor
+    k: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A packed micro-batch's calls, built once (:func:`plan`) for every layer's attention:
+    `calls[r]` for row r, and `where[r]` [W]: for each column of the row, its output's index in
+    the row's calls' outputs concatenated (flattened [b * m] each), or their total (a zero row)
+    for a column outside every sequence."""
+    calls: list[list[Call]]
+    where: list[torch.Tensor]
+
+
 def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                       grpo_segments: Layout | None = None, **kwargs):
+                       grpo_segments: Plan | None = None, **kwargs):
     """transformers' attention interface: query [rows, H, W, D], key/value [rows, Hkv, W, D] ->
     ([rows, W, H, D], None). Columns outside every sequence (a row's unused tail) get zeros."""
     if grpo_segments is None or not getattr(module, "is_causal", False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    kw = dict(dropout=dropout, scaling=scaling)
     rows = []
-    for r, seqs in enumerate(grpo_segments):
-        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
-        cols, vals = [], []
-        # a prompt and its first response (right after it) are plainly causal together
-        _causal_buckets(module, q, k, v, [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs],
-                        cols, vals, kw)
-        # each further response over its prompt and itself, similar lengths batched
-        _response_buckets(module, q, k, v, [(start, plen, s, n) for start, plen, responses in seqs
-                                            for s, n in responses[1:]], cols, vals, kw)
-        W, H, D = q.shape[2], q.shape[1], q.shape[3]
-        rows.append(q.new_zeros(W, H, D).index_put((torch.cat(cols),), torch.cat(vals)))
+    for r, calls in enumerate(grpo_segments.calls):
+        q, k, v = query[r], key[r], value[r]                                    # [H(kv), W, D]
+        outs = [sdpa_attention_forward(module, q[:, c.q].transpose(0, 1), k[:, c.k].transpose(0, 1),
+                                       v[:, c.k].transpose(0, 1), c.mask, dropout=dropout,
+                                       scaling=scaling, is_causal=c.mask is None)[0].flatten(0, 1)
+                for c in calls]                                                 # [b * m, H, D]
+        outs.append(q.new_zeros(1, q.shape[0], q.shape[2]))
+        rows.append(torch.cat(outs)[grpo_segments.where[r]])
     return torch.stack(rows), None
 
 
-def _causal_buckets(module, q, k, v, spans: list[tuple[int, int]], cols: list, vals: list,
-                    kw: dict, ratio: float = 1.25) -> None:
-    """Causal attention within each span (start, length) of one row ([1, H, W, D]): spans of
-    similar length (within `ratio` of a bucket's shortest) go through one batched call, each
-    padded at its end with the columns after it (a causal query never sees them; the padded
-    queries' outputs are dropped). Appends each span's columns and outputs [n, H, D]."""
-    W = q.shape[2]
-    for bucket in buckets([n for _, n in spans], ratio):
-        group = [spans[t] for t in bucket]
-        m = group[-1][1]
-        idx = (torch.tensor([st for st, _ in group], device=q.device)[:, None]
-               + torch.arange(m, device=q.device)[None, :]).clamp(max=W - 1)         # [n, m]
-        out = sdpa_attention_forward(module, q[0][:, idx].transpose(0, 1), k[0][:, idx].transpose(0, 1),
-                                     v[0][:, idx].transpose(0, 1), None, is_causal=True, **kw)[0]
-        for b, (st, n) in enumerate(group):                                         # out [n, m, H, D]
-            cols.append(torch.arange(st, st + n, device=q.device))
-            vals.append(out[b, :n])
+def plan(layout: Layout, width: int, device: torch.device, ratio: float | None = None) -> Plan:
+    """The calls of a packed batch's `layout` (rows `width` wide), on `device`: per row, each
+    prompt with its first response (right after it: plainly causal together), spans of similar
+    length (within `ratio` of a bucket's shortest; default `device`'s bucket_ratio) batched into one causal call, each padded at
+    its end with the columns after it (a causal query never sees them; their outputs are
+    dropped); then each further response over its prompt and itself, responses of similar length
+    batched likewise, keys the bucket's longest prompt then its longest response, masked for the
+    shorter ones (every query sees its prompt, so no row of a mask is empty)."""
+    calls, where, ratio = [], [], ratio or D.TABLE[device.type].bucket_ratio
+    for seqs in layout:
+        row, cols = [], []                               # cols: each call's [b, m] columns
+        spans = [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs]
+        for bucket in buckets([n for _, n in spans], ratio):
+            group = [spans[t] for t in bucket]
+            idx = _columns([st for st, _ in group], group[-1][1], width)
+            row.append(Call(idx, idx, None))
+            cols.append([(st, n) for st, n in group])
+        further = [(st, plen, s, n) for st, plen, rs in seqs for s, n in rs[1:]]
+        for bucket in buckets([it[3] for it in further], ratio):
+            group = [further[t] for t in bucket]
+            m, P = group[-1][3], max(it[1] for it in group)
+            qidx = _columns([it[2] for it in group], m, width)
+            kidx = torch.cat([_columns([it[0] for it in group], P, width), qidx], 1)
+            ar_p, ar_m = torch.arange(P), torch.arange(m)
+            plens = torch.tensor([it[1] for it in group])
+            mask = torch.cat([(ar_p[None, :] < plens[:, None])[:, None, :].expand(-1, m, -1),
+                              (ar_m[None, :] <= ar_m[:, None])[None].expand(len(group), -1, -1)], 2)
+            row.append(Call(qidx, kidx, mask[:, None]))
+            cols.append([(it[2], it[3]) for it in group])
+        calls.append([Call(c.q.to(device), c.k.to(device),
+                           None if c.mask is None else c.mask.to(device)) for c in row])
+        where.append(_where(row, cols, width).to(device))
+    return Plan(calls, where)
 
 
-def _response_buckets(module, q, k, v, items: list[tuple[int, int, int, int]], cols: list,
-                      vals: list, kw: dict, ratio: float = 1.25) -> None:
-    """Each response (prompt start, prompt length, response start, length) of one row attending
-    to its prompt and to itself causally: responses of similar length (within `ratio`) go
-    through one call, whose keys are the longest prompt's width then the longest response's,
-    with a mask for the shorter ones (a query past its response's end is dropped; every query
-    sees its prompt, so no row of the mask is empty). Appends each response's columns and
-    outputs [n, H, D]."""
-    W, dev = q.shape[2], q.device
-    for bucket in buckets([it[3] for it in items], ratio):
-        group = [items[t] for t in bucket]
-        m, P = group[-1][3], max(it[1] for it in group)
-        ar_p, ar_m = torch.arange(P, device=dev), torch.arange(m, device=dev)
-        starts = torch.tensor([[it[0], it[2]] for it in group], device=dev)      # [b, 2]
-        qidx = (starts[:, 1:] + ar_m).clamp(max=W - 1)                          # [b, m]
-        kidx = torch.cat([(starts[:, :1] + ar_p).clamp(max=W - 1), qidx], 1)    # [b, P + m]
-        plens = torch.tensor([it[1] for it in group], device=dev)
-        mask = torch.cat([(ar_p[None, :] < plens[:, None])[:, None, :].expand(-1, m, -1),
-                          (ar_m[None, :] <= ar_m[:, None])[None].expand(len(group), -1, -1)], 2)
-        out = sdpa_attention_forward(module, q[0][:, qidx].transpose(0, 1), k[0][:, kidx].transpose(0, 1),
-                                     v[0][:, kidx].transpose(0, 1), mask[:, None], is_causal=False,
-                                     **kw)[0]                                    # [b, m, H, D]
-        for b, (_, _, s, n) in enumerate(group):
-            cols.append(torch.arange(s, s + n, device=dev))
-            vals.append(out[b, :n])
+def _columns(starts: list[int], m: int, width: int) -> torch.Tensor:
+    """[b, m] columns from each start, clamped into the row."""
+    return (torch.tensor(starts)[:, None] + torch.arange(m)[None, :]).clamp(max=width - 1)
+
+
+def _where(row: list[Call], cols: list[list[tuple[int, int]]], width: int) -> torch.Tensor:
+    """Plan.where for one row: each column's index in its calls' outputs concatenated."""
+    total = sum(c.q.numel() for c in row)
+    where = torch.full((width,), total, dtype=torch.long)
+    offset = 0
+    for c, pieces in zip(row, cols):
+        m = c.q.shape[1]
+        for b, (st, n) in enumerate(pieces):
+            where[st:st + n] = torch.arange(offset + b * m, offset + b * m + n)
+        offset += c.q.numel()
+    return where
 
 
 def buckets(lengths: list[int], ratio: float = 1.25) -> list[list[int]]:
@@ -122,19 +149,10 @@ def layout(segments: torch.Tensor) -> Layout:
     return out
 
 
-def pairs(layout: Layout) -> int:
-    """The query-key pairs the kernel computes for `layout` (train/attention_frac): each bucket
-    of spans (a prompt and its first response) as long as its longest span, then each further
-    response over its prompt and itself."""
-    total = 0
-    for seqs in layout:
-        spans = [plen + responses[0][1] for _, plen, responses in seqs]
-        total += sum(len(b) * spans[b[-1]] ** 2 for b in buckets(spans))
-        further = [(plen, n) for _, plen, responses in seqs for _, n in responses[1:]]
-        for b in buckets([n for _, n in further]):
-            m = further[b[-1]][1]
-            total += len(b) * m * (max(further[t][0] for t in b) + m)
-    return total
+def pairs(p: Plan) -> int:
+    """The query-key pairs the calls of `p` compute (train/attention_frac): each causal call's
+    b x m x m, each masked call's b x m x K, padding and masked pairs included."""
+    return sum(c.q.numel() * c.k.shape[1] for row in p.calls for c in row)
 
 
 AttentionInterface.register(NAME, segments_attention)

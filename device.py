@@ -41,6 +41,11 @@ class Device:
     # than padded micro-batches (bench/packing.py; docs/benchmarks.md). The accelerators' varlen
     # layout has not run on hardware yet, so padded rows stay their default until it has
     packs_by_default: bool = True
+    # the "segments" kernel batches pieces whose lengths are within this ratio into one call
+    # (attention.plan): higher = fewer calls, more padded query-key pairs. The CPU's attention
+    # is compute-bound, an accelerator's bound by the calls it launches (bench/packing.py
+    # --bucket-ratios; docs/benchmarks.md)
+    bucket_ratio: float = 1.25
 
 
 TABLE = {

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import attention as A
+import device as D
 import families as F
 import routing
 from config import PACKED_LAYOUTS
@@ -470,7 +471,9 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
                                                for k, u in enumerate(seqs) for i in u)), **mm)
     if packing == "segments":
         out["segments"] = _segments(out)
-        out["attention_pairs"] = torch.tensor(A.pairs(A.layout(out["segments"])))
+        # the calls the kernel will make on `device` (model._packed_logprobs), counted here
+        cpu_plan = A.plan(A.layout(out["segments"]), W, torch.device("cpu"), D.TABLE[device.type].bucket_ratio)
+        out["attention_pairs"] = torch.tensor(A.pairs(cpu_plan))
     elif packing is None:
         out["attention_mask_4d"] = _block_mask(out, W)
     if "attention_pairs" not in out:  # a dense kernel: every pair of every row

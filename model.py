@@ -145,7 +145,8 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
         if (got := text_config(model.config)._attn_implementation) != A.NAME:
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
                              f"{A.NAME!r} (trainer.build), not {got!r}")
-        layout = {"grpo_segments": A.layout(batch["segments"].cpu())}
+        # the calls every layer makes, built once for the micro-batch
+        layout = {"grpo_segments": A.plan(A.layout(batch["segments"].cpu()), ids.shape[1], ids.device)}
     logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
                         attention_mask=batch.get("attention_mask_4d"),
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +105,9 @@ def run(a) -> dict:
     budget = a.rows * max(MB._units(eps, list(range(len(eps))), images, procs, share)[1])
     variants = {"padded": base + ["--train.packing=false"], "packed": base + [packed],
                 "padded_sorted": base + ["--train.packing=false", f"--train.micro_batch_tokens={budget}"]}
+    row = D.TABLE[dev.kind]
+    ratios = {"packed": row.bucket_ratio} | {f"packed@{r:g}": r for r in a.bucket_ratios}
+    variants |= {name: variants["packed"] for name in ratios if name != "packed"}
     steps, times, stats, attention, peak, grads = {}, {k: [] for k in variants}, {}, {}, {}, {}
     for name, over in variants.items():
         cfg = load_config(None, over)
@@ -117,6 +121,8 @@ def run(a) -> dict:
     for rep in range(a.reps + 1):  # the last pass keeps each layout's gradients (not timed)
         for name, s in steps.items():
             policy.set_attn_implementation(attention[name])
+            # the "segments" kernel's bucket ratio for this variant (device.Device.bucket_ratio)
+            D.TABLE[dev.kind] = replace(row, bucket_ratio=ratios.get(name, row.bucket_ratio))
             policy.zero_grad(set_to_none=True)
             D.synchronize(dev)
             D.reset_peak_memory(dev)
@@ -136,6 +142,7 @@ def run(a) -> dict:
                      "padding_frac": round(1 - st["tokens"] / st["slots"], 4),
                      "attention_frac": round(st["pairs"] / st["episode_pairs"], 4),
                      "micro_batches": int(st["micro_batches"]), "attention": attention[name]}
+    D.TABLE[dev.kind] = row
     imb = {}
     for name, over in (("padded", variants["padded"]), ("balanced", variants["packed"])):
         imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, over).train, 2)[1], 4)
@@ -151,16 +158,21 @@ def run(a) -> dict:
             "speedup": round(tps["packed"] / tps["padded"], 3),
             "speedup_vs_sorted": round(tps["packed"] / tps["padded_sorted"], 3),
             "rank_token_imbalance": imb, "exact": exactness(stats, grads),
+            "bucket_ratios": {f"{r:g}": {"speedup": round(tps[n] / tps["padded"], 3),
+                                         "attention_frac": out[n]["attention_frac"]}
+                              for n, r in ratios.items()} if len(ratios) > 1 else None,
             "peak_memory_gb": {k: round(v, 2) for k, v in peak.items()} if dev.kind != "cpu" else None}
 
 
 def exactness(stats: dict, grads: dict) -> dict:
-    """Packed against padded on the same episodes: the loss's difference and the largest
-    gradient difference relative to the largest gradient (fp32: ~1e-6; bf16: its rounding)."""
+    """Packed against padded on the same episodes: the summed entropy of the response tokens
+    (it depends on every logit; the loss's value does not, its ratio being 1) and the largest
+    gradient difference, each relative (fp32: ~1e-7; bf16: its rounding)."""
     pk, pd = grads["packed"], grads["padded"]
     top = max(float(g.abs().max()) for g in pd.values())
     diff = max(float((pk[n] - g).abs().max()) for n, g in pd.items())
-    return {"loss_diff": abs(stats["packed"]["loss"] - stats["padded"]["loss"]),
+    ent = stats["padded"]["entropy"]
+    return {"entropy_rel_diff": abs(stats["packed"]["entropy"] - ent) / abs(ent),
             "grad_max_rel_diff": diff / top if top else diff}
 
 
@@ -194,6 +206,9 @@ def main(argv=None) -> None:
                     help="the packed layout (train.packing's name for it); default the device's")
     ap.add_argument("--bf16", action="store_true", help="FSDP2 bf16 mixed precision (model.mixed_precision)")
     ap.add_argument("--checkpointing", action="store_true", help="model.activation_checkpointing")
+    ap.add_argument("--bucket-ratios", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                    help="also time the packed layout with these bucket ratios (comma-separated; "
+                         "device.Device.bucket_ratio: the segments kernel's)")
     ap.add_argument("--seed", type=int, default=0)
     print(json.dumps(run(ap.parse_args(argv))))
 

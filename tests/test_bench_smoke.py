@@ -55,12 +55,16 @@ def test_packing():
     """The three layouts on the same long-tailed episodes: the keys docs/benchmarks.md quotes,
     packed rows without padding and with less attention work than either padded layout of the
     same token budget, balanced ranks no worse than contiguous."""
-    r = run(BENCH / "packing.py", "--prompts", "4", "--max-new-tokens", "64", "--reps", "1")
+    r = run(BENCH / "packing.py", "--prompts", "4", "--max-new-tokens", "64", "--reps", "1",
+            "--bucket-ratios", "2")
     assert set(r) == {"workload", "padded", "packed", "padded_sorted", "speedup", "speedup_vs_sorted",
-                      "rank_token_imbalance", "exact", "peak_memory_gb"}
+                      "rank_token_imbalance", "exact", "peak_memory_gb", "bucket_ratios"}
     # the same episodes give the same loss and gradients packed as padded (fp32)
-    assert r["exact"]["loss_diff"] < 1e-6 and r["exact"]["grad_max_rel_diff"] < 1e-5
+    assert r["exact"]["entropy_rel_diff"] < 1e-6 and r["exact"]["grad_max_rel_diff"] < 1e-5
     assert r["packed"]["attention"] == "grpo_segments" and r["padded"]["attention"] == "sdpa"
+    # --bucket-ratios: the packed layout again with fewer, wider calls (more pairs computed)
+    assert set(r["bucket_ratios"]) == {"1.25", "2"} and r["bucket_ratios"]["1.25"]["speedup"] == r["speedup"]
+    assert r["bucket_ratios"]["2"]["attention_frac"] >= r["packed"]["attention_frac"]
     for side in ("padded", "packed", "padded_sorted"):
         assert r[side]["tokens_per_s"] > 0 and 0 <= r[side]["padding_frac"] < 1
     assert r["packed"]["padding_frac"] == 0.0 and r["padded"]["padding_frac"] > 0

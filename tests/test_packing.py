@@ -233,7 +233,15 @@ def test_the_kernels_pair_count_is_what_it_computes():
     import attention as A
     assert A.buckets([10, 30, 11, 12, 40, 13]) == [[0, 2, 3], [5], [1], [4]]
     row = [(0, 4, [(4, 2), (6, 3)]), (9, 5, [(14, 1)]), (15, 20, [(35, 10)])]  # spans 6, 6, 30
-    assert A.pairs([row]) == 2 * 6 ** 2 + 30 ** 2 + 3 * (4 + 3)
+    p = A.plan([row], 47, CPU)                      # the row's last 2 columns unused
+    assert A.pairs(p) == 2 * 6 ** 2 + 30 ** 2 + 3 * (4 + 3)
+    # the calls: spans 0-5 and 9-14 batched (6 wide), 15-44 alone, then the further response
+    # 6-8 over its prompt (keys 0-3, then 6-8)
+    assert [c.q.tolist() for c in p.calls[0]] == [[list(range(6)), list(range(9, 15))],
+                                                  [list(range(15, 45))], [[6, 7, 8]]]
+    assert p.calls[0][2].k.tolist() == [[0, 1, 2, 3, 6, 7, 8]] and p.calls[0][0].mask is None
+    # each column's output in the calls' outputs concatenated; unused columns: the zero row (45)
+    assert p.where[0].tolist() == [*range(6), 42, 43, 44, *range(6, 12), *range(12, 42), 45, 45]
 
 
 def _each_alone(policy, lp, procs, eps, images) -> None:
