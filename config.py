@@ -212,9 +212,9 @@ class TrainConfig:
     # else one episode each) side by side in one row, no padding, each attending only within
     # itself (positions restarted); the step's episodes go to the trainer ranks balanced by token
     # count. true: refused at start for a model with linear-attention layers (state would cross
-    # sequences); "auto": on where the device's layout was measured faster than padded
-    # micro-batches (device.Device.packs_by_default) and the model packs exactly, else off (said
-    # at start). true uses the device's layout (device.Device.packed_attention); "segments"
+    # sequences); "auto": on where the device's layout was measured faster than the padded
+    # micro-batches this config asks for (device.Device.auto_packing) and the model packs
+    # exactly, else off (said at start). true uses the device's layout (device.Device.packed_attention); "segments"
     # (attention.py's kernel: SDPA per piece, prompts shared) or "varlen" (flash_attention_2:
     # the flash-attn package on CUDA, torch_npu's fused op on NPU) names one.
     packing: bool | str = "auto"

@@ -32,15 +32,17 @@ class Device:
     vllm_routed_experts: bool = True
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
     # train.packing's rows, every sequence of a micro-batch in one row: "segments" = attention.py's
-    # kernel (each prompt causally, each response over its prompt and itself: SDPA calls per piece,
-    # prompts shared by their responses, no mask); "varlen" = no mask, positions restarting per
-    # sequence, run by flash_attention_2 (flash-attn's varlen kernel on CUDA, npu_fusion_attention's
-    # TND layout on NPU: transformers' packed-sequence path; a prompt copied per response)
+    # kernel (each prompt causally, each response over its prompt and itself: batched SDPA calls,
+    # prompts shared by their responses, no [W, W] mask; needs nothing beyond torch, measured on
+    # CPU and on an H200); "varlen" = no mask, positions restarting per sequence, run by
+    # flash_attention_2 (flash-attn's varlen kernel on CUDA, npu_fusion_attention's TND layout on
+    # NPU: transformers' packed-sequence path; a prompt copied per response; not run on hardware)
     packed_attention: str = "segments"
-    # what train.packing = "auto" picks: packed rows only where their layout was measured faster
-    # than padded micro-batches (bench/packing.py; docs/benchmarks.md). The accelerators' varlen
-    # layout has not run on hardware yet, so padded rows stay their default until it has
-    packs_by_default: bool = True
+    # what train.packing = "auto" picks, from what bench/packing.py measured (docs/benchmarks.md):
+    # "always" packs; "rows" packs when micro-batches are counted in rows (micro_batch_tokens = 0:
+    # on an H200, 2.7-3.2x padded micro-batches of micro_batch_size rows at 3B shapes, but 0.77-
+    # 0.93x length-sorted micro-batches of a token budget); "never": not measured there
+    auto_packing: str = "always"
     # the "segments" kernel batches pieces whose lengths are within this ratio into one call
     # (attention.plan): higher = fewer calls, more padded query-key pairs. The CPU's attention
     # is compute-bound, an accelerator's bound by the calls it launches (bench/packing.py
@@ -53,9 +55,9 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   packed_attention="varlen", packs_by_default=False),
+                   auto_packing="rows", bucket_ratio=4.0),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                  experts="eager", packed_attention="varlen", packs_by_default=False),
+                  experts="eager", packed_attention="varlen", auto_packing="never"),
 }
 
 

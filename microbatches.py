@@ -53,22 +53,22 @@ def packs(tc) -> bool:
 def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.device,
                    env: str = "") -> list[str]:
     """At start: `train.packing = "auto"` decided (tc.packing set to true or false: on where the
-    device's packed layout was measured faster, device.Device.packs_by_default, the model packs
-    exactly and the environment `env` (rollout.env) shows no images in its turns) and said; `true`
+    device's packed layout was measured faster for this kind of micro-batch (:func:`_auto`), the
+    model packs exactly and the environment `env` (rollout.env) shows no images in its turns) and
+    said; `true` or a layout
     refused (ConfigError) for a model whose layers take no 4-D mask (linear attention: its
     recurrent state would run from one packed sequence into the next); the note that
     `train.share_prompt` falls back to one row per episode for such a model. Returns the lines
     to print."""
     row, notes, one_row_per_episode = D.TABLE[device.type], [], envs.extra_images(env) > 0
     if tc.packing == "auto":
-        why = ("the model has linear-attention layers" if not procs.packs_exactly else
-               "the environment's turns show images: one row per episode" if one_row_per_episode else
-               f"{device.type}'s {row.packed_attention} layout, measured faster than padded rows"
-               if row.packs_by_default else
-               f"{device.type}'s {row.packed_attention} layout has not run on hardware yet; "
-               "train.packing = true uses it")
-        tc.packing = procs.packs_exactly and row.packs_by_default and not one_row_per_episode
-        notes.append(f"train.packing {'on' if tc.packing else 'off'} (auto: {why})")
+        on, why = _auto(row, tc)
+        if not procs.packs_exactly:
+            on, why = False, "the model has linear-attention layers"
+        elif one_row_per_episode:
+            on, why = False, "the environment's turns show images: one row per episode"
+        tc.packing = on
+        notes.append(f"train.packing {'on' if on else 'off'} (auto: {why})")
     if procs.packs_exactly:
         return notes
     if packs(tc):
@@ -78,6 +78,20 @@ def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.devic
         notes.append(f"note: {model_path} has layers that take no 4D mask (linear attention): "
                      "train.share_prompt falls back to one row per episode")
     return notes
+
+
+def _auto(row: D.Device, tc) -> tuple[bool, str]:
+    """What "auto" picks on the device `row` for `[train]` tc (device.Device.auto_packing), and
+    why, as bench/packing.py measured it (docs/benchmarks.md)."""
+    layout = f"{row.kind}'s {row.packed_attention} layout"
+    if row.auto_packing == "always":
+        return True, f"{layout}, measured faster than padded rows"
+    if row.auto_packing == "rows" and not tc.micro_batch_tokens:
+        return True, f"{layout}, measured faster than padded micro-batches of micro_batch_size rows"
+    if row.auto_packing == "rows":
+        return False, (f"{layout} measured slower than length-sorted micro-batches of "
+                       "train.micro_batch_tokens; train.packing = true uses it")
+    return False, f"{layout} has not run on hardware yet; train.packing = true uses it"
 
 
 def packing(tc, device: torch.device) -> str | None:

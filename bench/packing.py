@@ -131,10 +131,10 @@ def run(a) -> dict:
             D.synchronize(dev)
             if rep < a.reps:
                 times[name].append(time.perf_counter() - t0)
+                peak[name] = max(peak.get(name, 0.0), D.peak_memory_gb(dev))
             else:
                 grads[name] = {n: p.grad.full_tensor().float() for n, p in policy.named_parameters()
-                               if p.grad is not None}
-            peak[name] = max(peak.get(name, 0.0), D.peak_memory_gb(dev))
+                               if p.grad is not None} if name in ("padded", "packed") else {}
     out = {}
     for name, st in stats.items():
         t = statistics.median(times[name])

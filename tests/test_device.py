@@ -15,11 +15,13 @@ def test_table_rows():
     assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                                       vllm_eager_helpers=True, vllm_cpu_moe_fix=True,
                                       vllm_linear_attention=False, vllm_routed_experts=False)
-    assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].packs_by_default
+    assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].auto_packing == "always"
+    assert D.TABLE["cpu"].bucket_ratio == 1.25
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                                       packed_attention="varlen", packs_by_default=False)
+                                       auto_packing="rows", bucket_ratio=4.0)
+    assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                                      experts="eager", packed_attention="varlen", packs_by_default=False)
+                                      experts="eager", packed_attention="varlen", auto_packing="never")
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 

@@ -135,16 +135,25 @@ def test_plan_fills_micro_batches_to_the_budget_and_ranks_balance_by_tokens():
 
 
 def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypatch):
-    """train.packing = "auto" (the default): on for the CPU's kernel, off on CUDA / NPU (their
-    varlen layout has not run on hardware), off for an environment whose turns show images (one
-    row per episode); each decision is one start-up line; an undecided "auto" plans padded
-    micro-batches (a script that never starts a run)."""
+    """train.packing = "auto" (the default): on for the CPU's kernel; on CUDA on only when
+    micro-batches are counted in rows (there it was measured faster than padded micro-batches,
+    slower than length-sorted ones of a token budget); off on NPU (its varlen layout has not run
+    on hardware); off for an environment whose turns show images (one row per episode); each
+    decision is one start-up line; an undecided "auto" plans padded micro-batches (a script that
+    never starts a run)."""
     import envs
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    for device, on, why in ((CPU, True, "cpu's segments layout, measured faster"),
-                            (torch.device("cuda"), False, "cuda's varlen layout has not run on hardware")):
-        tc = load_config(None, []).train
+    npu = SimpleNamespace(type="npu")  # torch.device cannot name an NPU without torch_npu
+    for device, over, on, why in (
+            (CPU, [], True, "cpu's segments layout, measured faster"),
+            (CPU, ["--train.micro_batch_tokens=4096"], True, "cpu's segments layout, measured faster"),
+            (torch.device("cuda"), [], True, "cuda's segments layout, measured faster than padded "
+                                             "micro-batches of micro_batch_size rows"),
+            (torch.device("cuda"), ["--train.micro_batch_tokens=4096"], False,
+             "cuda's segments layout measured slower than length-sorted micro-batches"),
+            (npu, [], False, "npu's varlen layout has not run on hardware")):
+        tc = load_config(None, over).train
         assert tc.packing == "auto" and not MB.packs(tc)
         [line] = MB.resolve_layout(tc, procs, path, device)
         assert tc.packing is on and line.startswith(f"train.packing {'on' if on else 'off'} (auto: {why}")
@@ -159,7 +168,7 @@ def test_a_layout_can_be_named(tiny_dir):
     device's own); a linear-attention model refuses a named layout as it refuses true; an
     unknown value is one config error naming the key."""
     for value, device, layout in (("segments", torch.device("cuda"), "segments"),
-                                  ("varlen", CPU, "varlen"), ("true", torch.device("cuda"), "varlen"),
+                                  ("varlen", CPU, "varlen"), ("true", torch.device("cuda"), "segments"),
                                   ("true", CPU, "segments"), ("false", CPU, None)):
         tc = load_config(None, [f"--train.packing={value}"]).train
         assert MB.packing(tc, device) == layout and MB.packs(tc) is (layout is not None)
@@ -275,6 +284,39 @@ def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny
         lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
         policy.set_attn_implementation("sdpa")
         _each_alone(policy, lp, procs, eps, images)
+
+
+def test_a_wider_bucket_ratio_makes_fewer_calls_and_the_same_logprobs_and_gradients(
+        tiny_dir, gloo_world, monkeypatch):
+    """CUDA's bucket ratio (device.Device.bucket_ratio 4: fewer, wider calls, the accelerator
+    being bound by the calls it launches) on the CPU: fewer calls and more computed pairs than
+    the CPU's 1.25, the same logprobs as each episode alone, the same gradients."""
+    from dataclasses import replace
+
+    import attention as A
+    import device as D
+    path = tiny_dir("qwen2_5_vl")
+    procs, eps, images = _episodes(path, True)
+    policy = M.load_model(path)
+    policy.set_attn_implementation(M.attention_for("segments"))
+    runs = {}
+    for ratio in (1.25, D.TABLE["cuda"].bucket_ratio):
+        monkeypatch.setitem(D.TABLE, "cpu", replace(D.TABLE["cpu"], bucket_ratio=ratio))
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
+                        packing="segments")
+        calls = sum(len(r) for r in A.plan(A.layout(row["segments"]), row["input_ids"].shape[1], CPU).calls)
+        policy.zero_grad(set_to_none=True)
+        lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
+        (lp * row["response_mask"]).sum().backward()
+        runs[ratio] = (calls, int(row["attention_pairs"]), lp.detach(),
+                       {n: q.grad.clone() for n, q in policy.named_parameters() if q.grad is not None})
+    (c1, p1, lp1, g1), (c4, p4, lp4, g4) = runs.values()
+    assert c4 < c1 and p4 > p1
+    torch.testing.assert_close(lp4, lp1, atol=1e-5, rtol=1e-4)
+    for n, g in g1.items():
+        torch.testing.assert_close(g4[n], g, atol=1e-5, rtol=1e-4, msg=n)
+    policy.set_attn_implementation("sdpa")
+    _each_alone(policy, lp4, procs, eps, images)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3"])
