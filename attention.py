@@ -1,19 +1,22 @@
-"""The CPU kernel for packed rows (`train.packing`, device.Device.packed_attention = "segments").
+"""The "segments" kernel for packed rows (`train.packing`; device.Device.packed_attention: the
+CPU's and CUDA's).
 
 A packed row holds whole sequences side by side: a prompt and its responses (one response
 each without `train.share_prompt`). A dense kernel under a 4-D block mask computes every
 query-key pair of the row, masked or not, so a row wider than its longest sequence costs more
 attention than the padding it saves. This kernel computes only the pairs that count: each
-prompt attends to itself causally, each response to its prompt and to itself causally, one
-`sdpa_attention_forward` call per piece (transformers' own: GQA, scaling and dtype as usual).
-So a micro-batch is one row of whole sequences, as wide as `train.micro_batch_tokens`, with no
-padding and no [W, W] mask.
+prompt attends to itself causally, each response to its prompt and to itself causally.
+Pieces of similar length go through one batched `sdpa_attention_forward` call (transformers'
+own: GQA, scaling and dtype as usual), within the device's bucket ratio; the calls are planned
+once per micro-batch (:func:`plan`) and serve every layer. So a micro-batch is one row of whole
+sequences, as wide as `train.micro_batch_tokens`, with no padding and no [W, W] mask.
 
 It is registered with transformers under :data:`NAME` (the trainer's models are built with it,
-trainer.build); the row's layout rides in the forward's keyword `grpo_segments` (through
-activation checkpointing's recomputation too), built by inputs.pack. transformers builds no
-mask for an attention name its mask registry lacks (masking_utils: checked in 5.5.4, 5.17 and
-5.24). Any other call (the vision tower, a batch without the keyword) is plain SDPA.
+trainer.build); the plan rides in the forward's keyword `grpo_segments` (through activation
+checkpointing's recomputation too), built by model._packed_logprobs from inputs.pack's
+layout. transformers builds no mask for an attention name its mask registry lacks
+(masking_utils: checked in 5.5.4, 5.17 and 5.24). Any other call (the vision tower, a batch
+without the keyword) is plain SDPA.
 """
 from __future__ import annotations
 
