@@ -76,37 +76,48 @@ def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
 def plan(layout: Layout, width: int, device: torch.device, ratio: float | None = None) -> Plan:
     """The calls of a packed batch's `layout` (rows `width` wide), on `device`: per row, each
-    prompt with its first response (right after it: plainly causal together), spans of similar
-    length (within `ratio` of a bucket's shortest; default `device`'s bucket_ratio) batched into one causal call, each padded at
-    its end with the columns after it (a causal query never sees them; their outputs are
-    dropped); then each further response over its prompt and itself, responses of similar length
-    batched likewise, keys the bucket's longest prompt then its longest response, masked for the
-    shorter ones (every query sees its prompt, so no row of a mask is empty)."""
+    prompt with its first response (:func:`_span_calls`), then each further response over its
+    prompt and itself (:func:`_response_calls`); pieces of similar length (within `ratio` of a
+    bucket's shortest; default: `device`'s bucket_ratio) batched into one call."""
     calls, where, ratio = [], [], ratio or D.TABLE[device.type].bucket_ratio
     for seqs in layout:
-        row, cols = [], []                               # cols: each call's [b, m] columns
-        spans = [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs]
-        for bucket in buckets([n for _, n in spans], ratio):
-            group = [spans[t] for t in bucket]
-            idx = _columns([st for st, _ in group], group[-1][1], width)
-            row.append(Call(idx, idx, None))
-            cols.append([(st, n) for st, n in group])
-        further = [(st, plen, s, n) for st, plen, rs in seqs for s, n in rs[1:]]
-        for bucket in buckets([it[3] for it in further], ratio):
-            group = [further[t] for t in bucket]
-            m, P = group[-1][3], max(it[1] for it in group)
-            qidx = _columns([it[2] for it in group], m, width)
-            kidx = torch.cat([_columns([it[0] for it in group], P, width), qidx], 1)
-            ar_p, ar_m = torch.arange(P), torch.arange(m)
-            plens = torch.tensor([it[1] for it in group])
-            mask = torch.cat([(ar_p[None, :] < plens[:, None])[:, None, :].expand(-1, m, -1),
-                              (ar_m[None, :] <= ar_m[:, None])[None].expand(len(group), -1, -1)], 2)
-            row.append(Call(qidx, kidx, mask[:, None]))
-            cols.append([(it[2], it[3]) for it in group])
+        row, cols = [], []                          # cols: each call's (start, length) pieces
+        _span_calls(seqs, width, ratio, row, cols)
+        _response_calls(seqs, width, ratio, row, cols)
         calls.append([Call(c.q.to(device), c.k.to(device),
                            None if c.mask is None else c.mask.to(device)) for c in row])
         where.append(_where(row, cols, width).to(device))
     return Plan(calls, where)
+
+
+def _span_calls(seqs, width: int, ratio: float, row: list, cols: list) -> None:
+    """A prompt and its first response (right after it) are plainly causal together: spans of
+    similar length in one causal call, each padded at its end with the columns after it (a
+    causal query never sees them; their outputs are dropped)."""
+    spans = [(st, rs[0][0] + rs[0][1] - st) for st, _, rs in seqs]
+    for bucket in buckets([n for _, n in spans], ratio):
+        group = [spans[t] for t in bucket]
+        idx = _columns([st for st, _ in group], group[-1][1], width)
+        row.append(Call(idx, idx, None))
+        cols.append(group)
+
+
+def _response_calls(seqs, width: int, ratio: float, row: list, cols: list) -> None:
+    """Each further response over its prompt and itself causally: responses of similar length
+    in one call, keys the bucket's longest prompt then its longest response, masked for the
+    shorter ones (every query sees its prompt, so no row of a mask is empty)."""
+    further = [(st, plen, s, n) for st, plen, rs in seqs for s, n in rs[1:]]
+    for bucket in buckets([it[3] for it in further], ratio):
+        group = [further[t] for t in bucket]
+        m, P = group[-1][3], max(it[1] for it in group)
+        qidx = _columns([it[2] for it in group], m, width)
+        kidx = torch.cat([_columns([it[0] for it in group], P, width), qidx], 1)
+        ar_p, ar_m = torch.arange(P), torch.arange(m)
+        plens = torch.tensor([it[1] for it in group])
+        mask = torch.cat([(ar_p[None, :] < plens[:, None])[:, None, :].expand(-1, m, -1),
+                          (ar_m[None, :] <= ar_m[:, None])[None].expand(len(group), -1, -1)], 2)
+        row.append(Call(qidx, kidx, mask[:, None]))
+        cols.append([(it[2], it[3]) for it in group])
 
 
 def _columns(starts: list[int], m: int, width: int) -> torch.Tensor:
