@@ -28,7 +28,9 @@
 #             and checkpoint calls per step (layer forwards recomputed in backward: 32 vision
 #             blocks + 36 decoder layers = 68 when checkpointing works, 0 when it does not).
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
-# CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU).
+# CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), STEPS (the steps to run, in
+# this order; default all: "pack_3b pack_tiny demo_packed demo step"; e.g. STEPS=step to rerun
+# one on a short lease).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
@@ -76,9 +78,17 @@ if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/version
   exit 3
 fi
 
+STEPS=${STEPS:-pack_3b pack_tiny demo_packed demo step}
+for name in $STEPS; do
+  case " pack_3b pack_tiny demo_packed demo step " in *" $name "*) ;;
+    *) echo "device_check: STEPS names $name; the steps are pack_3b pack_tiny demo_packed demo step" >&2
+       exit 2 ;;
+  esac
+done
 failed=()
 stage() {  # stage NAME SECONDS command...: its output in $OUT/NAME.log; a failure is named
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
     echo "device_check: $name ok in $((SECONDS - t0)) s" >&2

@@ -44,16 +44,26 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_step_is_named_and_the_others_still_run(tmp_path):
-    """A step that fails (here: the demos' run.steps is refused) is named in "failed", its
-    log's tail goes to stderr, the other steps' figures are still printed, and the exit is 1."""
+    """A step that fails (here: the demo's run.steps is refused) is named in "failed", its
+    log's tail goes to stderr, the other steps (STEPS: these two) still run and print their
+    figures, the steps not asked for print null, and the exit is 1."""
     e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), DEMO_STEPS="-1",
-             OMP_NUM_THREADS="1", PYTHON=sys.executable, STEP_SEQ="64", PACK_LAYERS="1")
+             OMP_NUM_THREADS="1", PYTHON=sys.executable, STEP_SEQ="64", STEPS="demo step")
     p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 1, p.stderr[-3000:]
     r = json.loads(p.stdout)
-    assert r["failed"] == ["demo_packed", "demo"] and "run.steps" in p.stderr
-    assert r["demo"] is None and r["step"]["seq_len"] == 64 and r["pack_tiny"]["speedup"] > 0
+    assert r["failed"] == ["demo"] and "run.steps" in p.stderr
+    assert r["demo"] is None and r["step"]["seq_len"] == 64
+    assert r["pack_tiny"] is None and r["demo_packed"] is None
+
+
+def test_an_unknown_step_is_named(tmp_path):
+    e = dict(os.environ, GRPO_DEVICE="cpu", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+             STEPS="demo stpe")
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=e, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "STEPS names stpe" in p.stderr and p.stdout == ""
 
 
 def test_missing_module_is_named(tmp_path):
