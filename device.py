@@ -38,6 +38,9 @@ class Device:
     # flash_attention_2 (flash-attn's varlen kernel on CUDA, npu_fusion_attention's TND layout on
     # NPU: transformers' packed-sequence path; a prompt copied per response; not run on hardware)
     packed_attention: str = "segments"
+    # the package the "varlen" layout's flash_attention_2 needs here (None: the device's own
+    # fused op, torch_npu's on NPU); checked at start (microbatches.resolve_layout)
+    varlen_package: str | None = "flash_attn"
     # what train.packing = "auto" picks, from what bench/packing.py measured (docs/benchmarks.md):
     # "always" packs; "rows" packs when micro-batches are counted in rows (micro_batch_tokens = 0:
     # on an H200, 2.7-3.2x padded micro-batches of micro_batch_size rows at 3B shapes, but 0.77-
@@ -57,7 +60,8 @@ TABLE = {
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
                    auto_packing="rows", bucket_ratio=4.0),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                  experts="eager", packed_attention="varlen", auto_packing="never"),
+                  experts="eager", packed_attention="varlen", auto_packing="never",
+                  varlen_package=None),
 }
 
 

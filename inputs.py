@@ -472,8 +472,9 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     if packing == "segments":
         out["segments"] = _segments(out)
         # the calls the kernel will make on `device` (model._packed_logprobs), counted here
-        cpu_plan = A.plan(A.layout(out["segments"]), W, torch.device("cpu"), D.TABLE[device.type].bucket_ratio)
-        out["attention_pairs"] = torch.tensor(A.pairs(cpu_plan))
+        counted = A.plan(A.layout(out["segments"]), W, torch.device("cpu"),
+                         D.TABLE[device.type].bucket_ratio)
+        out["attention_pairs"] = torch.tensor(A.pairs(counted))
     elif packing is None:
         out["attention_mask_4d"] = _block_mask(out, W)
     if "attention_pairs" not in out:  # a dense kernel: every pair of every row

@@ -3,6 +3,7 @@ count on every trainer rank (FSDP collectives): fixed-size chunks or a token bud
 packed row per prompt where the model allows it (`train.share_prompt`)."""
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any, Mapping
 
 import torch
@@ -55,8 +56,8 @@ def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.devic
     """At start: `train.packing = "auto"` decided (tc.packing set to true or false: on where the
     device's packed layout was measured faster for this kind of micro-batch (:func:`_auto`), the
     model packs exactly and the environment `env` (rollout.env) shows no images in its turns) and
-    said; `true` or a layout
-    refused (ConfigError) for a model whose layers take no 4-D mask (linear attention: its
+    said; `true` or a layout's name refused (ConfigError) for a model whose layers take no 4-D
+    mask (linear attention: its
     recurrent state would run from one packed sequence into the next); the note that
     `train.share_prompt` falls back to one row per episode for such a model. Returns the lines
     to print."""
@@ -69,6 +70,10 @@ def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.devic
             on, why = False, "the environment's turns show images: one row per episode"
         tc.packing = on
         notes.append(f"train.packing {'on' if on else 'off'} (auto: {why})")
+    if packing(tc, device) == "varlen" and row.varlen_package and not find_spec(row.varlen_package):
+        raise ConfigError(f"train.packing: the varlen layout runs under flash_attention_2, which "
+                          f"needs the {row.varlen_package} package on {device.type} (not installed); "
+                          "train.packing = \"segments\" packs without it")
     if procs.packs_exactly:
         return notes
     if packs(tc):

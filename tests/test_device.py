@@ -21,7 +21,8 @@ def test_table_rows():
                                        auto_packing="rows", bucket_ratio=4.0)
     assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
-                                      experts="eager", packed_attention="varlen", auto_packing="never")
+                                      experts="eager", packed_attention="varlen", auto_packing="never",
+                                      varlen_package=None)
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 

@@ -163,7 +163,7 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
     assert tc.packing is False
 
 
-def test_a_layout_can_be_named(tiny_dir):
+def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     """train.packing = "segments" / "varlen" packs with that layout on any device (true: the
     device's own); a linear-attention model refuses a named layout as it refuses true; an
     unknown value is one config error naming the key."""
@@ -181,6 +181,15 @@ def test_a_layout_can_be_named(tiny_dir):
     with pytest.raises(ConfigError, match='train.packing: expected true, false, "auto", "segments" '
                                           'or "varlen", got \'dense\''):
         load_config(None, ["--train.packing=dense"])
+    # varlen runs under flash_attention_2: without flash-attn one config error at start, not
+    # transformers' traceback at the model's build; on NPU torch_npu's op needs none
+    monkeypatch.setattr(MB, "find_spec", lambda name: None)
+    qwen = tiny_dir("qwen2_5_vl")
+    vl_procs = I.load_processors(qwen, 56 * 56, 112 * 112)
+    with pytest.raises(ConfigError, match="needs the flash_attn package on cpu .*\"segments\" packs"):
+        MB.resolve_layout(load_config(None, ["--train.packing=varlen"]).train, vl_procs, qwen, CPU)
+    npu = SimpleNamespace(type="npu")
+    assert MB.resolve_layout(load_config(None, ["--train.packing=true"]).train, vl_procs, qwen, npu) == []
 
 
 def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
