@@ -135,7 +135,7 @@ class DataConfig:
     source: str = "synthetic"                # "synthetic" (diagrams), "synthetic-text", a local folder, or a hub id
     n_synthetic: int = num(256, ">= 1")      # problems per synthetic split
     image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
-    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers)
+    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers, and {options}: docs/data.md)
     # The prompt is rendered by the model's own chat template (tokenizer / processor): an empty
     # system_prompt keeps the template's own behaviour (some families' templates add a default
     # system turn, others none); enable_thinking is passed to templates that read it, unset =
