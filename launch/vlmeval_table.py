@@ -22,7 +22,7 @@ DATASETS = ("LogicVista", "MathVision_MINI", "MathVista_MINI")
 SEED = {"base": (31.0, 18.3, 52.3), "GPU": (35.4, 20.9, 55.9), "NPU": (35.3, 20.5, 54.7)}
 SEED_AVG = {"base": 33.8, "GPU": 37.4, "NPU": 36.8}  # as the README prints them (33.87 -> 33.8 there)
 TOLERANCE = 1.0  # points a base score may sit from the seed's before the table warns
-MAX_PIXELS = 16384 * 28 * 28  # VLMEvalKit's registered Qwen2.5-VL-3B-Instruct max_pixels (vlmeval/config.py)
+MAX_PIXELS = 16384 * 28 * 28  # max_pixels of VLMEvalKit's registered 3B entry (vlmeval/config.py)
 
 
 def score_file(work_dir: Path, model: str, dataset: str) -> Path:
