@@ -329,7 +329,7 @@ class Source(NamedTuple):
     weight: float           # its share of the prompts, relative to the other sources'
     columns: dict           # canonical name -> the dataset's own (load_split's `columns`)
     functions: list | None  # its own reward_functions (None: [reward] / [eval] functions)
-    splits: dict = {}       # a split's name in the run (eval.split) -> its name in this dataset
+    splits: dict | None = None  # a split's name in the run (eval.split) -> its name in this dataset
 
 
 def sources(dc) -> list[Source]:
@@ -411,7 +411,8 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
     out: list[Problem] = []
     skipped = offset = 0
     for src in sources(dc):
-        rows, n = load_problems(src.source, src.splits.get(split, split), seed=seed, n_synthetic=dc.n_synthetic,
+        own = (src.splits or {}).get(split, split)  # its `splits` name for the run's split
+        rows, n = load_problems(src.source, own, seed=seed, n_synthetic=dc.n_synthetic,
                                 image_size=dc.image_size, prompt_len=prompt_len,
                                 max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key)
         skipped += n

@@ -242,3 +242,13 @@ def test_the_preset_dry_runs_with_the_hub_ids():
     code = train.main(["--config", str(ROOT / "configs" / "vl3b.toml"), "--config", str(PRESET),
                        "--eval-only", "--checkpoint", "runs/x/checkpoints/step_000001", "--dry-run"])
     assert code == 0
+
+
+def test_split_names_are_checked_at_load(tmp_path):
+    from errors import ConfigError
+    with pytest.raises(ConfigError, match="eval.split must be 'validation' or 'test'"):
+        C.load([str(ROOT / "configs" / "tiny.toml")], ["--eval.split=testmini"])  # synthetic data
+    bad = '{name = "lv", source = "lscpku/LogicVista", weight = 1, splits = "test"}'
+    cfg = C.load([str(ROOT / "configs" / "tiny.toml")], [f"--data.sources=[{bad}]"])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].splits: expected a table"):
+        data.check_sources(cfg.data, rewards.check_functions)
