@@ -163,3 +163,14 @@ def test_bad_arguments_are_one_line_before_anything_runs(tmp_path):
     assert p.returncode == 2 and "runs/missing: neither a checkpoint" in p.stderr
     p = _run("bash launch/vlmeval.sh Qwen/Qwen2.5-VL-3B-Instruct", tmp_path)
     assert p.returncode == 2 and "no judge: set JUDGE_KEY" in p.stderr
+    p = _run("bash launch/vlmeval.sh Qwen/Qwen2.5-VL-3B-Instruct", tmp_path, JUDGE_KEY="k",
+             VLMEVALKIT_DIR=str(tmp_path / "kit"))
+    assert p.returncode == 2 and "no VLMEvalKit at" in p.stderr and "git -C" in p.stderr
+    kit = tmp_path / "kit"
+    subprocess.run(["git", "init", "-q", str(kit)], check=True)
+    subprocess.run(["git", "-C", str(kit), "-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                    "-q", "--allow-empty", "-m", "x"], check=True)
+    p = _run("bash launch/vlmeval.sh Qwen/Qwen2.5-VL-3B-Instruct", tmp_path, JUDGE_KEY="k",
+             VLMEVALKIT_DIR=str(kit))
+    assert p.returncode == 2 and "not the pinned e8e78f05f3080fe28154f2130321f17951c3be94" in p.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything is written
