@@ -88,7 +88,10 @@ class _Grader:
         self.proc.stdin.flush()
         out = self._line(timeout_s)
         if out is None:
-            self.close()  # a hung sympy: the next call starts a fresh child
+            died = self.proc.poll() is not None
+            self.close()  # a hung (or dead) grader: the next call starts a fresh child
+            if died:
+                raise RuntimeError(f"mathruler's grader process died grading {given[:60]!r}")
             raise TimeoutError(f"mathruler's grade_answer ran past grade_timeout_s={timeout_s:g} "
                                f"(answer {given[:60]!r})")
         if out.startswith("E "):
