@@ -313,8 +313,9 @@ def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dty
     procs.tokenizer.save_pretrained(out)
     if not (out / "chat_template.jinja").is_file():  # a VLM whose template is the processor's
         (out / "chat_template.jinja").write_text(procs.chat.template)
-    if procs.image_processor is not None:
-        procs.image_processor.save_pretrained(out)
+    if procs.image_processor is not None:  # the source's own, not the run's model.min/max_pixels:
+        # an evaluator (VLMEvalKit) then bounds images as it would for the base model
+        F.image_processor_cls().from_pretrained(source).save_pretrained(out)
 
 
 # ----------------------------------------------------------------------------- resuming

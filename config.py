@@ -135,7 +135,7 @@ class DataConfig:
     source: str = "synthetic"                # "synthetic" (diagrams), "synthetic-text", a local folder, or a hub id
     n_synthetic: int = num(256, ">= 1")      # problems per synthetic split
     image_size: int = num(112, ">= 28")      # synthetic diagrams are image_size x image_size
-    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers)
+    template: str = DEFAULT_TEMPLATE         # user-turn text; must contain {problem} (and may hold <image> markers, and {options}: docs/data.md)
     # The prompt is rendered by the model's own chat template (tokenizer / processor): an empty
     # system_prompt keeps the template's own behaviour (some families' templates add a default
     # system turn, others none); enable_thinking is passed to templates that read it, unset =
@@ -286,7 +286,7 @@ class EvalConfig:
     # Reward functions that grade evaluation, as [reward] functions: the mean of each part
     # (e.g. `accuracy`, `format` for the geometry verifier) is logged as eval/<part>.
     functions: list = field(default_factory=lambda: [{"name": "geometry", "weight": 1.0}])
-    split: str = "validation"                # validation | test
+    split: str = "validation"                # validation | test (a folder or hub set: any split it has, e.g. testmini)
     n: int = num(1, ">= 1")                  # samples per problem: 1 = greedy (Geometry3K-style); > 1 at temperature: pass@1 and pass@n
     temperature: float = num(1.0, "> 0")     # sampling temperature when n > 1
     max_new_tokens: int = num(0, ">= 0")     # evaluation's own generation limit (0: rollout.max_new_tokens)
@@ -434,8 +434,13 @@ def validate(cfg: Config) -> None:
          f"{cfg.train.packing!r}")
     need(cfg.train.lr_schedule in LR_SCHEDULES,
          f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
-    need(cfg.eval.split in ("validation", "test"),
-         f"eval.split must be 'validation' or 'test', got {cfg.eval.split!r}")
+    from synthetic import SYNTHETIC  # a leaf (PIL, no config)
+    synthetic = [s for s in [cfg.data.source] + [e.get("source") for e in cfg.data.sources
+                                                 if isinstance(e, dict)] if s in SYNTHETIC]
+    need(cfg.eval.split.replace("-", "").replace(".", "").replace("_", "").isalnum() and (
+        cfg.eval.split in ("validation", "test") or not synthetic),
+         f"eval.split must be 'validation' or 'test' (or, for a folder or hub set, the name of one "
+         f"of its splits, e.g. 'testmini'), got {cfg.eval.split!r}")
     for i, name in enumerate(cfg.run.report_to):
         need(name in TRACKERS, f"run.report_to: unknown tracker {name!r} "
              f"(known: {', '.join(TRACKERS)})")

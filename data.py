@@ -38,11 +38,22 @@ COLUMNS = ("images", "problem", "answer")  # the canonical names; `columns=` map
 
 def user_text(problem: Problem, template: str = DEFAULT_TEMPLATE) -> str:
     """The user turn: `template` with {problem} filled in (with the problem's `<image>` markers,
-    where it has any: inputs.prompt_ids puts each image there)."""
+    where it has any: inputs.prompt_ids puts each image there), and {options}, where the template
+    has it, with the row's `options` column (:func:`options_text`)."""
     if "{problem}" not in template:
         raise ValueError(f"prompt template has no {{problem}} placeholder: {template!r}")
     # replace, not str.format: templates such as "... in \boxed{}" carry literal braces.
+    if "{options}" in template:
+        template = template.replace("{options}", options_text(problem.columns.get("options")))
     return template.replace("{problem}", problem.raw or problem.problem)
+
+
+def options_text(options: Any) -> str:
+    """A row's list of answer options (MathVision's `options` column) as MathVista's queries
+    write theirs ("\nChoices:\n(A) 3/11\n(B) 8/11"); "" for none (a free-form question)."""
+    if not isinstance(options, (list, tuple)) or not options:
+        return ""
+    return "\nChoices:\n" + "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
 
 
 # ---------------------------------------------------------------- loading and bad rows
@@ -307,7 +318,7 @@ def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image
 
 # ---------------------------------------------------------------- several sources (data.sources)
 SOURCE_KEYS = ("name", "source", "weight", "problem_column", "answer_column", "images_column",
-               "reward_functions")  # the keys of one data.sources entry (docs/data.md, Mixing)
+               "reward_functions", "splits")  # the keys of one data.sources entry (docs/data.md, Mixing)
 
 
 class Source(NamedTuple):
@@ -318,6 +329,7 @@ class Source(NamedTuple):
     weight: float           # its share of the prompts, relative to the other sources'
     columns: dict           # canonical name -> the dataset's own (load_split's `columns`)
     functions: list | None  # its own reward_functions (None: [reward] / [eval] functions)
+    splits: dict | None = None  # a split's name in the run (eval.split) -> its name in this dataset
 
 
 def sources(dc) -> list[Source]:
@@ -327,7 +339,8 @@ def sources(dc) -> list[Source]:
     if not dc.sources:
         return [Source("data", "", dc.source, 1.0, base, None)]
     return [Source(f"data.sources[{i}]", e["name"], e["source"], float(e["weight"]),
-                   {c: e.get(f"{c}_column", v) for c, v in base.items()}, e.get("reward_functions"))
+                   {c: e.get(f"{c}_column", v) for c, v in base.items()}, e.get("reward_functions"),
+                   dict(e.get("splits", {})))
             for i, e in enumerate(dc.sources)]
 
 
@@ -382,6 +395,11 @@ def _check_entry(key: str, e: dict, seen: dict[str, int]) -> None:
         need(c not in e or (isinstance(e[c], str) and bool(e[c] or c == "images_column")),
              f"{c} must name a column" + (" (\"\": a text-only set)" if c == "images_column"
                                           else "") + f", got {e.get(c)!r}")
+    splits = e.get("splits", {})
+    need(isinstance(splits, dict) and all(isinstance(k, str) and isinstance(v, str) and v
+                                          for k, v in splits.items()),
+         f"splits: expected a table of split names, run's = this dataset's (e.g. {{testmini = "
+         f"\"test\"}}), got {splits!r}")
 
 
 def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], int],
@@ -393,7 +411,8 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
     out: list[Problem] = []
     skipped = offset = 0
     for src in sources(dc):
-        rows, n = load_problems(src.source, split, seed=seed, n_synthetic=dc.n_synthetic,
+        own = (src.splits or {}).get(split, split)  # its `splits` name for the run's split
+        rows, n = load_problems(src.source, own, seed=seed, n_synthetic=dc.n_synthetic,
                                 image_size=dc.image_size, prompt_len=prompt_len,
                                 max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key)
         skipped += n

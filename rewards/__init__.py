@@ -28,13 +28,16 @@ log = logging.getLogger("rewards")
 
 RewardFn = Callable[..., dict[str, float]]
 REGISTRY: dict[str, RewardFn] = {}
+REQUIRES: dict[str, tuple[str, ...]] = {}  # name -> packages it imports when first called
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
+def register(name: str, requires: tuple[str, ...] = ()) -> Callable[[RewardFn], RewardFn]:
+    """`requires`: packages the function imports lazily (checked at config load, not imported)."""
     def deco(fn: RewardFn) -> RewardFn:
         if name in REGISTRY:
             raise ValueError(f"reward {name!r} registered twice")
         REGISTRY[name] = fn
+        REQUIRES[name] = tuple(requires)
         return fn
     return deco
 
@@ -48,10 +51,15 @@ def get(name: str) -> RewardFn:
 
 def check_functions(key: str, specs: list) -> None:
     """`reward.functions` / `eval.functions` (`key`) name registered reward functions."""
+    import importlib.util
     for i, spec in enumerate(specs):
         if spec["name"] not in names():
             raise ConfigError(f"{key}[{i}].name: unknown reward {spec['name']!r} "
                               f"(known: {names()})")
+        missing = [p for p in REQUIRES[spec["name"]] if importlib.util.find_spec(p) is None]
+        if missing:
+            raise ConfigError(f"{key}[{i}].name: reward {spec['name']!r} needs "
+                              f"{', '.join(missing)} (pinned in requirements.txt): not installed")
 
 
 def names() -> list[str]:

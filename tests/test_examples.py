@@ -24,7 +24,8 @@ import train
 from tests.util import ROOT
 
 START = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:torchrun\s+-|python3?\s+train\.py\b|bash\s+launch/"
-                   r"(?!install_cpu\.sh|compat_check\.sh)\S+\.sh\b)")  # these launch no training
+                   r"(?!install_cpu\.sh|compat_check\.sh|vlmeval\.sh)\S+\.sh\b)")  # these launch no training
+# (launch/vlmeval.sh's documented examples: tests/test_vlmeval.py)
 
 
 def _joined(lines: list[str]) -> list[str]:
