@@ -98,7 +98,8 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     modules config.py does not import: the [loss] parts (after importing loss.plugins), the
     reward functions' names, model.path's family, the engine and data.source; each one line."""
     cfg = config.load(paths, overrides)
-    registry.check(cfg.loss)
+    registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
+    trainer.check_dtype(cfg.train, cfg.model)  # train.master_dtype against the model keys
     for key in ("reward", "eval"):
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
