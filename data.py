@@ -495,6 +495,23 @@ class Mixture:
         return pool[self.orders[k][1][pos]]
 
 
+def epoch_steps(n: int, per_step: int, ranks: int) -> int:
+    """Steps an epoch of `n` problems as AReaL counts them (areal/utils/dataloader.py:25-42 at
+    524d1d90f): a DistributedSampler with drop_last over its `ranks` data-parallel ranks, then
+    batches of per_step // ranks with drop_last; 1 rank where per_step does not split (AReaL
+    refuses that). Geometry3K's 2,101 problems, 32 a step, 4 ranks: 65. This loader's stream
+    wraps epochs mid-step instead (:func:`step_problems`: n / per_step steps an epoch)."""
+    d = ranks if per_step % ranks == 0 else 1
+    return (n // d) // (per_step // d)
+
+
+def epoch_line(n: int, per_step: int, ranks: int, steps: int) -> str:
+    """The start-up line on epochs (train.start)."""
+    k = epoch_steps(n, per_step, ranks)
+    return (f"epochs: {k} steps an epoch of {n} problems at {per_step} a step (AReaL's drop_last count over "
+            f"{ranks} trainer rank(s)); run.steps {steps} = {steps / max(k, 1):.2f} such epochs")
+
+
 def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:
     """The problems of `step`: an endless stream of per-epoch shuffles, seeded (so the data
     position of a resumed run is the step itself)."""
