@@ -189,7 +189,7 @@ class Export(NamedTuple):  # what the HF export (export_hf) is made of besides t
     procs: Any
     source: str         # the model folder the run started from (its generation config)
     dtype: torch.dtype
-    keep_every: int = 0  # run.export_every: the exports kept when their checkpoints rotate away
+    keep_every: int = 0  # run.export_every: which exports outlive their checkpoints' rotation
 
 
 def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
@@ -204,8 +204,8 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
     save(root(out_dir) / f"step_{done:06d}", (tr.policy, tr.opt, tr.sched), rng=D.rng_state(dev),
          ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one
          meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
-         export=Export(procs, source, getattr(torch, cfg.model.dtype), r.export_every), train_group=world.train_group,
-         is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
+         export=Export(procs, source, getattr(torch, cfg.model.dtype), r.export_every),
+         train_group=world.train_group, is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
 def save(path_final: Path, state: tuple, *, meta: dict, rng: dict, export: Export, train_group,

@@ -436,7 +436,7 @@ def validate(cfg: Config) -> None:
          f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
     need(lo.advantage in ADVANTAGES,
          f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(ADVANTAGES)})")
-    need(lo.advantage_norm in ADVANTAGE_NORMS, f"loss.advantage_norm: unknown {lo.advantage_norm!r} (known: group, batch)")
+    need(lo.advantage_norm in ADVANTAGE_NORMS, f"loss.advantage_norm: unknown {lo.advantage_norm!r}")
     need(all(isinstance(t, str) and t for t in cfg.data.delete_text),
          f"data.delete_text: expected a list of non-empty strings, got {cfg.data.delete_text!r}")
     need(not (cfg.model.lora_rank and cfg.train.ref_update_every),
@@ -448,7 +448,7 @@ def validate(cfg: Config) -> None:
              "with 0 there is no reference policy)")
     _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
-    need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0 (exports come from checkpoints)")
+    need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0")
     need(cfg.train.packing in (True, False, "auto", *PACKED_LAYOUTS),
          "train.packing: expected true, false, \"auto\", \"segments\" or \"varlen\", got "
          f"{cfg.train.packing!r}")

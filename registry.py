@@ -106,8 +106,9 @@ def selected(lc) -> list[Part]:
 
 
 def check(lc) -> None:
-    """Load `lc.plugins`, check the correction keys and the part names, then every part key set in `[loss]` against its
-    owner (type, range, its cross-key check), filling in the selected parts' defaults."""
+    """Load `lc.plugins`, check the correction keys (correction.check) and the part names, then
+    every part key set in `[loss]` against its owner (type, range, its cross-key check), filling
+    in the selected parts' defaults."""
     load_plugins(lc.plugins)
     correction.check(lc)  # loss.correction and its bounds (correction.py)
     if lc.objective not in OBJECTIVES:
