@@ -12,7 +12,7 @@ peer's code (tests/test_correction.py checks each against a transcription of it)
 ==============  ==========================================================  ============  =====
 mode            weight                                                      peer          bounds
 ==============  ==========================================================  ============  =====
-token_clamp     w clamped to [low, high] (low 0: verl's; slime's TIS 0.5)   verl TIS      0, 2
+token_clamp     w clamped to [low, high] (verl: high only; slime: both)     verl TIS      0, 2
 token_mask      w where low <= w <= high, else 0 (low 0: AReaL 524d1d90f's) AReaL         0, 5
 sequence_mask   W = exp(sum of the response's log w) on each of its tokens  TRL           high 3
                 where low <= W <= high (strict outside), else 0
@@ -35,7 +35,9 @@ a9564572eb8e91076be43c1bd5e4615e3de17265 (geo_mask_low 0.99, geo_mask_high 1.01;
 log ratios clamped to +-20); slime slime/backends/megatron_utils/loss.py ``icepop_function`` at
 624b824a898ab0ec1fcb4d373004c7f3852bf515 (its IcePop test's 0.5 and 2.0); verl
 verl/trainer/ppo/rollout_corr_helper.py at b178a3cd56f58b2d502255daba591e92833930a7
-(rollout_is_threshold 2.0).
+(rollout_is_threshold 2.0); slime's TIS ``torch.clamp(tis, min=args.tis_clip_low,
+max=args.tis_clip)`` at 624b824 (slime/backends/megatron_utils/loss.py:897; defaults 0 and 2.0,
+slime/utils/arguments.py:1067-1075), the lower clamp `token_clamp` takes as correction_low.
 """
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def test_correction_on_a_tis_cap_config_fails_at_load_not_at_the_first_update():
 def test_lower_bounds_are_honoured_and_icepop_takes_a_floor_of_zero():
     prox, behav, mask = tensors(2, 1.2)
     w = torch.exp(prox - behav)
-    # token_clamp with a lower clamp: slime's TIS clamps to [0.5, 2]
+    # token_clamp with a lower clamp: slime's TIS, torch.clamp(tis, min=tis_clip_low,
+    # max=tis_clip) (slime/backends/megatron_utils/loss.py:897 at 624b824), here [0.5, 2]
     lc = C.LossConfig(correction="token_clamp", correction_low=0.5)
     assert CR.mode_of(lc) == ("token_clamp", 0.5, 2.0)
     assert torch.allclose(CR.weight(*CR.mode_of(lc), prox, behav, mask)[mask.bool()],
