@@ -295,7 +295,7 @@ def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image
     """(problems, skipped count) of one split: bad rows and prompts longer than `max_prompt_len`
     (by `prompt_len`, image tokens counted) are skipped. Prompts are never truncated: the image
     tokens would be cut. `key`: as :func:`load_split`'s; `prepare`: applied to each row first
-    (:func:`recipe`)."""
+    (:func:`prepare_problem`)."""
     rows, skipped = load_split(source, split, seed=seed, n_synthetic=n_synthetic,
                                image_size=image_size, columns=columns, key=key)
     rows = [prepare(p) for p in rows] if prepare is not None else rows
@@ -335,7 +335,7 @@ def crop_image(image: Image.Image, side: int) -> Image.Image:
             return out.convert("RGB")
 
 
-def recipe(p: Problem, dc) -> Problem:
+def prepare_problem(p: Problem, dc) -> Problem:
     """`[data]` dc's data.delete_text (each string deleted from the question, as AReaL's
     `.replace("different", "")`, areal/dataset/geometry3k.py:150-152) and data.image_crop."""
     problem, raw = p.problem, p.raw
@@ -436,7 +436,7 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
         rows, n = load_problems(src.source, split, seed=seed, n_synthetic=dc.n_synthetic,
                                 image_size=dc.image_size, prompt_len=prompt_len,
                                 max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key,
-                                prepare=(lambda p: recipe(p, dc)) if dc.image_crop or dc.delete_text else None)
+                                prepare=(lambda p: prepare_problem(p, dc)) if dc.image_crop or dc.delete_text else None)
         skipped += n
         if src.name:
             top = max(p.index for p in rows) + 1

@@ -78,7 +78,7 @@ def test_recipe_deletes_text_and_crops_on_load():
     assert any("the" in a.problem for a in plain)
     p = synthetic.Problem(0, [], "Find the different angle of two different lines.", "3",
                           raw="Find <image> the different angle")
-    q = data.recipe(p, C.DataConfig(delete_text=["different"]))
+    q = data.prepare_problem(p, C.DataConfig(delete_text=["different"]))
     assert (q.problem, q.raw) == ("Find the  angle of two  lines.", "Find <image> the  angle")  # AReaL's str.replace
 
 
