@@ -436,7 +436,8 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
         rows, n = load_problems(src.source, split, seed=seed, n_synthetic=dc.n_synthetic,
                                 image_size=dc.image_size, prompt_len=prompt_len,
                                 max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key,
-                                prepare=(lambda p: prepare_problem(p, dc)) if dc.image_crop or dc.delete_text else None)
+                                prepare=(lambda p: prepare_problem(p, dc))
+                                if dc.image_crop or dc.delete_text else None)
         skipped += n
         if src.name:
             top = max(p.index for p in rows) + 1

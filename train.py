@@ -280,7 +280,8 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
         note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
-        epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers), cfg.run.steps)
+        epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
+                                 cfg.run.steps)
         for line in filter(None, (note, *s.notes, epochs)):
             rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:

@@ -63,16 +63,15 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # train.master_dtype = "bfloat16": the parameters themselves bf16 (AdamW's state follows
     # them), gradients reduced in fp32 and kept bf16, as AReaL's FSDP engine (its
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over bf16 parameters)
-    bf16 = tc.master_dtype == "bfloat16"
+    dtype, bf16 = MASTER_DTYPES[tc.master_dtype], tc.master_dtype == "bfloat16"
     # train(): transformers builds in eval mode, where activation checkpointing never runs
-    policy = M.shard_from_rank0(params_to(policy, MASTER_DTYPES[tc.master_dtype]), full, mesh,
-                                device, world.train_group, mixed_precision=mc.mixed_precision or bf16,
+    policy = M.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
+                                mixed_precision=mc.mixed_precision or bf16,
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
-        ref = M.shard_from_rank0(params_to(M.model_from_config(model_path, meta=True, device_type=device.type,
-                                                               attention=attention), MASTER_DTYPES[tc.master_dtype]),
-                                 full, mesh, device, world.train_group,
+        skeleton = M.model_from_config(model_path, meta=True, device_type=device.type, attention=attention)
+        ref = M.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
         R.attach(ref, mc.moe_routing_replay)

@@ -59,3 +59,11 @@ def test_meaningless_combinations_are_refused_at_load(over, msg):
     with pytest.raises(ConfigError, match=msg.replace(".", r"\.")) as e:
         load_config(None, over)
     assert "\n" not in str(e.value)
+
+
+def test_the_reference_copy_follows_the_master_dtype(one_rank_world, tiny_step):
+    cfg = load_config(None, [*BF16, "--loss.kl_coef=0.1"])
+    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg)
+    assert tr.ref is not None and all(_local(p).dtype == torch.bfloat16 for p in tr.ref.parameters())
+    metrics, _ = run_step(tiny_step, tr, cfg)
+    assert metrics["train/skipped"] == 0 and metrics["kl"] >= 0
