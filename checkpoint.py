@@ -189,6 +189,7 @@ class Export(NamedTuple):  # what the HF export (export_hf) is made of besides t
     procs: Any
     source: str         # the model folder the run started from (its generation config)
     dtype: torch.dtype
+    keep_every: int = 0  # run.export_every: which exports outlive their checkpoints' rotation
 
 
 def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
@@ -196,15 +197,15 @@ def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
     """The loop's save, every `run.save_every` steps and at the end: trainer `tr` at `progress`
     (collective over the trainer ranks, a no-op elsewhere); `source`: the starting model folder."""
     r, done = cfg.run, progress.step
-    due = (r.save_every and done % r.save_every == 0) or done == r.steps
+    due = any(k and done % k == 0 for k in (r.save_every, r.export_every)) or done == r.steps
     if r.keep_last <= 0 or not due or tr is None:
         return
     meta = {k: v for k, v in vars(progress).items() if k != "resumed_from"}  # step = done
     save(root(out_dir) / f"step_{done:06d}", (tr.policy, tr.opt, tr.sched), rng=D.rng_state(dev),
          ref=tr.ref if cfg.train.ref_update_every else None,  # a moving one
          meta={**meta, "config": C.to_dict(cfg), "world_size": world.size},
-         export=Export(procs, source, getattr(torch, cfg.model.dtype)), train_group=world.train_group,
-         is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
+         export=Export(procs, source, getattr(torch, cfg.model.dtype), r.export_every),
+         train_group=world.train_group, is_root=world.is_root, keep_last=r.keep_last, protect=progress.resumed_from)
 
 
 def save(path_final: Path, state: tuple, *, meta: dict, rng: dict, export: Export, train_group,
@@ -228,7 +229,19 @@ def save(path_final: Path, state: tuple, *, meta: dict, rng: dict, export: Expor
         keep = Path(protect).resolve() if protect else None
         for old in complete(path_final.parent.parent)[:-keep_last]:
             if old.resolve() != keep:
+                _keep_export(old, export.keep_every)
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _keep_export(old: Path, every: int) -> None:
+    """run.export_every: a rotated checkpoint's HF export (and LoRA adapters) at a multiple of
+    `every` steps moves to <run>/exports/step_N (a rename: no copy)."""
+    if every and int(_STEP.match(old.name).group(1)) % every == 0:
+        dest = old.parent.parent / "exports" / old.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for part in ("hf", "adapter"):
+            if (old / part).is_dir():
+                (old / part).rename(dest / part)
 
 
 def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_root, ref) -> None:

@@ -23,6 +23,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # loss.aggregate
 KL_ESTIMATORS = ("k1", "k2", "k3")   # loss.kl_penalty
 ADVANTAGES = ("grpo", "rloo")        # loss.group_advantages
+ADVANTAGE_NORMS = ("group", "batch")  # loss.advantage_norm
 DEFAULT_TEMPLATE = (
     "{problem}\n\nFirst output the thinking process in <think> </think> tags and then output "
     "the final answer in <answer> </answer> tags."
@@ -57,7 +58,7 @@ def check_ranges(cfg: "Config") -> None:
         for f in dataclasses.fields(sub):
             rule = f.metadata.get("range")
             value = getattr(sub, f.name)
-            if rule is not None and not in_range(value, rule):
+            if rule is not None and value is not None and not in_range(value, rule):  # None: unset
                 raise ConfigError(f"{sec.name}.{f.name} must be {_describe(rule)}, got {value!r}")
 
 
@@ -82,6 +83,9 @@ class RunConfig:
                                              # train.mini_batches x ppo_epochs optimizer steps
     log_samples: int = num(2, ">= -1")       # decoded responses per step appended to samples.jsonl (-1: every episode)
     save_every: int = num(0, ">= 0")         # checkpoint every N rollout steps (0: only at the end if keep_last > 0)
+    # > 0: a checkpoint's HF export (hf/) at a multiple of this many steps is kept as
+    # exports/step_N when keep_last rotates its training state away (e.g. one per epoch); 0: none
+    export_every: int = num(0, ">= 0")
     keep_last: int = num(2, ">= 0")          # complete checkpoints kept; 0 disables checkpointing
     eval_every: int = num(0, ">= 0")         # evaluation every N rollout steps and at the end (0: off); see [eval]
     eval_size: int = num(16, ">= 1")         # evaluation problems (the first of [eval] split)
@@ -148,6 +152,11 @@ class DataConfig:
     # one image per row or a list (several, in order; "<image>" in the problem marks where each
     # goes, else they come first); "" = a text-only set (required for a text-only model)
     images_column: str = "images"
+    # > 0: every image centre-cropped or padded (black) to a square of this side, then JPEG
+    # re-encoded, as AReaL's convert_image (torchvision's CenterCrop: data.crop_image); 0: off
+    image_crop: int = num(0, ">= 0")
+    # strings deleted from every problem, in order (str.replace(s, ""): AReaL deletes "different")
+    delete_text: list = field(default_factory=list)
     # Several datasets mixed: [[data.sources]] tables (their keys: data.SOURCE_KEYS, docs/data.md);
     # given, they take data.source's place, and a data.source given later theirs
     sources: list = field(default_factory=list)
@@ -228,6 +237,9 @@ class TrainConfig:
     # steps ref <- ref_mix_alpha * policy + (1 - ref_mix_alpha) * ref. Needs loss.kl_coef > 0; 0: frozen.
     ref_update_every: int = num(0, ">= 0")
     ref_mix_alpha: float = num(0.6, "(0, 1]")  # TRL's ref_model_mixup_alpha (its default 0.6)
+    # the policy's parameters and AdamW state: "float32" or "bfloat16" (as AReaL's FSDP engine;
+    # updates under bf16's resolution round away); the rules with model.*: trainer.check_dtype
+    master_dtype: str = "float32"
 
 
 @dataclass
@@ -253,10 +265,14 @@ class LossConfig:
     tis_cap: float = num(0.0, ">= 0")        # > 0: correction "token_clamp" with this cap (the older key)
     # Correction between the trainers' proximal and the engines' (behaviour) logprobs
     # (loss.CORRECTIONS, docs/async.md): none | token_clamp | token_mask | sequence_mask |
-    # geometric_mask | icepop; low/high 0: the mode's peer bounds
+    # geometric_mask | icepop; low/high unset: the mode's peer bounds (0 is a bound); the keys'
+    # rules at load: correction.check
     correction: str = "none"
-    correction_low: float = num(0.0, ">= 0")
-    correction_high: float = num(0.0, ">= 0")
+    correction_low: float | None = num(None, ">= 0")
+    correction_high: float | None = num(None, "> 0")
+    # "group": the advantage of the group step; "batch": then again over every response token of
+    # the step (token-weighted mean and std), AReaL's adv_norm at batch level (loss.batch_normalize)
+    advantage_norm: str = "group"
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
     filters: list = field(default_factory=list)  # response filters by name, in order (registry.response_filter)
@@ -420,6 +436,9 @@ def validate(cfg: Config) -> None:
          f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
     need(lo.advantage in ADVANTAGES,
          f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(ADVANTAGES)})")
+    need(lo.advantage_norm in ADVANTAGE_NORMS, f"loss.advantage_norm: unknown {lo.advantage_norm!r}")
+    need(all(isinstance(t, str) and t for t in cfg.data.delete_text),
+         f"data.delete_text: expected a list of non-empty strings, got {cfg.data.delete_text!r}")
     need(not (cfg.model.lora_rank and cfg.train.ref_update_every),
          "train.ref_update_every: with LoRA (model.lora_rank > 0) the reference is the frozen base "
          "(the policy with its adapters off), which cannot move; use 0 or train every parameter")
@@ -429,6 +448,7 @@ def validate(cfg: Config) -> None:
              "with 0 there is no reference policy)")
     _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
+    need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0")
     need(cfg.train.packing in (True, False, "auto", *PACKED_LAYOUTS),
          "train.packing: expected true, false, \"auto\", \"segments\" or \"varlen\", got "
          f"{cfg.train.packing!r}")
@@ -549,6 +569,7 @@ def _toml_value(v: Any) -> str:
 MEANING_KEYS = ("model.path", "data.source", "data.sources", "data.n_synthetic", "data.image_size",
                 "data.problem_column", "data.answer_column", "data.images_column", "data.template",
                 "data.system_prompt", "data.enable_thinking",
+                "data.image_crop", "data.delete_text", "loss.advantage_norm", "train.master_dtype",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
                 "train.ppo_epochs", "reward.functions", "loss.kl_coef", "model.lora_rank",

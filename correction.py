@@ -12,14 +12,19 @@ peer's code (tests/test_correction.py checks each against a transcription of it)
 ==============  ==========================================================  ============  =====
 mode            weight                                                      peer          bounds
 ==============  ==========================================================  ============  =====
-token_clamp     min(w, high)                                                verl TIS      high 2
-token_mask      w where w <= high, else 0                                   AReaL         high 5
+token_clamp     w clamped to [low, high] (verl: high only; slime: both)     verl TIS      0, 2
+token_mask      w where low <= w <= high, else 0 (low 0: AReaL 524d1d90f's) AReaL         0, 5
 sequence_mask   W = exp(sum of the response's log w) on each of its tokens  TRL           high 3
                 where low <= W <= high (strict outside), else 0
 geometric_mask  1 where low <= exp(mean of the response's log w) <= high,   SkyRL         0.99,
                 else 0 (mask only: no weight)                                             1.01
 icepop          w where low <= w <= high, else 0                            slime         0.5, 2
 ==============  ==========================================================  ============  =====
+
+Every mode reads both bounds; `loss.correction_low` / `correction_high` unset take the peer's (so
+`icepop` can be given a floor of 0). :func:`check` holds the keys' rules at load (train.load_config,
+before any process group): a known mode, no `loss.tis_cap` beside a mode (tis_cap alone is
+"token_clamp"), no bound without a mode, low below high.
 
 Where read: AReaL areal/utils/functional/functional.py ``ppo_actor_loss_fn`` at
 61d1bbb3d5c8891a76f5c461a5e1fde1dbf0270a (behav_imp_weight_cap; 5.0 in its example configs); TRL
@@ -30,7 +35,9 @@ a9564572eb8e91076be43c1bd5e4615e3de17265 (geo_mask_low 0.99, geo_mask_high 1.01;
 log ratios clamped to +-20); slime slime/backends/megatron_utils/loss.py ``icepop_function`` at
 624b824a898ab0ec1fcb4d373004c7f3852bf515 (its IcePop test's 0.5 and 2.0); verl
 verl/trainer/ppo/rollout_corr_helper.py at b178a3cd56f58b2d502255daba591e92833930a7
-(rollout_is_threshold 2.0).
+(rollout_is_threshold 2.0); slime's TIS ``torch.clamp(tis, min=args.tis_clip_low,
+max=args.tis_clip)`` at 624b824 (slime/backends/megatron_utils/loss.py:897; defaults 0 and 2.0,
+slime/utils/arguments.py:1067-1075), the lower clamp `token_clamp` takes as correction_low.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from errors import ConfigError
 
 
 class Mode(NamedTuple):
@@ -58,7 +67,7 @@ CORRECTIONS = {
 
 def mode_of(lc) -> tuple[str, float, float]:
     """(mode, low, high) from the `[loss]` keys: loss.tis_cap > 0 alone is "token_clamp" with that
-    cap; bounds of 0 are the mode's peer bounds."""
+    cap; an unset bound (None) is the mode's peer bound."""
     mode = lc.correction
     if mode not in CORRECTIONS:
         raise ValueError(f"unknown correction {mode!r}; expected one of {tuple(CORRECTIONS)}")
@@ -69,11 +78,32 @@ def mode_of(lc) -> tuple[str, float, float]:
         raise ValueError(f"loss.tis_cap and loss.correction={mode!r} both set: use "
                          f"loss.correction_high for the bound")
     peer = CORRECTIONS[mode]
-    low, high = lc.correction_low or peer.low, high or peer.high
+    low = peer.low if lc.correction_low is None else lc.correction_low
+    high = peer.high if high is None else high
     if mode != "none" and not low < high:
         raise ValueError(f"loss.correction={mode!r}: correction_low {low} must be below "
                          f"correction_high {high}")
     return mode, low, high
+
+
+def check(lc) -> None:
+    """The `[loss]` correction keys at load: one ConfigError naming the key."""
+    mode, cap = lc.correction, lc.tis_cap or 0
+    if mode not in CORRECTIONS:
+        raise ConfigError(f"loss.correction: unknown {mode!r} (known: {', '.join(CORRECTIONS)})")
+    if mode != "none" and cap > 0:
+        raise ConfigError(f"loss.tis_cap = {cap} with loss.correction = {mode!r}: tis_cap is the older "
+                          f"spelling of correction \"token_clamp\"; remove it (--loss.tis_cap=0) and "
+                          f"give the bound as loss.correction_high")
+    for side in ("low", "high"):
+        if mode == "none" and getattr(lc, f"correction_{side}") is not None:
+            raise ConfigError(f"loss.correction_{side}: a bound of loss.correction, which is \"none\""
+                              + (" (loss.tis_cap alone: set loss.correction = \"token_clamp\" and "
+                                 "loss.correction_high instead)" if cap > 0 else " (set loss.correction)"))
+    try:
+        mode_of(lc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def weight(mode: str, low: float, high: float, proximal: Tensor, behaviour: Tensor,
@@ -84,11 +114,8 @@ def weight(mode: str, low: float, high: float, proximal: Tensor, behaviour: Tens
         m = mask.to(proximal.dtype)
         log_w = (proximal - behaviour) * m
         if mode == "token_clamp":
-            return torch.exp(log_w).clamp(max=high)
-        if mode == "token_mask":
-            w = torch.exp(log_w)
-            return torch.where(w <= high, w, torch.zeros_like(w))
-        if mode == "icepop":
+            return torch.exp(log_w).clamp(min=low, max=high)
+        if mode in ("token_mask", "icepop"):  # the same rule; the peers' lower bounds differ
             w = torch.exp(log_w)
             return torch.where((w >= low) & (w <= high), w, torch.zeros_like(w))
         if mode == "sequence_mask":

@@ -301,12 +301,15 @@ def refuse_images(vision: bool, model_path: str, dc) -> None:
 def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image_size: int,
                   prompt_len: Callable[[Problem], int], max_prompt_len: int,
                   columns: Mapping[str, str] | None = None,
-                  key: str = "data") -> tuple[list[Problem], int]:
+                  key: str = "data", prepare: Callable[[Problem], Problem] | None = None,
+                  ) -> tuple[list[Problem], int]:
     """(problems, skipped count) of one split: bad rows and prompts longer than `max_prompt_len`
     (by `prompt_len`, image tokens counted) are skipped. Prompts are never truncated: the image
-    tokens would be cut. `key`: as :func:`load_split`'s."""
+    tokens would be cut. `key`: as :func:`load_split`'s; `prepare`: applied to each row first
+    (:func:`prepare_problem`)."""
     rows, skipped = load_split(source, split, seed=seed, n_synthetic=n_synthetic,
                                image_size=image_size, columns=columns, key=key)
+    rows = [prepare(p) for p in rows] if prepare is not None else rows
     rows, more = skip_bad_rows(rows, is_too_long=lambda p: prompt_len(p) > max_prompt_len)
     if not rows:
         long = sum(why == "too long" for _, why in more)
@@ -314,6 +317,43 @@ def load_problems(source: str, split: str, *, seed: int, n_synthetic: int, image
                          f"({len(skipped) + len(more)} skipped: {len(skipped) + len(more) - long} "
                          f"bad rows, {long} prompts longer than data.max_prompt_len)")
     return rows, len(skipped) + len(more)
+
+
+# ---------------------------------------------------------------- a recipe's preprocessing
+def center_crop(image: Image.Image, side: int) -> Image.Image:
+    """`image` cut to side x side about its centre, padded with black (0) where it is smaller: a
+    torchvision `CenterCrop(side)` (pad left/top (side - w) // 2, right/bottom the rest; then the
+    crop at round((w - side) / 2), round((h - side) / 2))."""
+    w, h = image.size
+    if (w, h) == (side, side):
+        return image
+    if w < side or h < side:
+        canvas = Image.new(image.mode, (max(w, side), max(h, side)))         # black
+        canvas.paste(image, ((side - w) // 2 if side > w else 0, (side - h) // 2 if side > h else 0))
+        image, (w, h) = canvas, canvas.size
+    left, top = int(round((w - side) / 2.0)), int(round((h - side) / 2.0))
+    return image.crop((left, top, left + side, top + side))
+
+
+def crop_image(image: Image.Image, side: int) -> Image.Image:
+    """data.image_crop: :func:`center_crop`, then JPEG re-encoded (PIL's default quality) and
+    decoded, as AReaL's `convert_image(image, side, side)` (areal/dataset/geometry3k.py:19-39 at
+    524d1d90f; it converts to RGB after the crop, this loader's images are RGB already)."""
+    with io.BytesIO() as buf:
+        center_crop(image, side).convert("RGB").save(buf, format="JPEG")
+        buf.seek(0)
+        with Image.open(buf) as out:
+            return out.convert("RGB")
+
+
+def prepare_problem(p: Problem, dc) -> Problem:
+    """`[data]` dc's data.delete_text (each string deleted from the question, as AReaL's
+    `.replace("different", "")`, areal/dataset/geometry3k.py:150-152) and data.image_crop."""
+    problem, raw = p.problem, p.raw
+    for text in dc.delete_text:
+        problem, raw = problem.replace(text, ""), raw.replace(text, "")
+    images = [crop_image(im, dc.image_crop) for im in p.images] if dc.image_crop else p.images
+    return dataclasses.replace(p, problem=problem, raw=raw, images=images)
 
 
 # ---------------------------------------------------------------- several sources (data.sources)
@@ -414,7 +454,9 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
         own = (src.splits or {}).get(split, split)  # its `splits` name for the run's split
         rows, n = load_problems(src.source, own, seed=seed, n_synthetic=dc.n_synthetic,
                                 image_size=dc.image_size, prompt_len=prompt_len,
-                                max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key)
+                                max_prompt_len=dc.max_prompt_len, columns=src.columns, key=src.key,
+                                prepare=(lambda p: prepare_problem(p, dc))
+                                if dc.image_crop or dc.delete_text else None)
         skipped += n
         if src.name:
             top = max(p.index for p in rows) + 1
@@ -471,6 +513,23 @@ class Mixture:
             random.Random(f"mix:{self.seed}:{self.names[k]}:{epoch}").shuffle(order)
             self.orders[k] = (epoch, order)
         return pool[self.orders[k][1][pos]]
+
+
+def epoch_steps(n: int, per_step: int, ranks: int) -> int:
+    """Steps an epoch of `n` problems as AReaL counts them (areal/utils/dataloader.py:25-42 at
+    524d1d90f): a DistributedSampler with drop_last over its `ranks` data-parallel ranks, then
+    batches of per_step // ranks with drop_last; 1 rank where per_step does not split (AReaL
+    refuses that). Geometry3K's 2,101 problems, 32 a step, 4 ranks: 65. This loader's stream
+    wraps epochs mid-step instead (:func:`step_problems`: n / per_step steps an epoch)."""
+    d = ranks if per_step % ranks == 0 else 1
+    return (n // d) // (per_step // d)
+
+
+def epoch_line(n: int, per_step: int, ranks: int, steps: int) -> str:
+    """The start-up line on epochs (train.start)."""
+    k = epoch_steps(n, per_step, ranks)
+    return (f"epochs: {k} steps an epoch of {n} problems at {per_step} a step (AReaL's drop_last count over "
+            f"{ranks} trainer rank(s)); run.steps {steps} = {steps / max(k, 1):.2f} such epochs")
 
 
 def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:

@@ -76,6 +76,27 @@ def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool | None
     return adv.reshape(-1)                                # [N]
 
 
+def batch_normalize(advantages: Tensor, lengths: Tensor, eps: float = 1e-5) -> Tensor:
+    """``loss.advantage_norm = "batch"``: the step's advantages ``[N]`` normalised again over
+    every response token, each response's advantage counted ``lengths[i]`` times (its tokens):
+    ``(A - mean) / (std + eps)`` with the token-weighted mean and the unbiased token-weighted std
+    (``N_tokens - 1``), in float64. As AReaL's ``Normalization`` with ``mean_level = std_level =
+    "batch"`` (areal/utils/data.py, ``NormConfig`` eps 1e-5, ``std_unbiased`` True, at 524d1d90f)
+    applied to the advantages broadcast over the loss mask. AReaL all-reduces the two sums over
+    its trainer ranks; here every trainer rank holds the whole step's advantages and lengths, so
+    the same sums are local. No tokens: returned as they are; one token: std 1, as AReaL."""
+    if advantages.shape != lengths.shape or advantages.dim() != 1:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and lengths {tuple(lengths.shape)} "
+                         "must both be [N]")
+    a, w = advantages.double(), lengths.double()
+    n = w.sum()
+    if n == 0:
+        return advantages
+    mean = (a * w).sum() / n
+    std = (((a - mean) ** 2 * w).sum() / (n - 1)).sqrt() if n > 1 else torch.ones((), dtype=a.dtype)
+    return ((a - mean) / (std + eps)).to(advantages.dtype)
+
+
 def zero_variance_groups(rewards: Tensor, group_size: int, atol: float = 0.0) -> Tensor:
     """``BoolTensor[N/G]``: True where every reward of the group is equal (max - min <= atol).
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 import config as C
+import correction
 from errors import ConfigError, one_line
 
 NEEDS = ("logprobs", "ref_logprobs")  # what a filter may need beyond the episodes themselves
@@ -105,9 +106,11 @@ def selected(lc) -> list[Part]:
 
 
 def check(lc) -> None:
-    """Load `lc.plugins`, check the part names, then every part key set in `[loss]` against its
-    owner (type, range, its cross-key check), filling in the selected parts' defaults."""
+    """Load `lc.plugins`, check the correction keys (correction.check) and the part names, then
+    every part key set in `[loss]` against its owner (type, range, its cross-key check), filling
+    in the selected parts' defaults."""
     load_plugins(lc.plugins)
+    correction.check(lc)  # loss.correction and its bounds (correction.py)
     if lc.objective not in OBJECTIVES:
         raise ConfigError(f"loss.objective: unknown {lc.objective!r} (known: "
                           f"{', '.join(OBJECTIVES)})")

@@ -98,7 +98,8 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     modules config.py does not import: the [loss] parts (after importing loss.plugins), the
     reward functions' names, model.path's family, the engine and data.source; each one line."""
     cfg = config.load(paths, overrides)
-    registry.check(cfg.loss)
+    registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
+    trainer.check_dtype(cfg.train, cfg.model)  # train.master_dtype against the model keys
     for key in ("reward", "eval"):
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
@@ -279,7 +280,9 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
         note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
-        for line in filter(None, (note, *s.notes)):
+        epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
+                                 cfg.run.steps)
+        for line in filter(None, (note, *s.notes, epochs)):
             rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)

@@ -20,7 +20,9 @@ from microbatches import packing
 import model as M
 import routing as R
 import sync as S
-from errors import ModelError
+from errors import ConfigError, ModelError
+
+MASTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.master_dtype
 
 
 @dataclass
@@ -58,16 +60,19 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
         policy = lora.add_lora(policy, mc, cfg.run.seed)
         full = lora.add_lora(full, mc, cfg.run.seed) if full is not None else None
+    # train.master_dtype = "bfloat16": the parameters themselves bf16 (AdamW's state follows
+    # them), gradients reduced in fp32 and kept bf16, as AReaL's FSDP engine (its
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over bf16 parameters)
+    dtype, bf16 = MASTER_DTYPES[tc.master_dtype], tc.master_dtype == "bfloat16"
     # train(): transformers builds in eval mode, where activation checkpointing never runs
-    policy = M.shard_from_rank0(policy, full, mesh, device, world.train_group,
-                                mixed_precision=mc.mixed_precision,
+    policy = M.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
+                                mixed_precision=mc.mixed_precision or bf16,
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
-        ref = M.shard_from_rank0(M.model_from_config(model_path, meta=True, device_type=device.type,
-                                                     attention=attention),
-                                 full, mesh, device, world.train_group,
-                                 mixed_precision=mc.mixed_precision).eval()
+        skeleton = M.model_from_config(model_path, meta=True, device_type=device.type, attention=attention)
+        ref = M.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
+                                 mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
         R.attach(ref, mc.moe_routing_replay)
     if not R.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
@@ -81,6 +86,31 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
+
+
+def params_to(model, dtype: torch.dtype):
+    """`model` with its floating-point parameters (not its buffers: rotary tables stay float32,
+    as transformers' own bf16 loading keeps them) in `dtype`; tied parameters stay tied."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def check_dtype(tc, mc) -> None:
+    """train.master_dtype against the model keys, at load: one ConfigError naming the keys."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+    need(tc.master_dtype in MASTER_DTYPES, f"train.master_dtype: unknown {tc.master_dtype!r} "
+         f"(known: {', '.join(MASTER_DTYPES)})")
+    if tc.master_dtype == "bfloat16":
+        need(not mc.mixed_precision, "train.master_dtype = \"bfloat16\" with model.mixed_precision = "
+             "true: that asks for fp32 master weights, this for bf16 ones; set one of them")
+        need(mc.dtype == "bfloat16", "train.master_dtype = \"bfloat16\" needs model.dtype = "
+             "\"bfloat16\" (the engines would run float32 copies of bf16 weights)")
+        need(not mc.lora_rank, "train.master_dtype = \"bfloat16\" with LoRA (model.lora_rank > 0): the "
+             "adapters train over a frozen base; keep train.master_dtype = \"float32\"")
 
 
 def load_checked(world, model_path: str, mc=None):

@@ -248,10 +248,16 @@ def denominators(s: Step) -> None:
 
 
 def advantages(s: Step) -> None:
+    """The group step, then with `loss.advantage_norm = "batch"` the step's token-weighted one
+    over every response (its sampled tokens; excluded responses count, as in AReaL, where the
+    normalisation precedes any filtering)."""
     lc = s.lc
-    s.adv = L.group_advantages(s.rewards, s.rc.group_size,
-                               scale_by_std=lc.scale_by_std if lc.advantage == "grpo" else None,
-                               estimator=lc.advantage).float()                     # [N]
+    adv = L.group_advantages(s.rewards, s.rc.group_size,
+                             scale_by_std=lc.scale_by_std if lc.advantage == "grpo" else None,
+                             estimator=lc.advantage)                               # [N] float64
+    if lc.advantage_norm == "batch":
+        adv = L.batch_normalize(adv, torch.tensor([I.sampled_tokens(e) for e in s.episodes]))
+    s.adv = adv.float()
 
 
 def run_updates(s: Step) -> tuple[dict[str, float], float, list[float], int]:

@@ -131,6 +131,57 @@ def test_config_rules():
     assert (cfg.rollout.max_staleness, cfg.loss.correction) == (4, "geometric_mask")
 
 
+@pytest.mark.parametrize("overrides, msg", [
+    (["--loss.correction=tokenmask"], "loss.correction: unknown 'tokenmask'"),
+    (["--loss.tis_cap=5", "--loss.correction=token_mask"], "loss.tis_cap = 5.0 with loss.correction"),
+    (["--loss.correction_low=0.5"], "loss.correction_low: a bound of loss.correction, which is \"none\""),
+    (["--loss.tis_cap=2", "--loss.correction_high=3"], "loss.correction_high: a bound of loss.correction"),
+    (["--loss.correction=icepop", "--loss.correction_low=3"], "correction_low 3.0 must be below"),
+    (["--loss.correction=token_clamp", "--loss.correction_high=0"], "loss.correction_high must be > 0"),
+])
+def test_correction_keys_are_one_config_error_at_load(overrides, msg):
+    """Issue 47/48: checked in train.load_config (config + registry), before any process group
+    exists (no torch.distributed here), one line naming the key."""
+    import torch.distributed as dist
+    from errors import ConfigError
+    from train import load_config
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(".", r"\.")) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value) and not dist.is_initialized()
+
+
+def test_correction_on_a_tis_cap_config_fails_at_load_not_at_the_first_update():
+    """vl3b.toml sets loss.tis_cap = 5; a correction on top is refused at load (and accepted
+    with tis_cap cleared), so it never fails after start-up."""
+    from errors import ConfigError
+    from train import load_config
+    base = "configs/vl3b.toml"
+    with pytest.raises(ConfigError, match="loss.tis_cap"):
+        load_config(base, ["--loss.correction=token_mask", "--model.path=tiny"])
+    cfg = load_config(base, ["--loss.correction=token_mask", "--loss.tis_cap=0", "--model.path=tiny"])
+    assert CR.mode_of(cfg.loss) == ("token_mask", 0.0, 5.0)
+
+
+def test_lower_bounds_are_honoured_and_icepop_takes_a_floor_of_zero():
+    prox, behav, mask = tensors(2, 1.2)
+    w = torch.exp(prox - behav)
+    # token_clamp with a lower clamp: slime's TIS, torch.clamp(tis, min=tis_clip_low,
+    # max=tis_clip) (slime/backends/megatron_utils/loss.py:897 at 624b824), here [0.5, 2]
+    lc = C.LossConfig(correction="token_clamp", correction_low=0.5)
+    assert CR.mode_of(lc) == ("token_clamp", 0.5, 2.0)
+    assert torch.allclose(CR.weight(*CR.mode_of(lc), prox, behav, mask)[mask.bool()],
+                          w.clamp(0.5, 2.0)[mask.bool()])
+    # token_mask with a lower bound masks below it too
+    lo = CR.weight("token_mask", 0.5, 5.0, prox, behav, mask)
+    assert bool(((w < 0.5) & mask.bool()).any()) and bool((lo[(w < 0.5) & mask.bool()] == 0).all())
+    # icepop: 0 is a floor (unset is the peer's 0.5)
+    assert CR.mode_of(C.LossConfig(correction="icepop", correction_low=0.0)) == ("icepop", 0.0, 2.0)
+    assert CR.mode_of(C.LossConfig(correction="icepop")) == ("icepop", 0.5, 2.0)
+    floor0 = CR.weight("icepop", 0.0, 2.0, prox, behav, mask)
+    on = mask.bool()
+    assert torch.equal(floor0[on], torch.where(w <= 2.0, w, torch.zeros_like(w))[on])
+
+
 @pytest.mark.parametrize("mode", sorted(PEERS))
 def test_masked_tokens_leave_the_numerator_only(mode):
     """The loss with a correction equals the uncorrected per-token loss times the weight,
