@@ -1,11 +1,9 @@
 """The tiny demo with configs/vl3b_areal.toml's recipe on 3 ranks (2 FSDP trainers + 1 HF engine,
 gloo): its prompt (EasyR1's \\boxed{} instruction), the image crop + JPEG, the word deletion,
 loss.advantage_norm = "batch", train.master_dtype = "bfloat16", 4 versions ahead with partial
-rollouts and the token mask at 5. It learns the demo's toy reward.
-
-TODO (after the reward module's branch is merged): add the recipe's reward, areal_geometry3k, to
-[reward] functions here beside the toy one (it stays ~0 on a random tiny model, as the demo's
-geometry accuracy does)."""
+rollouts and the token mask at 5, and its reward, areal_geometry3k, beside the demo's toy reward
+(which it learns; AReaL's rule stays ~0 on a random tiny model, as the demo's geometry accuracy
+does, and is logged every step)."""
 from __future__ import annotations
 
 import re
@@ -23,7 +21,7 @@ RECIPE = [f"--data.template='{TEMPLATE}'", "--data.image_crop=84", '--data.delet
           "--loss.advantage_norm=batch", "--train.master_dtype=bfloat16", "--model.dtype=bfloat16",
           "--rollout.max_staleness=4", "--rollout.partial=true", "--loss.correction=token_mask",
           "--loss.correction_high=5.0",
-          '--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
+          '--reward.functions=[{name="areal_geometry3k"}, {name="target_fraction", weight=1.0, target="<answer>"}]']
 
 
 def test_the_recipe_learns_on_three_ranks(tmp_path):
@@ -35,6 +33,7 @@ def test_the_recipe_learns_on_three_ranks(tmp_path):
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(24))
     assert max(r["rollout/staleness_max"] for r in rows) >= 1      # it ran ahead
+    assert all("reward/accuracy" in r and "reward/format" in r for r in rows)  # AReaL's parts, each step
     rewards = [r["reward/mean"] for r in rows]
     print("reward with the recipe's knobs:", [round(x, 3) for x in rewards])
     assert sum(rewards[:4]) / 4 < 0.05

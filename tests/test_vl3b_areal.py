@@ -80,12 +80,7 @@ def test_the_epoch_is_65_steps_as_areal_counts_it():
 
 
 def test_dry_run_shows_every_value(capsys):
-    """Needs the reward areal_geometry3k (rewards/, another branch): until it is merged the
-    config's reward names are unknown at load."""
-    import rewards
     import train
-    if "areal_geometry3k" not in rewards.names():
-        pytest.skip("reward areal_geometry3k not merged yet (rewards/areal_geometry3k.py)")
     assert train.main(["--config", PATH, "--dry-run"]) == 0
     out = capsys.readouterr().out
     tree = C.to_dict(C.load(PATH))
