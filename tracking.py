@@ -20,6 +20,13 @@ from errors import one_line
 from failures import Fatal
 
 DEFAULT_PROJECT = "grpo"  # W&B / SwanLab project unless the caller or the environment names one
+# Counted every step, said once (the first step it is above 0): what a step did not do as asked.
+ONCE = {"train/oversized_sequences": "{n} sequence(s) longer than train.micro_batch_tokens, each "
+                                     "trained alone in a micro-batch over that budget (memory as "
+                                     "for its length; nothing splits a sequence)",
+        "train/routing_fallback": "{n} episode(s) carry no routing from the engine: "
+                                  "model.moe_routing_replay keeps the trainer's own routing for "
+                                  "their tokens"}
 
 
 class TrackerError(Exception):
@@ -112,6 +119,7 @@ class Recorder:
         self.t_last = time.perf_counter()
         self.step_times: list[float] = []
         self.evals: list[tuple[int, dict]] = []
+        self.said: set[str] = set()  # the ONCE keys already said
 
     @classmethod
     def open(cls, cfg, out_dir: Path, start: int) -> "Recorder":
@@ -157,6 +165,11 @@ class Recorder:
         print(self.line(m), flush=True)
         if m.get("train/dropped_groups", 0) > 0:  # DAPO's refill bound hit: said every such step
             print(dropped_note(m, len({e.group for e in episodes})), file=sys.stderr, flush=True)
+        for key, text in ONCE.items():
+            if m.get(key, 0) > 0 and key not in self.said:
+                self.said.add(key)
+                print(f"warning: step {m['step'] + 1}: {text.format(n=int(m[key]))}; counted "
+                      f"every step as {key} (said once)", file=sys.stderr, flush=True)
 
     def line(self, m: dict) -> str:
         """The console line of one step."""
@@ -165,13 +178,13 @@ class Recorder:
         parts = " ".join(f"{k[7:]} {v:.3f}" for k, v in m.items()
                          if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
         evals = " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
-                         and not k.endswith(("/n", "/samples", "/response_len")))
+                         and not k.endswith(("/n", "/samples", "/response_len", "/skipped_rows")))
         clip = (f"clip {m['train/clip_frac_low'] + m['train/clip_frac_high']:.3f} "
                 if "train/clip_frac_low" in m and "train/clip_frac_high" in m else "")
         return (f"step {m['step'] + 1}/{self.total} | v{m['weight_version']} | "
                 f"reward {m['reward/mean']:.3f} ({parts}) | len {m['response_len/mean']:.1f} | "
                 f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} {clip}"
-                f"ent {m.get('entropy', 0):.2f} lpdiff {m.get('logprob_diff/max', 0):.1e} | "
+                f"ent {m.get('entropy', 0):.2f} lpdiff {_lpdiff(m)} | "
                 f"gen {m['time/generate_s']:.2f}s {m.get('time/gen_tokens_per_s', 0):.0f} tok/s"
                 f" | train {m['time/train_s']:.2f}s {m.get('time/train_tokens_per_s', 0):.0f} "
                 f"tok/s | sync {m['time/sync_s']:.2f}s | step {m['time/step_s']:.2f}s "
@@ -204,6 +217,12 @@ class Recorder:
         self.trackers.close(failed=failed)
         self.metrics.close()
         self.samples.close()
+
+
+def _lpdiff(m: dict) -> str:
+    """`logprob_diff/max` as the console shows it: "-" when no token was measured (every one
+    stale), never a 0 that reads as a perfect match."""
+    return f"{m['logprob_diff/max']:.1e}" if "logprob_diff/max" in m else "-"
 
 
 def dropped_note(m: dict, n_groups: int) -> str:

@@ -296,3 +296,18 @@ def test_replay_with_vllm_running_ahead_is_refused_at_start():
     with pytest.raises(ConfigError, match="stepped path returns no routing"):
         load_config(None, ["--model.path=tiny-qwen3_moe", "--model.moe_routing_replay=true",
                            "--rollout.engine=vllm", "--rollout.max_staleness=2", "--loss.correction=token_mask"])
+
+
+def test_replay_counts_the_episodes_that_fall_back_to_the_trainers_own_routing(moe):
+    """train/routing_fallback: with replay on, the episodes that carry no engine routing (their
+    tokens keep the trainer's own); None with replay off (only the agreement is counted)."""
+    import dataclasses
+    path, procs, eps, images, trainer = moe
+    assert routing.fallback(trainer, eps) is None                   # attached without replay
+    routing.attach(trainer, replay=True)
+    try:
+        bare = [dataclasses.replace(e, routing=None) if i % 2 else e for i, e in enumerate(eps)]
+        assert routing.fallback(trainer, eps) == 0
+        assert routing.fallback(trainer, bare) == len(eps) // 2 > 0
+    finally:
+        routing.attach(trainer, replay=False)
