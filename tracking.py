@@ -116,7 +116,7 @@ class Recorder:
         resume_records(self.out_dir, start)  # what a stopped run logged of the steps it redoes
         self.metrics = open(self.out_dir / "metrics.jsonl", "a")
         self.samples = open(self.out_dir / "samples.jsonl", "a")
-        self.t_last = time.perf_counter()
+        self.t_open = self.t_last = time.perf_counter()  # t_open: before the models load
         self.step_times: list[float] = []
         self.evals: list[tuple[int, dict]] = []
         self.said: set[str] = set()  # the ONCE keys already said
@@ -140,7 +140,9 @@ class Recorder:
     def step(self, m: dict, episodes: list, advantages: list[float], problems: dict) -> None:
         """One step: its metrics and samples to the files and trackers, one console line.
         `advantages[i]` is episode i's; `problems` maps a dataset index to its Problem (the
-        sample rows carry its text and gold answer)."""
+        sample rows carry its text and gold answer). Adds `time/elapsed_s`: wall time since the
+        records opened (start-up, evaluations and checkpoints included; launch/plot.py's time axis)."""
+        m["time/elapsed_s"] = time.perf_counter() - self.t_open
         with _writing(self.out_dir / "metrics.jsonl"):
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
