@@ -78,7 +78,7 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
         assert e["eval/n"] == 3 and e["eval/samples"] == 12
         assert (e["split"], e["n"], e["temperature"], e["top_p"], e["max_new_tokens"]) == \
             ("test", 4, 1.0, 0.9, 6)                            # the settings it was made with
-        assert 0 <= e["eval/target_fraction"] <= e["eval/target_fraction/pass@4"] <= 1
+        assert 0 <= e["eval/target_fraction"] <= e["eval/reward/pass@4"] <= 1
     dump = [json.loads(x) for x in (out / "eval" / "step_000000.jsonl").read_text().splitlines()]
     assert len(dump) == 12 and sorted({d["sample"] for d in dump}) == [0, 1, 2, 3]
     assert {"index", "response", "reward", "parts", "length", "problem", "gold"} <= set(dump[0])
@@ -90,20 +90,27 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
     best = {}
     for d in dump:
         best[d["index"]] = max(best.get(d["index"], 0.0), d["parts"]["target_fraction"])
-    assert math.isclose(sum(best.values()) / 3, evals[0]["eval/target_fraction/pass@4"], rel_tol=1e-9)
-    assert metrics(out)[1]["eval/target_fraction/pass@4"] == evals[1]["eval/target_fraction/pass@4"]
+    assert math.isclose(sum(best.values()) / 3, evals[0]["eval/reward/pass@4"], rel_tol=1e-9)
+    assert metrics(out)[1]["eval/reward/pass@4"] == evals[1]["eval/reward/pass@4"]
     assert "note: reward" not in p.stdout                   # the same reward trains and grades
 
     # --eval-only: the same keys, its own generations file
-    q = ok(train_py([*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2",
-                     "--eval.split=test",
-                     '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
-                     "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]))
+    again = [*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2", "--eval.split=test",
+             '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
+             "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]
+    q = ok(train_py(again))
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
-    assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
+    assert last["checkpoint"].endswith("step_000002") and "eval/reward/pass@2" in last
+    assert [k for k in last if "pass@" in k] == ["eval/reward/pass@2"]   # the score's alone
     assert (last["split"], last["n"], last["max_new_tokens"]) == ("test", 2, 16)
-    assert len((out / "eval" / "step_000002.eval-only.jsonl").read_text().splitlines()) == 6
-    assert "generations:" in q.stdout
+    first = (out / "eval" / "step_000002.eval-only.jsonl").read_text()
+    assert len(first.splitlines()) == 6 and last["generations"] == "eval/step_000002.eval-only.jsonl"
+    assert "generations:" in q.stdout and last["eval/skipped_rows"] == 0
+    # a second --eval-only of the same checkpoint: its own file, the first one untouched
+    q = ok(train_py(again))
+    assert (out / "eval" / "step_000002.eval-only.jsonl").read_text() == first
+    assert len((out / "eval" / "step_000002.eval-only.1.jsonl").read_text().splitlines()) == 6
+    assert f"note: generations in {out / 'eval' / 'step_000002.eval-only.1.jsonl'}" in q.stdout
 
 
 # ----------------------------------------------------------------------------- data schema

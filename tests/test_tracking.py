@@ -455,10 +455,10 @@ def test_oversized_sequences_and_replay_falling_back_are_said_once_and_counted(t
                   "train/routing_fallback": float(missing)}, [], [], {})
     rec.close()
     assert capsys.readouterr().err.splitlines() == [
-        "warning: step 2: 2 sequence(s) longer than train.micro_batch_tokens, each trained alone "
-        "in a micro-batch over that budget (memory as for its length; nothing splits a sequence); "
-        "counted every step as train/oversized_sequences (said once)",
-        "warning: step 3: 5 episode(s) carry no routing from the engine: model.moe_routing_replay "
+        "warning: step 2: 2 sequence(s) longer than train.micro_batch_tokens, each alone in a "
+        "micro-batch over that budget (nothing splits a sequence); counted every step as "
+        "train/oversized_sequences (said once)",
+        "warning: step 3: 5 episode(s) without the engine's routing: model.moe_routing_replay "
         "keeps the trainer's own routing for their tokens; counted every step as "
         "train/routing_fallback (said once)"]
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -472,3 +472,24 @@ def test_console_line_says_no_lpdiff_when_every_token_was_stale(tmp_path):
     assert " lpdiff - |" in rec.line({**base, "logprob_diff/tokens": 0})
     assert " lpdiff 2.0e-06 |" in rec.line({**base, "logprob_diff/tokens": 9, "logprob_diff/max": 2e-6})
     rec.close()
+
+
+def test_evaluation_files_are_never_overwritten(tmp_path, capsys):
+    """A second --eval-only of one checkpoint, or a step evaluated again after a resume: the next
+    free name, said, and named in its eval.jsonl row; the first file untouched."""
+    rows = [{"index": 0, "response": "a"}]
+    first = T.write_evaluation(tmp_path, 2, 2, {"eval/reward": 0.5}, rows, checkpoint="ck/step_000002")
+    assert first == tmp_path / "eval" / "step_000002.eval-only.jsonl" and not capsys.readouterr().out
+    paths = [T.write_evaluation(tmp_path, 2, 2, {"eval/reward": 0.7}, [{"index": 0, "response": f"b{i}"}],
+                                checkpoint="ck/step_000002") for i in range(2)]
+    assert [p.name for p in paths] == ["step_000002.eval-only.1.jsonl", "step_000002.eval-only.2.jsonl"]
+    assert json.loads(first.read_text()) == rows[0]
+    assert json.loads(paths[1].read_text())["response"] == "b1"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"note: generations in {paths[1]} (step_000002.eval-only.jsonl holds an earlier evaluation's)")
+    assert T.write_evaluation(tmp_path, 4, 4, {}, rows).name == "step_000004.jsonl"
+    assert T.write_evaluation(tmp_path, 4, 4, {}, rows).name == "step_000004.1.jsonl"
+    evals = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["generations"] for e in evals] == [
+        "eval/step_000002.eval-only.jsonl", "eval/step_000002.eval-only.1.jsonl",
+        "eval/step_000002.eval-only.2.jsonl", "eval/step_000004.jsonl", "eval/step_000004.1.jsonl"]
