@@ -214,10 +214,17 @@ def test_stale_tokens_leave_lpdiff_unmeasured_and_oversized_sequences_are_counte
     tr = make_trainer(s, cfg)
     m, _ = run_step(s, tr, cfg)
     assert m["logprob_diff/tokens"] > 0 and "logprob_diff/max" in m
-    assert m["train/oversized_sequences"] == sum(n > budget for n in lengths) > 0
+    rows: dict = {}  # train.share_prompt (the default): a sequence is a prompt's row
+    for e in s.eps:
+        rows.setdefault(e.group, []).append(e)
+    shared = [I.sequence_tokens(s.procs, g, s.images[g[0].index]) for g in rows.values()]
+    assert m["train/oversized_sequences"] == sum(n > budget for n in shared) > 0
     tr.version = 1  # the episodes' tokens are version 0: every one stale
     m, _ = run_step(s, tr, cfg, k=1)
     assert "logprob_diff/max" not in m
     assert m["logprob_diff/tokens"] == 0 and isinstance(m["logprob_diff/tokens"], int)
-    cfg = step_config(["--loss.kl_coef=0"])
-    assert run_step(s, make_trainer(s, cfg), cfg)[0]["train/oversized_sequences"] == 0  # no budget
+    cfg = step_config([f"--train.micro_batch_tokens={budget}", "--loss.kl_coef=0",
+                       "--train.share_prompt=false"])                 # one row per episode
+    m, _ = run_step(s, make_trainer(s, cfg), cfg)
+    per_episode = sum(n > budget for n in lengths)
+    assert m["train/oversized_sequences"] == per_episode != sum(n > budget for n in shared)
