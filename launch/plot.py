@@ -84,17 +84,16 @@ def series(rows: list[dict], key: str, x: str = "step", shift: int = 0) -> tuple
 
 
 XS = {"step": "rollout steps done", "optimizer_steps": "optimizer steps",
-      "tokens": "trained tokens", "time": "wall time (s, start-up included)"}
-STEPS_ONLY = "wall time (s, steps only: start-up, evaluations, checkpoints left out)"
+      "tokens": "trained tokens", "time": "wall time (s, start-up included)",
+      # `time` where a run's records lack time/elapsed_s (older ones): summed time/step_s
+      "step_time": "wall time (s, steps only: start-up, evaluations, checkpoints left out)"}
 
 
-def x_label(runs: list[tuple], x: str) -> str:
-    """The x axis's label: XS, or for `time` over a run without `time/elapsed_s` STEPS_ONLY."""
-    return STEPS_ONLY if x == "time" and not all(_elapsed(rows) for _, rows, _ in runs) else XS[x]
-
-
-def _elapsed(rows: list[dict]) -> bool:
-    return bool(rows) and all("time/elapsed_s" in r for r in rows)
+def x_axis(runs: list[tuple], x: str) -> str:
+    """The x axis that draws `--x x` for `runs`: `time` becomes `step_time` unless every run's
+    every row has `time/elapsed_s` (one axis for all of them)."""
+    every = all(rows and all("time/elapsed_s" in r for r in rows) for _, rows, _ in runs)
+    return "step_time" if x == "time" and not every else x
 
 
 def step_x(rows: list[dict], x: str) -> dict[int, float]:
@@ -106,7 +105,7 @@ def step_x(rows: list[dict], x: str) -> dict[int, float]:
             out[r["step"]] = r["step"] + 1
         elif x == "optimizer_steps":
             out[r["step"]] = r.get("train/optimizer_steps", float("nan"))
-        elif x == "time" and _elapsed(rows):
+        elif x == "time":
             if r["time/elapsed_s"] < last:  # a resumed run's own clock: after the kept rows
                 base += last
             last = r["time/elapsed_s"]
@@ -114,7 +113,7 @@ def step_x(rows: list[dict], x: str) -> dict[int, float]:
         else:
             total += r.get("train/tokens" if x == "tokens" else "time/step_s", 0.0)
             out[r["step"]] = total
-    if x == "time" and _elapsed(rows):
+    if x == "time" and rows:
         out[-1] = rows[0]["time/elapsed_s"] - rows[0].get("time/step_s", 0.0)
     return out
 
@@ -279,7 +278,7 @@ def plot(runs: list[tuple], keys: list[str] | None = None, smooth: float = 0.0,
     if not chosen:
         raise ValueError("nothing to plot: no panel's keys are present and varying"
                          + (f" (--keys {','.join(keys)})" if keys else ""))
-    by_label = groups(runs, labels)
+    by_label, x = groups(runs, labels), x_axis(runs, x)
     cols = min(3, len(chosen))
     n_rows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(7.0 * cols, 3.4 * n_rows), squeeze=False)
@@ -291,7 +290,7 @@ def plot(runs: list[tuple], keys: list[str] | None = None, smooth: float = 0.0,
                 look = (marker, style, colours[(j if len(by_label) == 1 else i) % len(colours)])
                 draw(ax, group, k, look, smooth, x, f"{group[0]}: {k}" if len(by_label) > 1 else k)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel(x_label(runs, x), fontsize=8)
+        ax.set_xlabel(XS[x], fontsize=8)
         ax.set_ylabel(ks[0] if len(ks) == 1 else title, fontsize=8)
         if log:
             ax.set_yscale("log")
@@ -315,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", help="comma-separated metric keys or prefixes ending in '/', one "
                                    "panel each (e.g. reward/mean,kl,time/)")
     ap.add_argument("--labels", help="comma-separated, one per run (runs sharing one: a seed band)")
-    ap.add_argument("--x", default="step", choices=list(XS), help="the x axis (default: step)")
+    ap.add_argument("--x", default="step", choices=[k for k in XS if k != "step_time"],
+                    help="the x axis (default: step)")
     a = ap.parse_args(argv)
     labels = a.labels.split(",") if a.labels else None
     if labels is not None and len(labels) != len(a.run_dirs):

@@ -402,3 +402,9 @@ def test_plot_seed_bands_on_a_common_grid_for_time_and_tokens(tmp_path):
     fig = plot.plot([plot.load_run(old)], x="time")
     assert fig.axes[0].get_xlabel().startswith("wall time (s, steps only: start-up")
     assert list(fig.axes[0].lines[0].get_xdata()) == [1.0, 2.0, 3.0]
+    fig = plot.plot([loaded[0], plot.load_run(old)], keys=["reward/mean"], x="time")  # one axis for both
+    assert fig.axes[0].get_xlabel().startswith("wall time (s, steps only")
+    assert list(fig.axes[0].lines[0].get_xdata())[:2] == [1.0, 2.0]
+    # a resumed run: its clock starts again, its segment drawn after the kept rows
+    rows = [{"step": i, "time/elapsed_s": e, "time/step_s": 1.0} for i, e in enumerate([10, 12, 5, 7])]
+    assert plot.step_x(rows, "time") == {-1: 9.0, 0: 10, 1: 12, 2: 17, 3: 19}
