@@ -193,6 +193,8 @@ def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_no_fur
     out = {key: metrics(run) for key, run in runs.items()}
     for key, rows in out.items():
         assert all(0.0 < r["train/routing_agreement"] <= 1.0 for r in rows), key
+        # replay: every episode carries the engine's routing (none falls back); off: no count
+        assert all(r.get("train/routing_fallback") == (0 if key[1] == "true" else None) for r in rows), key
     worst = {key: max(r["logprob_diff/max"] for r in rows) for key, rows in out.items()}
     helped = []
     for kind in ("qwen3_moe", "qwen3_vl_moe"):
