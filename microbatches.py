@@ -158,10 +158,9 @@ def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, 
     step's `train/rank_token_imbalance` (max over ranks / mean of their tokens) and
     `train/oversized_sequences` (sequences, an episode or with `share_prompt` a prompt's row,
     longer than `micro_batch_tokens` > 0: each alone in a micro-batch over the budget; nothing
-    splits a sequence). Contiguous
-    equal slices; with `train.packing` balanced by tokens: longest sequence first to the rank
-    with the fewest tokens that has room, every rank the same number of sequences (verl's and
-    AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
+    splits a sequence). Contiguous equal slices; with `train.packing` balanced by tokens:
+    longest sequence first to the rank with the fewest tokens that has room, every rank the same
+    number of sequences (verl's and AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
     size = len(episodes) // tc.mini_batches
     per = size // n_trainers
     shares, tokens, oversized = [], [0] * n_trainers, 0

@@ -364,7 +364,7 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     n_updates, n_tr = len(norms), len(s.world.trainers)
     kept = max(1.0, tot["kept_tokens"])
     out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
-           "entropy": tot["entropy"] / kept,
+           "entropy": tot["entropy"] / kept,  # the kept tokens
            "logprob_diff/tokens": int(tot["fresh_tokens"]),
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
