@@ -34,7 +34,7 @@ import device as D
 import families as F
 import lora
 from errors import ConfigError, StartError, causes, one_line
-from failures import Fatal, fault_active
+from failures import Fatal, fault_active, together
 
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -253,8 +253,8 @@ def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_r
     # (a) the HF export: full tensors gathered to every rank (collective), written by rank 0.
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
-    if is_root:
-        export_hf(tmp / "hf", full, policy, export.procs, export.source, export.dtype)
+    together(train_group, "checkpoint: the HF export", lambda: export_hf(
+        tmp / "hf", full, policy, export.procs, export.source, export.dtype), is_root)
     del full
     if fault_active("checkpoint_mid_write", meta["step"]):  # tests: a rank killed mid-save
         os.kill(os.getpid(), signal.SIGKILL)
@@ -263,9 +263,12 @@ def _write(tmp: Path, state: tuple, meta, rng, export: Export, train_group, is_r
     sharded = {"model": model_sd, "optim": optim_sd}
     if ref is not None:
         sharded["ref"] = get_model_state_dict(ref)
-    dcp.save(sharded, checkpoint_id=str(tmp / "state"), process_group=train_group)
-    if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk on any file system
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state"))
+
+    def training_state() -> None:
+        dcp.save(sharded, checkpoint_id=str(tmp / "state"), process_group=train_group)
+        if fault_active("checkpoint_enospc", meta["step"]):  # tests: a full disk (any rank)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "state"))
+    together(train_group, "checkpoint: the training state", training_state)
     metas: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(metas, rng, group=train_group)
     if is_root:

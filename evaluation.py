@@ -10,13 +10,14 @@ import rollout as R
 
 
 def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Processors,
-             cfg, version: int, seed: int) -> tuple[dict[str, float], list[R.Episode]]:
+             cfg, version: int, seed: int, skipped: int = 0) -> tuple[dict[str, float], list[R.Episode]]:
     """The evaluation problems on the generation ranks, graded by `[eval] functions` (a
     data.sources problem: by its source's own reward_functions, where it has them): greedy
     when eval.n = 1 (Geometry3K-style), else n samples at eval.temperature. Metrics: each part's
     mean over every sample (pass@1 for a 0/1 part) as eval/<part>, and with n > 1 the mean over
-    problems of its best sample as eval/<part>/pass@n; with data.sources the same for each
-    source's problems alone as eval/<name>/..."""
+    problems of the score's best sample (:func:`score_key`) as eval/<score>/pass@n; with
+    data.sources the same for each source's problems alone as eval/<name>/...; `skipped`: the
+    split's rows left out (prompts over data.max_prompt_len, bad rows) as eval/skipped_rows."""
     ev, ro = cfg.eval, cfg.rollout
     local: tuple[list, dict] = ([], {})
     if world.is_gen:
@@ -27,23 +28,32 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Pr
     got: list = [None] * world.size
     dist.all_gather_object(got, local, group=world.ctrl)
     eps = sorted((e for g, _ in got for e in g), key=lambda e: e.index)
-    out = metrics(eps, ev.n, "eval/")
+    out = {**metrics(eps, ev.n, "eval/"), "eval/skipped_rows": skipped}
     for name in dict.fromkeys(e.source for e in eps if e.source):  # data.sources, in order met
         out.update(metrics([e for e in eps if e.source == name], ev.n, f"eval/{name}/"))
     return out, eps
 
 
+def score_key(eps: list[R.Episode]) -> str:
+    """The part that is the evaluation's score, the one pass@n is for: `accuracy` where the
+    functions give one (the geometry verifier's 0/1 answer check: its `reward` mixes in the
+    format), else the functions' total `reward`. Every other part (format, length, ...) is a
+    diagnostic: its mean alone (the summary's headline is the same key: tracking.py)."""
+    return "accuracy" if any("accuracy" in e.parts for e in eps) else "reward"
+
+
 def metrics(eps: list[R.Episode], n: int, prefix: str) -> dict[str, float]:
-    """`prefix` + each part's mean over `eps` (and with `n` > 1 its pass@n over their problems),
-    the mean response length, the problems and samples counted."""
+    """`prefix` + each part's mean over `eps` (and with `n` > 1 the score's pass@n over their
+    problems), the mean response length, the problems and samples counted."""
     out: dict[str, float] = {}
     by_problem: dict[int, list[R.Episode]] = {}
     for e in eps:
         by_problem.setdefault(e.index, []).append(e)
+    score = score_key(eps)
     for part in ["reward"] + sorted({k for e in eps for k in e.parts} - {"errors"}):
         value = (lambda e: e.reward) if part == "reward" else (lambda e, k=part: e.parts.get(k, 0.0))
         out[f"{prefix}{part}"] = sum(map(value, eps)) / max(1, len(eps))
-        if n > 1:
+        if n > 1 and part == score:
             out[f"{prefix}{part}/pass@{n}"] = (sum(max(map(value, g)) for g in by_problem.values())
                                               / max(1, len(by_problem)))
     out.update({f"{prefix}response_len": sum(I.sampled_tokens(e) for e in eps) / max(1, len(eps)),

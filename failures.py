@@ -63,6 +63,29 @@ def fault_active(point: str, step: int | None = None) -> bool:
     return False
 
 
+def together(group, what: str, fn: Callable[[], object], here: bool = True) -> None:
+    """`fn()` where `here` (one rank's write, or every rank's), then every rank of `group` stops
+    if one failed (collective; that rank's error raised again, the others' a RuntimeError naming
+    `what`), instead of the others going on into a collective that waits until the run is torn
+    down (checkpoint.py's save: rank 0 then never removes `step_N.tmp`, or a peer's DCP save
+    makes it again after rank 0 removed it)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    failed = None
+    try:
+        if here:
+            fn()
+    except (Exception, CheckpointException) as e:
+        failed = e
+    bad = torch.tensor([failed is not None], dtype=torch.int32)
+    dist.all_reduce(bad, group=group)
+    if failed is not None:
+        raise failed
+    if bad.item():
+        raise RuntimeError(f"{what} failed on another rank")
+
+
 def inject_start(timeout_s: float) -> None:
     """Tests: an engine slower to start than the collective timeout `timeout_s` (1.5 times it)."""
     if fault_active("slow_engine_start"):

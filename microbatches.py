@@ -153,15 +153,17 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
 
 
 def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc,
-                n_trainers: int) -> tuple[list[list[list[int]]], float]:
-    """Every mini-batch's episodes per trainer rank (`shares[j][r]`, positions in the step), and
-    the step's `train/rank_token_imbalance` (max over ranks / mean of their tokens). Contiguous
-    equal slices; with `train.packing` balanced by tokens: longest sequence first to the rank
-    with the fewest tokens that has room, every rank the same number of sequences (verl's and
-    AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
+                n_trainers: int) -> tuple[list[list[list[int]]], float, int]:
+    """Every mini-batch's episodes per trainer rank (`shares[j][r]`, positions in the step), the
+    step's `train/rank_token_imbalance` (max over ranks / mean of their tokens) and
+    `train/oversized_sequences` (sequences, an episode or with `share_prompt` a prompt's row,
+    longer than `micro_batch_tokens` > 0: each alone in a micro-batch over the budget; nothing
+    splits a sequence). Contiguous equal slices; with `train.packing` balanced by tokens:
+    longest sequence first to the rank with the fewest tokens that has room, every rank the same
+    number of sequences (verl's and AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
     size = len(episodes) // tc.mini_batches
     per = size // n_trainers
-    shares, tokens = [], [0] * n_trainers
+    shares, tokens, oversized = [], [0] * n_trainers, 0
     for j in range(tc.mini_batches):
         mb = list(range(j * size, (j + 1) * size))
         if packs(tc):
@@ -173,9 +175,12 @@ def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, 
             units, lengths = _units(episodes, mb, images, procs, False)
             part = [list(range(r * per, (r + 1) * per)) for r in range(n_trainers)]
         shares.append([sorted(mb[k] for u in p for k in units[u]) for p in part])
+        if tc.micro_batch_tokens:  # over the sequences plan_share lays out (a shared prompt's: one)
+            sizes = _units(episodes, mb, images, procs, shares_prompt(tc, procs))[1]
+            oversized += sum(n > tc.micro_batch_tokens for n in sizes)
         for r, p in enumerate(part):
             tokens[r] += sum(lengths[u] for u in p)
-    return shares, max(tokens) / max(1e-9, sum(tokens) / n_trainers)
+    return shares, max(tokens) / max(1e-9, sum(tokens) / n_trainers), oversized
 
 
 def _balance(lengths: list[int], n: int) -> list[list[int]]:

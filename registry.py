@@ -95,9 +95,13 @@ def load_plugins(names: list) -> None:
                 if "" not in sys.path and str(Path.cwd()) not in sys.path:
                     sys.path.append(str(Path.cwd()))
                 importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's module: one line
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of the user's module: one line
             sys.modules.pop(f"grpo_plugin_{Path(str(name)).stem}", None)
-            raise ConfigError(f"loss.plugins: cannot import {name!r} ({one_line(e)})") from None
+            # sys.exit(n) at import would otherwise end the run with the project's own exit code
+            # for n (3: non-finite steps) and no word: named here as the plugin's
+            why = (f"it called sys.exit({e.code!r}) at import" if isinstance(e, SystemExit)
+                   else one_line(e))
+            raise ConfigError(f"loss.plugins: cannot import {name!r} ({why})") from None
 
 
 def selected(lc) -> list[Part]:

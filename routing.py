@@ -78,6 +78,16 @@ def attach(model, replay: bool) -> int:
     return len(routers)
 
 
+def fallback(model, episodes: list) -> int | None:
+    """With replay on (:func:`attach` with `replay`), how many of `episodes` carry no engine
+    routing, so that their tokens keep the trainer's own routing: `train/routing_fallback`
+    (tracking.py warns the first time it is above 0); None when replay is off."""
+    routers = families.moe_routers(model)
+    if not routers or not getattr(routers[0], "_grpo_apply", False):
+        return None
+    return sum(getattr(e, "routing", None) is None for e in episodes)
+
+
 @contextmanager
 def replaying(model, routing: torch.Tensor | None, counted: torch.Tensor | None = None):
     """Around one forward of `model` over a batch whose `routing` is [rows, W, L, k] (-1 = the

@@ -20,6 +20,11 @@ from errors import one_line
 from failures import Fatal
 
 DEFAULT_PROJECT = "grpo"  # W&B / SwanLab project unless the caller or the environment names one
+ONCE = {  # counted every step, said the first step it is above 0: a step did not do as asked
+    "train/oversized_sequences": "{n} sequence(s) longer than train.micro_batch_tokens, each alone "
+                                 "in a micro-batch over that budget (nothing splits a sequence)",
+    "train/routing_fallback": "{n} episode(s) without the engine's routing: model.moe_routing_replay "
+                              "keeps the trainer's own routing for their tokens"}
 
 
 class TrackerError(Exception):
@@ -109,9 +114,10 @@ class Recorder:
         resume_records(self.out_dir, start)  # what a stopped run logged of the steps it redoes
         self.metrics = open(self.out_dir / "metrics.jsonl", "a")
         self.samples = open(self.out_dir / "samples.jsonl", "a")
-        self.t_last = time.perf_counter()
+        self.t_open = self.t_last = time.perf_counter()  # t_open: before the models load
         self.step_times: list[float] = []
         self.evals: list[tuple[int, dict]] = []
+        self.said: set[str] = set()  # the ONCE keys already said
 
     @classmethod
     def open(cls, cfg, out_dir: Path, start: int) -> "Recorder":
@@ -132,7 +138,8 @@ class Recorder:
     def step(self, m: dict, episodes: list, advantages: list[float], problems: dict) -> None:
         """One step: its metrics and samples to the files and trackers, one console line.
         `advantages[i]` is episode i's; `problems` maps a dataset index to its Problem (the
-        sample rows carry its text and gold answer)."""
+        sample rows carry its text and gold answer). Adds `time/elapsed_s` (docs/metrics.md)."""
+        m["time/elapsed_s"] = time.perf_counter() - self.t_open
         with _writing(self.out_dir / "metrics.jsonl"):
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
@@ -157,6 +164,10 @@ class Recorder:
         print(self.line(m), flush=True)
         if m.get("train/dropped_groups", 0) > 0:  # DAPO's refill bound hit: said every such step
             print(dropped_note(m, len({e.group for e in episodes})), file=sys.stderr, flush=True)
+        for key in [k for k in ONCE if m.get(k, 0) > 0 and k not in self.said]:
+            self.said.add(key)
+            print(f"warning: step {m['step'] + 1}: {ONCE[key].format(n=int(m[key]))}; counted "
+                  f"every step as {key} (said once)", file=sys.stderr, flush=True)
 
     def line(self, m: dict) -> str:
         """The console line of one step."""
@@ -165,13 +176,14 @@ class Recorder:
         parts = " ".join(f"{k[7:]} {v:.3f}" for k, v in m.items()
                          if k.startswith("reward/") and k not in ("reward/mean", "reward/errors"))
         evals = " ".join(f"{k[5:]} {v:.3f}" for k, v in m.items() if k.startswith("eval/")
-                         and not k.endswith(("/n", "/samples", "/response_len")))
+                         and not k.endswith(("/n", "/samples", "/response_len", "/skipped_rows")))
+        lpdiff = f"{m['logprob_diff/max']:.1e}" if "logprob_diff/max" in m else "-"  # all stale: "-"
         clip = (f"clip {m['train/clip_frac_low'] + m['train/clip_frac_high']:.3f} "
                 if "train/clip_frac_low" in m and "train/clip_frac_high" in m else "")
         return (f"step {m['step'] + 1}/{self.total} | v{m['weight_version']} | "
                 f"reward {m['reward/mean']:.3f} ({parts}) | len {m['response_len/mean']:.1f} | "
                 f"loss {m.get('loss', 0):+.4f} gnorm {m.get('grad_norm', 0):.3f} {clip}"
-                f"ent {m.get('entropy', 0):.2f} lpdiff {m.get('logprob_diff/max', 0):.1e} | "
+                f"ent {m.get('entropy', 0):.2f} lpdiff {lpdiff} | "
                 f"gen {m['time/generate_s']:.2f}s {m.get('time/gen_tokens_per_s', 0):.0f} tok/s"
                 f" | train {m['time/train_s']:.2f}s {m.get('time/train_tokens_per_s', 0):.0f} "
                 f"tok/s | sync {m['time/sync_s']:.2f}s | step {m['time/step_s']:.2f}s "
@@ -278,16 +290,23 @@ def _params_text(mc, n: int | dict) -> str:
 def write_evaluation(out_dir: Path, after: int, version: int, metrics: dict, rows: list[dict],
                      checkpoint: str | None = None, settings: dict | None = None) -> Path:
     """An evaluation's metrics as one line of `eval.jsonl`, with its `settings`
-    (evaluation.settings) and the `checkpoint` an `--eval-only` named; its generations (`rows`)
-    as `eval/step_<after>.jsonl`, or `eval/<checkpoint folder>.eval-only.jsonl`."""
+    (evaluation.settings), the `checkpoint` an `--eval-only` named and its `generations` file:
+    `eval/step_<after>.jsonl`, or `eval/<checkpoint folder>.eval-only.jsonl`; where that exists
+    (a second `--eval-only`, a step evaluated again after a resume) the first free
+    `<name>.<k>.jsonl`, said: an evaluation's generations never replace another's."""
     folder = Path(out_dir) / "eval"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (f"{Path(checkpoint).name}.eval-only.jsonl" if checkpoint else f"step_{after:06d}.jsonl")
-    with _writing(path):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stem = f"{Path(checkpoint).name}.eval-only" if checkpoint else f"step_{after:06d}"
+    path, k = folder / f"{stem}.jsonl", 1
+    while path.exists():
+        path, k = folder / f"{stem}.{k}.jsonl", k + 1
+    if k > 1:
+        print(f"note: generations in {path} ({stem}.jsonl holds an earlier evaluation's)", flush=True)
+    with _writing(path), open(path, "x") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
     with _writing(Path(out_dir) / "eval.jsonl"), open(Path(out_dir) / "eval.jsonl", "a") as f:
         f.write(json.dumps({"after": after, "weight_version": version, **(settings or {}),
-                            **metrics,
+                            **metrics, "generations": path.relative_to(out_dir).as_posix(),
                             **({"checkpoint": str(checkpoint)} if checkpoint else {})}) + "\n")
     return path
 

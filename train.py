@@ -203,6 +203,7 @@ class Setup:
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
     mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
+    eval_skipped: int = 0          # evaluation rows skipped (eval/skipped_rows)
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
@@ -211,8 +212,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
-    eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
-                if cfg.run.eval_every or cfg.eval.before_start else None)
+    eval_set, eval_skipped = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)
+                              if cfg.run.eval_every or cfg.eval.before_start else (None, 0))
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
@@ -231,7 +232,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
-                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes))
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
+                 eval_skipped)
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
@@ -279,6 +281,9 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.say(tracking.startup_summary(cfg, roles, detect_device().kind, trainer.parameter_counts(s.trainer),
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
+        if s.eval_skipped:
+            rec.say(f"   note: {s.eval_skipped} rows of the {cfg.eval.split} split skipped for "
+                    "evaluation (prompts over data.max_prompt_len or bad rows; eval/skipped_rows)")
         note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
                                  cfg.run.steps)
@@ -422,7 +427,7 @@ def run_eval(cfg: config.Config, world: World, s: "Setup", rec: tracking.Recorde
              after: int, version: int) -> dict[str, float]:
     """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
     metrics, eps = evaluation.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
-                              seed=cfg.run.seed * 7919 + after)
+                              seed=cfg.run.seed * 7919 + after, skipped=s.eval_skipped)
     if rec:
         rec.evaluation(after, version, metrics, evaluation.eval_rows(eps, s.eval_set),
                        evaluation.settings(cfg.eval, cfg.rollout))
@@ -439,14 +444,17 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
-    eval_set = load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
+    eval_set, skipped = load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)
+    if world.is_root and skipped:
+        print(f"note: {skipped} rows of split {cfg.eval.split!r} skipped (prompts over "
+              "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
     engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
-                        seed=cfg.run.seed * 7919 + max(step, 0))
+                        seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped)
     if world.is_root:
         print(json.dumps(m))
         path = tracking.write_evaluation(out_dir, step, step, m, evaluation.eval_rows(eps, eval_set),

@@ -87,6 +87,9 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     over the updates, and every episode's advantage."""
     s = Step(tr, world, procs, tc, lc, rc, step, seed, episodes, images)
     plan(s)
+    missing = R.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
+    if missing is not None:
+        s.metrics["train/routing_fallback"] = float(missing)
     if needs_proximal(tc, lc):
         proximal_pass(s)
     routed = R.take_counts(tr.policy)  # MoE: the first pass over each episode (proximal, or the update)
@@ -127,8 +130,9 @@ def plan(s: Step) -> None:
                          exclude_truncated=lc.exclude_truncated)                      # [N]
     s.metrics["train/dropped_groups"] = float(
         L.zero_variance_groups(s.scores, rc.group_size).sum() if lc.drop_zero_variance else 0)
-    every, imbalance = rank_shares(eps, s.images, s.procs, s.tc, len(world.trainers))
+    every, imbalance, oversized = rank_shares(eps, s.images, s.procs, s.tc, len(world.trainers))
     s.metrics["train/rank_token_imbalance"] = imbalance
+    s.metrics["train/oversized_sequences"] = float(oversized)
     shares = [sh[world.trainer_index] for sh in every]          # this rank's, per mini-batch
     plans = agree_plans(shares, eps, s.images, s.procs, s.tc, world.train_group)
     s.updates = [Update(sh, p) for sh, p in zip(shares, plans)]
@@ -366,8 +370,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     n_updates, n_tr = len(norms), len(s.world.trainers)
     kept = max(1.0, tot["kept_tokens"])
     out = {"loss": tot["loss"] / n_updates, "grad_norm": sum(norms) / n_updates,
-           "entropy": tot["entropy"] / kept, "logprob_diff/max": float(mx[0]),  # the kept tokens
-           "logprob_diff/tokens": tot["fresh_tokens"],
+           "entropy": tot["entropy"] / kept,  # the kept tokens
+           "logprob_diff/tokens": int(tot["fresh_tokens"]),
            "train/skipped": n_skipped / n_updates,
            "train/padding_frac": 1.0 - tot["tokens"] / max(1.0, tot["slots"]),
            # query-key pairs the kernel computes (a dense one: rows x W^2; packed rows on the CPU:
@@ -376,6 +380,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
            "train/tokens": tot["episode_tokens"],
            "train/micro_batches": tot["micro_batches"] / n_tr,
            "train/updates": float(n_updates)}
+    if tot["fresh_tokens"] > 0:  # every token stale: nothing measured, no value (not 0.0)
+        out["logprob_diff/max"] = float(mx[0])
     out |= {L.log_name(k[5:]): tot[k] / kept for k in keys if k.startswith("mean:")}
     if has_reference(s.tr):
         out["train/kl_coef"] = s.kl_coef

@@ -51,9 +51,11 @@ def test_pass_at_1_and_pass_at_n_on_hand_made_episodes(monkeypatch, gens):
         out[:] = shares + [([], {})] * (len(out) - len(shares))
     monkeypatch.setattr(dist, "all_gather_object", gather)
     world = SimpleNamespace(is_gen=True, gens=gens, gen_index=0, size=len(gens) + 1, ctrl=None)
-    out, eps = E.evaluate(world, None, None, problems, None, cfg, version=4, seed=0)
+    out, eps = E.evaluate(world, None, None, problems, None, cfg, version=4, seed=0, skipped=2)
     assert out["eval/accuracy"] == pytest.approx(0.5) == out["eval/reward"]
     assert out["eval/accuracy/pass@2"] == pytest.approx(2 / 3)
+    assert [k for k in out if "pass@" in k] == ["eval/accuracy/pass@2"]   # the score's alone
+    assert out["eval/skipped_rows"] == 2                                  # rows over max_prompt_len
     assert "eval/errors" not in out
     assert (out["eval/n"], out["eval/samples"], out["eval/response_len"]) == (3, 6, 3.0)
     assert [e.index for e in eps] == [0, 0, 1, 1, 2, 2]
@@ -75,3 +77,23 @@ def test_eval_records_keep_the_image_markers():
     rows = E.eval_rows([_ep(0, 1.0), _ep(1, 0.0)], [first, inside])
     assert rows[0]["problem"] == "<image><image>Compare the two figures."
     assert rows[1]["problem"] == "A <image> is and B <image> is"
+
+
+def test_pass_at_n_is_for_the_score_alone():
+    """The geometry verifier's parts: accuracy (the score) gets pass@n; its format and the total
+    that mixes them (0.9 accuracy + 0.1 format) are diagnostics, their means alone. Functions
+    without an accuracy part: the total reward is the score."""
+    def ep(i, acc, fmt):
+        return R.Episode(index=i, group=0, prompt_ids=[1], response_ids=[7], logprobs=[-1.0],
+                         reward=0.9 * acc + 0.1 * fmt, parts={"accuracy": acc, "format": fmt},
+                         version=0, truncated=False, text="x")
+    eps = [ep(0, 1.0, 0.0), ep(0, 0.0, 1.0), ep(1, 0.0, 1.0), ep(1, 0.0, 0.0)]
+    out = E.metrics(eps, 2, "eval/")
+    assert {k for k in out if "pass@" in k} == {"eval/accuracy/pass@2"}
+    assert out["eval/accuracy/pass@2"] == pytest.approx(0.5) and out["eval/format"] == 0.5
+    toy = [R.Episode(index=i, group=0, prompt_ids=[1], response_ids=[7], logprobs=[-1.0],
+                     reward=r, parts={"target_fraction": r}, version=0, truncated=False, text="x")
+           for i, r in [(0, 0.2), (0, 0.6), (1, 0.4), (1, 0.0)]]
+    out = E.metrics(toy, 2, "eval/")
+    assert {k for k in out if "pass@" in k} == {"eval/reward/pass@2"}
+    assert out["eval/reward/pass@2"] == pytest.approx(0.5)

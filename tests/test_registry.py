@@ -120,6 +120,16 @@ def test_a_plugin_that_cannot_be_imported_is_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+def test_a_plugin_that_exits_at_import_is_named_not_the_runs_exit_code(tmp_path):
+    """sys.exit(3) in a plugin's import: a ConfigError naming the plugin, not exit code 3 (the
+    project's code for non-finite steps) with no message."""
+    bad = tmp_path / "quits.py"
+    bad.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(C.ConfigError, match=r"loss.plugins: cannot import '.*quits.py' "
+                                            r"\(it called sys.exit\(3\) at import\)"):
+        load_config(TINY[1], [f'--loss.plugins=["{bad}"]'])
+
+
 def test_a_filter_declares_what_it_needs():
     with pytest.raises(ValueError, match="unknown needs"):
         registry.response_filter("x", needs=("gradients",))

@@ -78,7 +78,7 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
         assert e["eval/n"] == 3 and e["eval/samples"] == 12
         assert (e["split"], e["n"], e["temperature"], e["top_p"], e["max_new_tokens"]) == \
             ("test", 4, 1.0, 0.9, 6)                            # the settings it was made with
-        assert 0 <= e["eval/target_fraction"] <= e["eval/target_fraction/pass@4"] <= 1
+        assert 0 <= e["eval/target_fraction"] <= e["eval/reward/pass@4"] <= 1
     dump = [json.loads(x) for x in (out / "eval" / "step_000000.jsonl").read_text().splitlines()]
     assert len(dump) == 12 and sorted({d["sample"] for d in dump}) == [0, 1, 2, 3]
     assert {"index", "response", "reward", "parts", "length", "problem", "gold"} <= set(dump[0])
@@ -90,20 +90,27 @@ def test_eval_any_task_n_samples_before_start_and_generations_saved(tmp_path):
     best = {}
     for d in dump:
         best[d["index"]] = max(best.get(d["index"], 0.0), d["parts"]["target_fraction"])
-    assert math.isclose(sum(best.values()) / 3, evals[0]["eval/target_fraction/pass@4"], rel_tol=1e-9)
-    assert metrics(out)[1]["eval/target_fraction/pass@4"] == evals[1]["eval/target_fraction/pass@4"]
+    assert math.isclose(sum(best.values()) / 3, evals[0]["eval/reward/pass@4"], rel_tol=1e-9)
+    assert metrics(out)[1]["eval/reward/pass@4"] == evals[1]["eval/reward/pass@4"]
     assert "note: reward" not in p.stdout                   # the same reward trains and grades
 
     # --eval-only: the same keys, its own generations file
-    q = ok(train_py([*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2",
-                     "--eval.split=test",
-                     '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
-                     "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]))
+    again = [*TINY, f"--run.out_dir={out}", "--run.eval_size=3", "--eval.n=2", "--eval.split=test",
+             '--eval.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]',
+             "--eval-only", "--checkpoint", str(out / "checkpoints" / "step_000002")]
+    q = ok(train_py(again))
     last = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
-    assert last["checkpoint"].endswith("step_000002") and "eval/target_fraction/pass@2" in last
+    assert last["checkpoint"].endswith("step_000002") and "eval/reward/pass@2" in last
+    assert [k for k in last if "pass@" in k] == ["eval/reward/pass@2"]   # the score's alone
     assert (last["split"], last["n"], last["max_new_tokens"]) == ("test", 2, 16)
-    assert len((out / "eval" / "step_000002.eval-only.jsonl").read_text().splitlines()) == 6
-    assert "generations:" in q.stdout
+    first = (out / "eval" / "step_000002.eval-only.jsonl").read_text()
+    assert len(first.splitlines()) == 6 and last["generations"] == "eval/step_000002.eval-only.jsonl"
+    assert "generations:" in q.stdout and last["eval/skipped_rows"] == 0
+    # a second --eval-only of the same checkpoint: its own file, the first one untouched
+    q = ok(train_py(again))
+    assert (out / "eval" / "step_000002.eval-only.jsonl").read_text() == first
+    assert len((out / "eval" / "step_000002.eval-only.1.jsonl").read_text().splitlines()) == 6
+    assert f"note: generations in {out / 'eval' / 'step_000002.eval-only.1.jsonl'}" in q.stdout
 
 
 # ----------------------------------------------------------------------------- data schema
@@ -310,3 +317,94 @@ def test_plot_labels_seed_bands_and_the_x_axis(tmp_path):
     assert plot.main([*map(str, dirs[:2]), "--labels", "a,b", "--x", "tokens", "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.main([str(dirs[0]), "--labels", "a,b"]) == 2
+
+
+def _plot_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "launch" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    return plot
+
+
+def test_plot_seed_bands_on_a_common_grid_for_time_and_tokens(tmp_path):
+    """3 seeds x 2 labels whose steps fall at different token counts and times: each label's band
+    and mean are the seeds' curves interpolated onto one grid (every x any seed has within the
+    range all cover), smoothed first with --smooth; a metric absent from some rows is bridged;
+    y axis labelled with the key, the time axis with start-up included, one legend entry per
+    label; .pdf and .svg by the extension."""
+    plot = _plot_module()
+    dirs, runs = [], {}
+    for label, shift in (("a", 0.0), ("b", 1.0)):
+        for seed in range(3):
+            d = tmp_path / f"{label}{seed}"
+            d.mkdir()
+            T, D, E = 100 + 10 * seed, 1.0 + 0.2 * seed, 5.0 + seed    # tokens, s per step, start-up
+            rows = [{"step": i, "train/tokens": float(T), "time/step_s": D, "time/elapsed_s": E + (i + 1) * D,
+                     **({} if (seed, i) == (0, 2) else {"reward/mean": 0.1 * i + shift + 0.01 * seed})}
+                    for i in range(6)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            dirs.append(d)
+            runs[(label, seed)] = (T, D, E, shift)
+    loaded = [plot.load_run(d) for d in dirs]
+    labels = ["a"] * 3 + ["b"] * 3
+
+    def at(g, x, label):  # each seed's curve is linear in x (its steps are evenly spaced): exact
+        ys = []
+        for seed in range(3):
+            T, D, E, shift = runs[(label, seed)]
+            i = g / T - 1 if x == "tokens" else (g - E) / D - 1
+            ys.append(0.1 * i + shift + 0.01 * seed)
+        return ys
+
+    def x_of(seed, i, x):  # where step i of seed `seed` (label a) ends
+        T, D, E, _ = runs[("a", seed)]
+        return (i + 1) * T if x == "tokens" else E + (i + 1) * D
+
+    for x in ("tokens", "time"):
+        grid, mean, lo, hi = plot.band(loaded[:3], "reward/mean", x)
+        xs = {round(x_of(seed, i, x), 9) for seed in range(3) for i in range(6) if (seed, i) != (0, 2)}
+        lo_x, hi_x = max(x_of(seed, 0, x) for seed in range(3)), x_of(0, 5, x)
+        assert grid == pytest.approx(sorted(v for v in xs if lo_x - 1e-9 <= v <= hi_x + 1e-9))
+        assert 300.0 not in grid                                   # seed 0's step 2 has no value
+        assert mean == pytest.approx([sum(at(g, x, "a")) / 3 for g in grid])
+        assert lo == pytest.approx([min(at(g, x, "a")) for g in grid])
+        assert hi == pytest.approx([max(at(g, x, "a")) for g in grid])
+        fig = plot.plot(loaded, keys=["reward/mean"], labels=labels, x=x)
+        ax = fig.axes[0]
+        assert list(ax.lines[0].get_xdata()) == pytest.approx(grid)        # the plotted mean
+        assert list(ax.lines[0].get_ydata()) == pytest.approx(mean)
+        assert len(ax.collections) == 2                                    # one band per label
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"]
+        assert ax.get_ylabel() == "reward/mean"
+    assert ax.get_xlabel() == "wall time (s, start-up included)"
+    # --smooth: the band and the mean are the smoothed curves', the raw mean faint behind
+    grid, mean, lo, hi = plot.band(loaded[3:], "reward/mean", "tokens", smooth=0.6)
+    raw = plot.band(loaded[3:], "reward/mean", "tokens")
+    assert mean != pytest.approx(raw[1]) and grid == raw[0]
+    fig = plot.plot(loaded, keys=["reward/mean"], labels=labels, x="tokens", smooth=0.6)
+    lines = fig.axes[0].lines
+    assert len(lines) == 4 and list(lines[3].get_ydata()) == pytest.approx(mean)
+    assert list(lines[2].get_ydata()) == pytest.approx(raw[1]) and lines[2].get_alpha() == 0.25
+    # several keys in a panel: each label once, each key once
+    fig = plot.plot(loaded, keys=["time/"], labels=labels, x="tokens")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "a", "b", "time/elapsed_s", "time/step_s"]
+    for ext, magic in ((".pdf", b"%PDF"), (".svg", b"<?xml")):
+        out = tmp_path / f"f{ext}"
+        assert plot.main([*map(str, dirs), "--labels", ",".join(labels), "--x", "time", "-o", str(out)]) == 0
+        assert out.read_bytes().startswith(magic)
+    # a run without time/elapsed_s (older records): the time axis says what it leaves out
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": i, "time/step_s": 1.0})
+                                               + "\n" for i in range(3)))
+    fig = plot.plot([plot.load_run(old)], x="time")
+    assert fig.axes[0].get_xlabel().startswith("wall time (s, steps only: start-up")
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1.0, 2.0, 3.0]
+    fig = plot.plot([loaded[0], plot.load_run(old)], keys=["reward/mean"], x="time")  # one axis for both
+    assert fig.axes[0].get_xlabel().startswith("wall time (s, steps only")
+    assert list(fig.axes[0].lines[0].get_xdata())[:2] == [1.0, 2.0]
+    # a resumed run: its clock starts again, its segment drawn after the kept rows
+    rows = [{"step": i, "time/elapsed_s": e, "time/step_s": 1.0} for i, e in enumerate([10, 12, 5, 7])]
+    assert plot.step_x(rows, "time") == {-1: 9.0, 0: 10, 1: 12, 2: 17, 3: 19}

@@ -3,6 +3,7 @@ checkpoints named and skipped, a resumed run owning its branch, rotation keeping
 point, a failed save naming a full disk, and the run folder's lock and write check."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -201,6 +202,20 @@ def test_failed_save_names_a_full_disk_and_keeps_the_previous_checkpoint(tmp_pat
     assert _resume(tmp_path)[0].path.name == "step_000001"
 
 
+def test_a_full_disk_in_the_hf_export_leaves_no_tmp_folder(tmp_path, world, monkeypatch):
+    """One trainer rank: the export's write fails with ENOSPC after writing some of its files."""
+    tr, real = _trainer(), ckpt.export_hf
+    _save(tmp_path, 1, tr)
+
+    def full_disk(out, *args):
+        real(out, *args)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
+    monkeypatch.setattr(ckpt, "export_hf", full_disk)
+    with pytest.raises(failures.Fatal, match="checkpoint step_000002 not saved: No space left on "):
+        _save(tmp_path, 2, tr)
+    assert sorted(p.name for p in ckpt.root(tmp_path).iterdir()) == ["step_000001"]  # no .tmp left
+
+
 def _mount_tmpfs(where: Path, options: str) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
@@ -324,3 +339,53 @@ def test_every_other_changed_key_is_listed_in_one_line_at_resume():
     [line] = [ln for ln in text.splitlines() if "changed since the checkpoint" in ln]
     assert line == ("   changed since the checkpoint: run.steps 2 -> 4; rollout.temperature 1.0 -> "
                     "0.7; reward.timeout_s 5.0 -> 9.0")
+
+
+def _two_trainers(rank: int, port: int, out_dir: str) -> None:
+    """One of two trainer ranks (tests below): step 1 saved, step 2's HF export fails with ENOSPC
+    on rank 0, step 3's training-state write on rank 1 alone (GRPO_FAULT ...:1); each rank
+    writes the line it failed with to rank<r>.txt."""
+    import datetime
+    os.environ.update(RANK=str(rank), OMP_NUM_THREADS="1", GRPO_FAULT="checkpoint_enospc@3:1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    real, lines = ckpt.export_hf, []
+
+    def full_disk(out, *args):
+        real(out, *args)  # its files written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
+    try:
+        tr, procs = _trainer(), SimpleNamespace(tokenizer=_Saves("tokenizer"), image_processor=None,
+                                                chat=SimpleNamespace(template="{{ messages }}"))
+        for step in (1, 2, 3):
+            ckpt.export_hf = full_disk if step == 2 and rank == 0 else real
+            path = ckpt.root(Path(out_dir)) / f"step_{step:06d}"
+            try:
+                ckpt.save(path, tr, rng={"cpu": torch.get_rng_state()}, meta={"step": step, "version": step},
+                          export=ckpt.Export(procs, str(path.parent), torch.float32),
+                          train_group=dist.group.WORLD, is_root=rank == 0, keep_last=10)
+            except failures.Fatal as e:
+                lines.append(str(e))
+        (Path(out_dir) / f"rank{rank}.txt").write_text("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes
+def test_a_save_failing_on_one_trainer_rank_leaves_no_tmp_folder(tmp_path):
+    """Two trainer ranks: a full disk in rank 0's HF export (rank 1 would go on into DCP's save,
+    which makes step_N.tmp/state again after rank 0 removed it) or in rank 1's state write alone
+    (rank 0 would wait in the next collective until torn down, never removing it): every rank
+    stops together, both name the save, no step_N.tmp stays, the previous checkpoint does."""
+    import torch.multiprocessing as mp
+
+    from world import free_port
+    mp.spawn(_two_trainers, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert sorted(p.name for p in ckpt.root(tmp_path).iterdir()) == ["step_000001"]  # no .tmp left
+    r0, r1 = ((tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1))
+    assert r0[0].startswith("checkpoint step_000002 not saved: No space left on device (")
+    assert r1[0].startswith("checkpoint step_000002 not saved: ")
+    assert "the HF export failed on another rank" in r1[0] or "No space left" in r1[0]
+    assert r1[1].startswith("checkpoint step_000003 not saved: No space left on device (")
+    assert "the training state failed on another rank" in r0[1] or "No space left" in r0[1]
+    assert all(line.endswith("the previous checkpoint step_000001 is intact") for line in r0 + r1)

@@ -193,6 +193,8 @@ def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_no_fur
     out = {key: metrics(run) for key, run in runs.items()}
     for key, rows in out.items():
         assert all(0.0 < r["train/routing_agreement"] <= 1.0 for r in rows), key
+        # replay: every episode carries the engine's routing (none falls back); off: no count
+        assert all(r.get("train/routing_fallback") == (0 if key[1] == "true" else None) for r in rows), key
     worst = {key: max(r["logprob_diff/max"] for r in rows) for key, rows in out.items()}
     helped = []
     for kind in ("qwen3_moe", "qwen3_vl_moe"):
@@ -296,3 +298,18 @@ def test_replay_with_vllm_running_ahead_is_refused_at_start():
     with pytest.raises(ConfigError, match="stepped path returns no routing"):
         load_config(None, ["--model.path=tiny-qwen3_moe", "--model.moe_routing_replay=true",
                            "--rollout.engine=vllm", "--rollout.max_staleness=2", "--loss.correction=token_mask"])
+
+
+def test_replay_counts_the_episodes_that_fall_back_to_the_trainers_own_routing(moe):
+    """train/routing_fallback: with replay on, the episodes that carry no engine routing (their
+    tokens keep the trainer's own); None with replay off (only the agreement is counted)."""
+    import dataclasses
+    path, procs, eps, images, trainer = moe
+    assert routing.fallback(trainer, eps) is None                   # attached without replay
+    routing.attach(trainer, replay=True)
+    try:
+        bare = [dataclasses.replace(e, routing=None) if i % 2 else e for i, e in enumerate(eps)]
+        assert routing.fallback(trainer, eps) == 0
+        assert routing.fallback(trainer, bare) == len(eps) // 2 > 0
+    finally:
+        routing.attach(trainer, replay=False)

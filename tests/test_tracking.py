@@ -441,3 +441,55 @@ def test_startup_says_when_the_reward_kl_is_k3_where_peers_default_to_k1():
     assert note in T.startup_summary(on, ["trainer"], "cpu", 10, 8, 0, 0, plan, "x").splitlines()
     k1 = C.load(None, ["--loss.kl_coef=0.01", "--loss.kl_in_reward=true", "--loss.kl_estimator=k1"])
     assert note not in T.startup_summary(k1, ["trainer"], "cpu", 10, 8, 0, 0, plan, "x").splitlines()
+
+
+def test_oversized_sequences_and_replay_falling_back_are_said_once_and_counted(tmp_path, capsys):
+    """train/oversized_sequences and train/routing_fallback: every step in the metrics, one
+    warning line the first step each is above 0 (rank 0's Recorder), none while 0."""
+    rec = T.Recorder(tmp_path, 0, 0, 4, T.Trackers())
+    base = {"weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0, "time/generate_s": 0.1,
+            "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
+    counts = [(0, 0), (2, 0), (3, 5), (1, 1)]
+    for step, (big, missing) in enumerate(counts):
+        rec.step({"step": step, **base, "train/oversized_sequences": float(big),
+                  "train/routing_fallback": float(missing)}, [], [], {})
+    rec.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: step 2: 2 sequence(s) longer than train.micro_batch_tokens, each alone in a "
+        "micro-batch over that budget (nothing splits a sequence); counted every step as "
+        "train/oversized_sequences (said once)",
+        "warning: step 3: 5 episode(s) without the engine's routing: model.moe_routing_replay "
+        "keeps the trainer's own routing for their tokens; counted every step as "
+        "train/routing_fallback (said once)"]
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["train/oversized_sequences"], r["train/routing_fallback"]) for r in rows] == counts
+
+
+def test_console_line_says_no_lpdiff_when_every_token_was_stale(tmp_path):
+    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    base = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0,
+            "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
+    assert " lpdiff - |" in rec.line({**base, "logprob_diff/tokens": 0})
+    assert " lpdiff 2.0e-06 |" in rec.line({**base, "logprob_diff/tokens": 9, "logprob_diff/max": 2e-6})
+    rec.close()
+
+
+def test_evaluation_files_are_never_overwritten(tmp_path, capsys):
+    """A second --eval-only of one checkpoint, or a step evaluated again after a resume: the next
+    free name, said, and named in its eval.jsonl row; the first file untouched."""
+    rows = [{"index": 0, "response": "a"}]
+    first = T.write_evaluation(tmp_path, 2, 2, {"eval/reward": 0.5}, rows, checkpoint="ck/step_000002")
+    assert first == tmp_path / "eval" / "step_000002.eval-only.jsonl" and not capsys.readouterr().out
+    paths = [T.write_evaluation(tmp_path, 2, 2, {"eval/reward": 0.7}, [{"index": 0, "response": f"b{i}"}],
+                                checkpoint="ck/step_000002") for i in range(2)]
+    assert [p.name for p in paths] == ["step_000002.eval-only.1.jsonl", "step_000002.eval-only.2.jsonl"]
+    assert json.loads(first.read_text()) == rows[0]
+    assert json.loads(paths[1].read_text())["response"] == "b1"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"note: generations in {paths[1]} (step_000002.eval-only.jsonl holds an earlier evaluation's)")
+    assert T.write_evaluation(tmp_path, 4, 4, {}, rows).name == "step_000004.jsonl"
+    assert T.write_evaluation(tmp_path, 4, 4, {}, rows).name == "step_000004.1.jsonl"
+    evals = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["generations"] for e in evals] == [
+        "eval/step_000002.eval-only.jsonl", "eval/step_000002.eval-only.1.jsonl",
+        "eval/step_000002.eval-only.2.jsonl", "eval/step_000004.jsonl", "eval/step_000004.1.jsonl"]

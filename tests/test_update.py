@@ -201,3 +201,30 @@ def test_logged_entropy_is_the_mean_over_the_kept_tokens(tiny_step):
     out, _ = run_step(tiny_step, tr, cfg)
     assert out["entropy"] == pytest.approx(float(ent[kept].mean()), rel=1e-5)
     assert out["entropy"] != pytest.approx(every, rel=1e-5)
+
+
+def test_stale_tokens_leave_lpdiff_unmeasured_and_oversized_sequences_are_counted(tiny_step):
+    """Every token sampled with older weights: `logprob_diff/max` absent (nothing measured, not
+    0.0) and `logprob_diff/tokens` the int 0; sequences longer than train.micro_batch_tokens
+    counted in `train/oversized_sequences` (each still trained, alone)."""
+    s = tiny_step
+    lengths = sorted(I.sequence_tokens(s.procs, [e], s.images[e.index]) for e in s.eps)
+    budget = lengths[len(lengths) // 2]
+    cfg = step_config([f"--train.micro_batch_tokens={budget}", "--loss.kl_coef=0"])
+    tr = make_trainer(s, cfg)
+    m, _ = run_step(s, tr, cfg)
+    assert m["logprob_diff/tokens"] > 0 and "logprob_diff/max" in m
+    rows: dict = {}  # train.share_prompt (the default): a sequence is a prompt's row
+    for e in s.eps:
+        rows.setdefault(e.group, []).append(e)
+    shared = [I.sequence_tokens(s.procs, g, s.images[g[0].index]) for g in rows.values()]
+    assert m["train/oversized_sequences"] == sum(n > budget for n in shared) > 0
+    tr.version = 1  # the episodes' tokens are version 0: every one stale
+    m, _ = run_step(s, tr, cfg, k=1)
+    assert "logprob_diff/max" not in m
+    assert m["logprob_diff/tokens"] == 0 and isinstance(m["logprob_diff/tokens"], int)
+    cfg = step_config([f"--train.micro_batch_tokens={budget}", "--loss.kl_coef=0",
+                       "--train.share_prompt=false"])                 # one row per episode
+    m, _ = run_step(s, make_trainer(s, cfg), cfg)
+    per_episode = sum(n > budget for n in lengths)
+    assert m["train/oversized_sequences"] == per_episode != sum(n > budget for n in shared)
