@@ -330,8 +330,10 @@ def export_hf(out: Path, full: dict, model, procs, source: str, dtype: torch.dty
     if not (out / "chat_template.jinja").is_file():  # a VLM whose template is the processor's
         (out / "chat_template.jinja").write_text(procs.chat.template)
     if procs.image_processor is not None:  # the source's own, not the run's model.min/max_pixels:
-        # an evaluator (VLMEvalKit) then bounds images as it would for the base model
-        F.image_processor_cls().from_pretrained(source).save_pretrained(out)
+        # an evaluator (VLMEvalKit) then bounds images as it would for the base model (a source
+        # folder without one, e.g. a hand-made test model: the run's)
+        own = (Path(source) / "preprocessor_config.json").is_file()
+        (F.image_processor_cls().from_pretrained(source) if own else procs.image_processor).save_pretrained(out)
 
 
 # ----------------------------------------------------------------------------- resuming
