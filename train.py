@@ -116,7 +116,7 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     try:
         own = rollout.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
         world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
-                            cfg.rollout.tensor_parallel_size if own else None, check)
+                            cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4

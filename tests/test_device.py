@@ -53,20 +53,98 @@ def test_narrow_visible(monkeypatch):
 
 
 def test_hccl_env_against_the_watchdog():
-    """HCCL_EXEC_TIMEOUT must stay below cluster.timeout_s (torch-npu's watchdog): derived when
-    unset, refused when set at or above it; AIV expansion mode is refused for training."""
-    assert D.hccl_env(2000.0, {}) == {"HCCL_EXEC_TIMEOUT": "1800"}
-    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1619"}  # 90% of 1799 (below)
-    assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {}
-    for bad in ("2000", "3600", "0", "abc"):
-        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=2000"):
-            D.hccl_env(2000.0, {"HCCL_EXEC_TIMEOUT": bad})
-    with pytest.raises(ValueError, match=r"HCCL_EXEC_TIMEOUT=1799 must be in \[1, cluster.timeout_s=1800\) "
-                                         r"\(used as 1799 s\)"):
-        D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1799"})
+    """HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT must stay below cluster.timeout_s (torch-npu's
+    watchdog): derived when unset, refused when set at or above it; AIV expansion mode is refused
+    for training."""
+    both = lambda v: {"HCCL_EXEC_TIMEOUT": v, "HCCL_CONNECT_TIMEOUT": v}  # noqa: E731
+    assert D.hccl_env(2000.0, {}) == both("1800")
+    assert D.hccl_env(1800.0, {}) == both("1619")  # 90% of 1799 (below)
+    assert D.hccl_env(1800.0, both("1740")) == {}
+    assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {"HCCL_CONNECT_TIMEOUT": "1619"}
+    for name in ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT"):
+        for bad in ("2000", "3600", "0", "abc"):
+            with pytest.raises(ValueError, match=f"{name}={bad} must be in .*cluster.timeout_s=2000"):
+                D.hccl_env(2000.0, {name: bad})
+        with pytest.raises(ValueError, match=rf"{name}=1799 must be in \[1, cluster.timeout_s=1800\) "
+                                             r"\(used as 1799 s\)"):
+            D.hccl_env(1800.0, {name: "1799"})
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV"):
         D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "AIV", "HCCL_EXEC_TIMEOUT": "100"})
-    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == both("1800")
+
+
+def test_hccl_connect_timeout_is_not_a_fixed_default_of_npu_env(tmp_path):
+    """launch/npu_env.sh leaves HCCL_CONNECT_TIMEOUT to device.hccl_env (a fixed 1800 there would
+    be refused against the tiny config's cluster.timeout_s = 300) and sets the trainers'
+    TASK_QUEUE_ENABLE=2 / CPU_AFFINITY_CONF=1, which the engines' processes take back
+    (device.vllm_spawn_env)."""
+    import subprocess
+    script = (f"source {ROOT / 'launch' / 'npu_env.sh'}; "
+              'echo "${HCCL_CONNECT_TIMEOUT-unset} $TASK_QUEUE_ENABLE $CPU_AFFINITY_CONF"')
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HCCL_CONNECT_TIMEOUT", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF")}
+    out = subprocess.run(["bash", "-c", script], env={**env, "HOME": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["unset", "2", "1"]
+    assert D.vllm_spawn_env(D.TABLE["npu"], {})["TASK_QUEUE_ENABLE"] == "1"
+    assert D.vllm_spawn_env(D.TABLE["npu"], {})["CPU_AFFINITY_CONF"] == "0"
+    assert "TASK_QUEUE_ENABLE" not in D.vllm_spawn_env(D.TABLE["cuda"], {})
+
+
+def test_varlen_in_fp32_is_refused_where_the_kernel_takes_half_precision_only():
+    """C1: flash-attn refuses fp32 (the CUDA row); npu_fusion_attention takes it; "segments" and
+    padded rows never reach a varlen kernel."""
+    line = D.packing_refusal("cuda", "varlen", mixed_precision=False)
+    assert "train.packing" in line and "model.mixed_precision" in line and "\n" not in line
+    assert D.packing_refusal("cuda", "varlen", mixed_precision=True) == ""
+    for packing in (True, "auto", "segments", False):  # CUDA's packed layout is "segments"
+        assert D.packing_refusal("cuda", packing, mixed_precision=False) == ""
+    for packing in (True, "varlen"):
+        assert D.packing_refusal("npu", packing, mixed_precision=False) == ""
+        assert D.packing_refusal("cpu", packing, mixed_precision=False) == ""
+
+
+def test_varlen_fp32_is_one_config_error_at_start_and_in_a_dry_run(monkeypatch, capsys):
+    import config as C
+    import train
+    import world as W
+    from errors import ConfigError
+    cfg = C.load(None, ["--train.packing=varlen"])
+    with pytest.raises(ConfigError, match="train.packing.*model.mixed_precision"):
+        W.validate_world(cfg, 1, "cuda")
+    W.validate_world(cfg, 1, "cpu")
+    monkeypatch.setenv("GRPO_DEVICE", "cuda")
+    assert train.main(["--train.packing=varlen", "--cluster.nproc_per_node=3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: train.packing = 'varlen'" in err and "model.mixed_precision" in err
+    assert train.main(["--train.packing=varlen", "--model.mixed_precision=true", "--dry-run"]) == 0
+
+
+def test_engines_run_vllms_v1_model_runner_unless_told():
+    """A1: vLLM 0.23 would run a dense Qwen3 on its V2 model runner on GPU; the engine's processes
+    get VLLM_USE_V2_MODEL_RUNNER=0 on every device unless the variable is set."""
+    for kind in ("cpu", "cuda", "npu"):
+        assert D.vllm_spawn_env(D.TABLE[kind], {})["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in D.vllm_spawn_env(D.TABLE["cuda"], {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+
+
+def test_vision_chunks_keep_each_call_under_the_limit():
+    """V1: images in order, runs of at most `limit` sequences (an image over it alone)."""
+    assert D.TABLE["npu"].varlen_max_seqs == 1024 and D.TABLE["cuda"].varlen_max_seqs is None
+    assert D.vision_chunks([84] * 16, None) == [range(16)]
+    assert D.vision_chunks([], 1024) == []
+    runs = D.vision_chunks([84] * 16, 1024)
+    assert runs == [range(0, 12), range(12, 16)]
+    assert D.vision_chunks([5, 2000, 5, 5], 10) == [range(0, 1), range(1, 2), range(2, 4)]
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs, limit = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))], rng.randint(1, 120)
+        runs = D.vision_chunks(seqs, limit)
+        assert [i for r in runs for i in r] == list(range(len(seqs)))
+        assert all(len(r) == 1 or sum(seqs[i] for i in r) <= limit for r in runs)
+        # greedy: no run could take the next image
+        assert all(sum(seqs[i] for i in a) + seqs[b[0]] > limit for a, b in zip(runs, runs[1:]))
 
 
 def test_group_timeout_avoids_torch_npus_unset_sentinel():
