@@ -246,6 +246,43 @@ def vllm_spawn_env(dev: Device, environ=os.environ) -> dict[str, str]:
     return out
 
 
+def stages_received(ro) -> bool:
+    """Whether a generation rank's engine stages a received version (`[rollout]` ro): vLLM
+    running ahead without partial rollouts (pipeline.Generation: a Producer, receive_ahead with
+    stage = not partial), i.e. max_staleness > 1, or >= 1 with stale = "drop"."""
+    ahead = ro.max_staleness > 1 or (ro.max_staleness >= 1 and ro.stale == "drop")
+    return ro.engine == "vllm" and ahead and not ro.partial
+
+
+def staging_memory(ro, dtype: str, n_params: int, total_bytes: int) -> tuple[str, bool]:
+    """(the start-up memory line, whether it fits) of an engine device that stages a received
+    version: a full copy of the model in `dtype` (model.dtype) outside
+    rollout.gpu_memory_utilization, against what that leaves of a device of `total_bytes`
+    (0: not known, as on CPU: not checked). ("", True) when nothing is staged."""
+    if not stages_received(ro):
+        return "", True
+    need, util = n_params * (2 if dtype == "bfloat16" else 4), ro.gpu_memory_utilization
+    line = (f"engine memory: staging a received version holds {need / 2**30:.1f} GiB ({n_params / 1e9:.2f} B "
+            f"parameters in {dtype}; rollout.max_staleness={ro.max_staleness}, stale={ro.stale!r}, no "
+            f"rollout.partial) outside rollout.gpu_memory_utilization={util:g}")
+    if not total_bytes:
+        return line + " (the device's memory is not known here: not checked)", True
+    slack = (1 - util) * total_bytes
+    line += f", which leaves {slack / 2**30:.1f} GiB of each {total_bytes / 2**30:.0f} GiB device"
+    if need <= slack:
+        return line, True
+    most = max(0.0, 1 - need / total_bytes)
+    return (line + f": it does not fit; lower rollout.gpu_memory_utilization to {most:.2f} or less, or set "
+            "rollout.partial = true (loads at once, stages nothing)"), False
+
+
+def total_memory(dev: Device, device: torch.device) -> int:
+    """Bytes of memory of `device` (0 on CPU: not an engine's budget)."""
+    if dev.kind == "cpu":
+        return 0
+    return torch.get_device_module(device.type).get_device_properties(device).total_memory
+
+
 def vision_chunks(seqs_per_image: list[int], limit: int | None) -> list[range]:
     """Consecutive runs of images whose varlen sequences (a vision tower's windows or frames,
     per image) add up to at most `limit` per call (Device.varlen_max_seqs; None: one run). An

@@ -61,6 +61,7 @@ import trainer
 import update
 from channel import check_channel, open_engine_channel
 from device import Device, manual_seed_all, set_rng_state, torch_device, detect as detect_device
+from device import stages_received, staging_memory, total_memory
 from errors import ConfigError
 from world import World, dry_run, launched_size, validate_world
 from world import setup as setup_world
@@ -214,6 +215,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
+    notes.append(staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
@@ -231,6 +233,25 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes))
+
+
+def staging_memory_line(cfg: config.Config, world: World, dev: Device, device: torch.device,
+                        model_path: str) -> str:
+    """The start-up memory line of an engine that stages received versions (device.staging_memory;
+    "" when none does), refused (ConfigError on every rank) where the copy cannot fit. Trainer
+    rank 0 decides, its device standing for the engines' (same kind), before any model loads."""
+    if not stages_received(cfg.rollout):
+        return ""
+    decided = [None]
+    if world.rank == 0:
+        n = sum(p.numel() for p in model.model_from_config(model_path, meta=True).parameters())
+        decided = [staging_memory(cfg.rollout, cfg.model.dtype, n, total_memory(dev, device))]
+    if world.size > 1:
+        dist.broadcast_object_list(decided, src=0, group=world.ctrl)
+    line, fits = decided[0]
+    if not fits:
+        raise ConfigError(line)
+    return line
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,

@@ -53,10 +53,7 @@ def split_roles(world_size: int, gen_ranks: int, layout: str = "by_node",
         raise ValueError(f"cluster.layout = \"per_node\": cluster.gen_ranks={gen_ranks} over {nnodes} "
                          f"nodes of a world of {world_size} is not an even spread (every node "
                          "needs the same ranks and the same engines)")
-    per, g = world_size // nnodes, gen_ranks // nnodes
-    if g >= per:
-        raise ValueError(f"cluster.layout = \"per_node\": cluster.gen_ranks={gen_ranks} leaves no trainer "
-                         f"rank on nodes of {per} ranks ({g} engines each)")
+    per, g = world_size // nnodes, gen_ranks // nnodes  # g < per: gen_ranks < world_size
     nodes = [range(n * per, (n + 1) * per) for n in range(nnodes)]
     return (tuple(r for node in nodes for r in node[:per - g]),
             tuple(r for node in nodes for r in node[per - g:]))

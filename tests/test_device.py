@@ -334,3 +334,28 @@ def test_experts_implementation_follows_the_device_row(tmp_path, model_type):
     if model_type.endswith("moe"):
         assert npu.config._experts_implementation == "eager"
         assert cpu.config._experts_implementation != "eager"
+
+
+def test_staging_memory_line_counts_the_copy_and_refuses_where_it_cannot_fit():
+    """A2: without partial rollouts an engine running ahead stages a full copy of what a sync
+    sends, outside gpu_memory_utilization: the start-up line says how much, and a device whose
+    slack cannot hold it is refused (the 3B in bf16 on a 64 GiB NPU at vl3b's 0.9)."""
+    import config as C
+    ro = C.RolloutConfig(engine="vllm", max_staleness=2, gpu_memory_utilization=0.9)
+    n3b = 3_754_622_976  # about Qwen2.5-VL-3B's (docs/vllm.md: 7.5 GB in bf16)
+    line, fits = D.staging_memory(ro, "bfloat16", n3b, 64 * 2**30)
+    assert not fits and "\n" not in line
+    assert "staging a received version holds 7.0 GiB (3.75 B parameters in bfloat16" in line
+    assert "leaves 6.4 GiB of each 64 GiB device" in line
+    assert "rollout.gpu_memory_utilization to 0.89 or less" in line and "rollout.partial = true" in line
+    line, fits = D.staging_memory(C.RolloutConfig(engine="vllm", max_staleness=2, gpu_memory_utilization=0.85),
+                                  "bfloat16", n3b, 64 * 2**30)
+    assert fits and "leaves 9.6 GiB" in line
+    assert D.staging_memory(ro, "float32", 1000, 0) == (
+        D.staging_memory(ro, "float32", 1000, 0)[0], True)           # CPU: said, not checked
+    assert "not checked" in D.staging_memory(ro, "float32", 1000, 0)[0]
+    # nothing is staged: partial rollouts load at once; k = 1 "wait" receives between batches
+    for kw in (dict(partial=True), dict(max_staleness=1), dict(max_staleness=0), dict(engine="hf")):
+        other = C.RolloutConfig(**{**dict(engine="vllm", max_staleness=2), **kw})
+        assert D.staging_memory(other, "bfloat16", n3b, 64 * 2**30) == ("", True), kw
+    assert D.stages_received(C.RolloutConfig(engine="vllm", max_staleness=1, stale="drop"))
