@@ -213,5 +213,4 @@ def test_two_nodes_per_node_layout_learns_at_parity(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     print("reward, per_node layout:", [round(x, 3) for x in rewards])
     assert sum(rewards[:3]) / 3 < 0.05 and sum(rewards[-4:]) / 4 > 0.4, rewards
-    roles = "\n".join(out for out, _ in outs)
-    assert "rank 2 (generation)" in roles and "rank 5 (generation)" in roles, roles[-3000:]
+    assert "== 6 rank(s) on cpu: ranks 0-1,3-4 trainer; ranks 2,5 generation" in outs[0][0], outs[0][0][:2000]

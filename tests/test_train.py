@@ -282,6 +282,8 @@ def test_split_roles_per_node_puts_trainers_first_on_every_node():
     trainers, _ = W.split_roles(12, 4, "per_node", 2)   # 4 trainers + 2 engines of tp 2 per node
     assert [W.local_devices(r, r % 6, 6, trainers, 2) for r in range(6, 12)] == [[0], [1], [2], [3], [4, 5], [6, 7]]
     assert W.node_devices(6, 6, trainers, 2) == 8
+    import tracking  # the start-up summary names interleaved roles by runs
+    assert (tracking._runs([0, 1, 3, 4]), tracking._runs([2, 5]), tracking._runs([0, 1, 2])) == ("0-1,3-4", "2,5", "0-2")
 
 
 def test_dry_run_draws_the_per_node_plan_on_npu(monkeypatch, capsys):
