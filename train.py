@@ -1,7 +1,8 @@
 """GRPO for Qwen vision-language and language models (families.py), one torchrun launch, no Ray.
 
-The world is split statically (world.py): the first ranks train (FSDP2 over a trainer-only
-mesh), the last `cluster.gen_ranks` ranks each own one inference engine. One step:
+The world is split statically (world.py): `cluster.gen_ranks` ranks each own one inference
+engine (the last ones, or the last of every node with `cluster.layout = "per_node"`), the others
+train (FSDP2 over a trainer-only mesh). One step:
 
     1. rollout   generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes
                  (DAPO dynamic sampling: further prompts until the groups disagree)
