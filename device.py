@@ -232,10 +232,11 @@ def packing_refusal(kind: str, packing, mixed_precision: bool) -> str:
 def vllm_spawn_env(dev: Device, environ=os.environ) -> dict[str, str]:
     """Variables the vLLM engine's processes get (set in the generation rank before it spawns
     them; a value already set is kept unless said):
-    - VLLM_USE_V2_MODEL_RUNNER=0: vLLM 0.23 runs Llama/Mistral/Qwen3 dense models on its V2
-      model runner by default on GPU (vllm/config/vllm.py, DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
-      and VllmConfig.use_v2_model_runner); vllm-ascend forces V1 and the CPU build runs V1 here,
-      so V1 is what every test ran. Pinned until a GPU run validates V2 (set it to 1 to try);
+    - VLLM_USE_V2_MODEL_RUNNER=0: vLLM 0.23 runs a few dense architectures (one of them the
+      text-only reference config's) on its V2 model runner by default on GPU (vllm/config/vllm.py,
+      DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES and VllmConfig.use_v2_model_runner); vllm-ascend
+      forces V1 and the CPU build runs V1 here, so V1 is what every test ran. Pinned until a
+      GPU run validates V2 (set it to 1 to try);
     - on NPU, TASK_QUEUE_ENABLE=1 and CPU_AFFINITY_CONF=0 (always): launch/npu_env.sh sets 2
       and 1 for the trainers; ROLL's vLLM workers force TASK_QUEUE_ENABLE back to 1 (ROLL's
       Ascend env guide, roll/platforms/npu.py), and vllm-ascend 0.23 binds its workers' CPUs
@@ -244,6 +245,47 @@ def vllm_spawn_env(dev: Device, environ=os.environ) -> dict[str, str]:
     if dev.kind == "npu":
         out.update(TASK_QUEUE_ENABLE="1", CPU_AFFINITY_CONF="0")
     return out
+
+
+def chunk_vision(model, limit: int | None) -> bool:
+    """Make `model`'s vision tower (a `visual` module with a `grid_thw` forward) run its images in
+    runs of at most `limit` varlen sequences per call (:func:`vision_chunks`; the windows of a
+    windowed tower, else one per frame), its outputs concatenated in image order as one call's
+    would be. For the "varlen" layout on a device with a per-call limit (Device.varlen_max_seqs:
+    NPU's TND). Returns whether it wrapped a tower."""
+    visual = getattr(model, "visual", None) or getattr(getattr(model, "model", None), "visual", None)
+    if visual is None or limit is None:
+        return False
+    vc = visual.config
+    side = max(1, getattr(vc, "window_size", 0) // vc.spatial_merge_size // vc.patch_size)
+    windowed = bool(getattr(vc, "window_size", 0))
+
+    def seqs(t: int, h: int, w: int) -> int:  # h, w in patches; windows count merged tokens
+        m = vc.spatial_merge_size
+        return t * (-(-(h // m) // side) * -(-(w // m) // side) if windowed else 1)
+
+    whole = visual.forward
+
+    def forward(hidden_states, grid_thw, **kwargs):
+        runs = vision_chunks([seqs(*g) for g in grid_thw.tolist()], limit)
+        if len(runs) <= 1:
+            return whole(hidden_states, grid_thw, **kwargs)
+        ends = grid_thw.prod(-1).cumsum(0).tolist()  # patch rows per image, cumulated
+        outs = [whole(hidden_states[(ends[r.start - 1] if r.start else 0):ends[r.stop - 1]],
+                      grid_thw[r.start:r.stop], **kwargs) for r in runs]
+        return type(outs[0])(**{k: _cat([o[k] for o in outs]) for k in outs[0].keys()})
+
+    visual.forward = forward
+    return True
+
+
+def _cat(parts: list):
+    """One call's output field from the chunks' (tensors: concatenated; lists: per entry)."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(parts[0], (list, tuple)):
+        return type(parts[0])(_cat(list(entry)) for entry in zip(*parts))
+    return parts[0]
 
 
 def stages_received(ro) -> bool:

@@ -359,3 +359,65 @@ def test_staging_memory_line_counts_the_copy_and_refuses_where_it_cannot_fit():
         other = C.RolloutConfig(**{**dict(engine="vllm", max_staleness=2), **kw})
         assert D.staging_memory(other, "bfloat16", n3b, 64 * 2**30) == ("", True), kw
     assert D.stages_received(C.RolloutConfig(engine="vllm", max_staleness=1, stale="drop"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_chunked_vision_tower_equals_one_call(tiny_dir, family):
+    """V1: the vision tower run in runs of at most `limit` sequences (windows, or frames) gives
+    one call's features and gradients; the tiny model's tower, three images of other sizes."""
+    import torch
+
+    import model as M
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8], [1, 8, 4]])
+    outs = []
+    path = tiny_dir(family)  # built first: building draws random numbers
+    for limit in (None, 2):
+        torch.manual_seed(0)  # the same random tower twice
+        m = M.model_from_config(path)
+        visual = m.model.visual
+        assert D.chunk_vision(m, limit) is (limit is not None)
+        vc = visual.config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        x = torch.randn(int(grid.prod(-1).sum()), width, generator=torch.Generator().manual_seed(1))
+        calls = []
+        visual.blocks[0].register_forward_hook(lambda *a: calls.append(1))
+        out = visual(x, grid_thw=grid)
+        out.pooler_output.sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in visual.blocks[0].parameters()])
+        outs.append((out.pooler_output, grads, len(calls)))
+    (one, g_one, n_one), (chunked, g_chunked, n_chunked) = outs
+    assert n_one == 1 and n_chunked > 1                       # really split
+    torch.testing.assert_close(chunked, one)
+    torch.testing.assert_close(g_chunked, g_one)
+
+
+def test_chunked_vision_tower_under_fsdp2_equals_one_call(tiny_dir):
+    """The chunked tower calls each FSDP2 vision block once per run: the same features and
+    gradients as one unsharded call (a gloo world of one)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import model as M
+    from world import free_port
+    path, grid = tiny_dir("qwen2_5_vl"), torch.tensor([[1, 8, 8], [1, 4, 8], [1, 8, 4]])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        outs = []
+        for limit in (None, 2):
+            torch.manual_seed(0)
+            m = M.model_from_config(path)
+            D.chunk_vision(m, limit)
+            if limit:  # the root's own weights (the patch embedding) gathered as its forward would
+                M.apply_fsdp(m, DeviceMesh.from_group(dist.group.WORLD, "cpu")).unshard()
+            vc = m.model.visual.config
+            x = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
+                            generator=torch.Generator().manual_seed(1))
+            out = m.model.visual(x, grid_thw=grid).pooler_output
+            out.sum().backward()
+            g = m.model.visual.blocks[0].mlp.down_proj.weight.grad
+            outs.append((out.detach(), g.full_tensor() if hasattr(g, "full_tensor") else g))
+        torch.testing.assert_close(outs[1][0], outs[0][0])
+        torch.testing.assert_close(outs[1][1], outs[0][1])
+    finally:
+        dist.destroy_process_group()
