@@ -288,21 +288,11 @@ def _cat(parts: list):
     return parts[0]
 
 
-def stages_received(ro) -> bool:
-    """Whether a generation rank's engine stages a received version (`[rollout]` ro): vLLM
-    running ahead without partial rollouts (pipeline.Generation: a Producer, receive_ahead with
-    stage = not partial), i.e. max_staleness > 1, or >= 1 with stale = "drop"."""
-    ahead = ro.max_staleness > 1 or (ro.max_staleness >= 1 and ro.stale == "drop")
-    return ro.engine == "vllm" and ahead and not ro.partial
-
-
 def staging_memory(ro, dtype: str, n_params: int, total_bytes: int) -> tuple[str, bool]:
     """(the start-up memory line, whether it fits) of an engine device that stages a received
-    version: a full copy of the model in `dtype` (model.dtype) outside
-    rollout.gpu_memory_utilization, against what that leaves of a device of `total_bytes`
-    (0: not known, as on CPU: not checked). ("", True) when nothing is staged."""
-    if not stages_received(ro):
-        return "", True
+    version (pipeline.stages_received): a full copy of the model in `dtype` (model.dtype)
+    outside rollout.gpu_memory_utilization (`[rollout]` ro), against what that leaves of a
+    device of `total_bytes` (0: not known, as on CPU: not checked)."""
     need, util = n_params * (2 if dtype == "bfloat16" else 4), ro.gpu_memory_utilization
     line = (f"engine memory: staging a received version holds {need / 2**30:.1f} GiB ({n_params / 1e9:.2f} B "
             f"parameters in {dtype}; rollout.max_staleness={ro.max_staleness}, stale={ro.stale!r}, no "

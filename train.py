@@ -1,8 +1,7 @@
 """GRPO for Qwen vision-language and language models (families.py), one torchrun launch, no Ray.
 
-The world is split statically (world.py): `cluster.gen_ranks` ranks each own one inference
-engine (the last ones, or the last of every node with `cluster.layout = "per_node"`), the others
-train (FSDP2 over a trainer-only mesh). One step:
+The world is split statically (world.py, `cluster.layout`): trainers run FSDP2 over a trainer-only
+mesh, `cluster.gen_ranks` ranks own one inference engine each. One step:
 
     1. rollout   generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes
                  (DAPO dynamic sampling: further prompts until the groups disagree)
@@ -62,7 +61,6 @@ import trainer
 import update
 from channel import check_channel, open_engine_channel
 from device import Device, manual_seed_all, set_rng_state, torch_device, detect as detect_device
-from device import stages_received, staging_memory, total_memory
 from errors import ConfigError
 from world import World, dry_run, launched_size, validate_world
 from world import setup as setup_world
@@ -216,7 +214,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
-    notes.append(staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
+    notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
@@ -234,25 +232,6 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes))
-
-
-def staging_memory_line(cfg: config.Config, world: World, dev: Device, device: torch.device,
-                        model_path: str) -> str:
-    """The start-up memory line of an engine that stages received versions (device.staging_memory;
-    "" when none does), refused (ConfigError on every rank) where the copy cannot fit. Trainer
-    rank 0 decides, its device standing for the engines' (same kind), before any model loads."""
-    if not stages_received(cfg.rollout):
-        return ""
-    decided = [None]
-    if world.rank == 0:
-        n = sum(p.numel() for p in model.model_from_config(model_path, meta=True).parameters())
-        decided = [staging_memory(cfg.rollout, cfg.model.dtype, n, total_memory(dev, device))]
-    if world.size > 1:
-        dist.broadcast_object_list(decided, src=0, group=world.ctrl)
-    line, fits = decided[0]
-    if not fits:
-        raise ConfigError(line)
-    return line
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,

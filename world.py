@@ -160,7 +160,10 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank, n_local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if layout == "per_node" and size != launched_nodes() * n_local:  # this node differs from the others
+        raise NodeConfigError(f"cluster.layout = \"per_node\" needs the same processes on every node: this "
+                              f"node runs {n_local} of a world of {size} over {launched_nodes()} nodes")
     trainers, gens = split_roles(size, gen_ranks, layout, launched_nodes())
     kind = dev.kind if dev is not None else "cpu"
     timeout_s, note = D.group_timeout(kind, timeout_s)
@@ -170,7 +173,6 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
         os.environ.update(D.hccl_env(timeout_s))
     own = engine_devices is not None and rank not in trainers and not claim_engine_devices
     if kind != "cpu":
-        n_local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
         try:
             check_node_devices(int(os.environ.get("GROUP_RANK", rank // n_local)),
                                rank - local_rank, n_local, trainers,

@@ -18,11 +18,11 @@ def test_table_rows():
     assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].auto_packing == "always"
     assert D.TABLE["cpu"].bucket_ratio == 1.25
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                                       auto_packing="rows", bucket_ratio=4.0)
+                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False)
     assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                                       experts="eager", packed_attention="varlen", auto_packing="never",
-                                      varlen_package=None)
+                                      varlen_package=None, varlen_max_seqs=1024)
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 
@@ -355,10 +355,11 @@ def test_staging_memory_line_counts_the_copy_and_refuses_where_it_cannot_fit():
         D.staging_memory(ro, "float32", 1000, 0)[0], True)           # CPU: said, not checked
     assert "not checked" in D.staging_memory(ro, "float32", 1000, 0)[0]
     # nothing is staged: partial rollouts load at once; k = 1 "wait" receives between batches
+    import pipeline
+    assert pipeline.stages_received(ro)
     for kw in (dict(partial=True), dict(max_staleness=1), dict(max_staleness=0), dict(engine="hf")):
-        other = C.RolloutConfig(**{**dict(engine="vllm", max_staleness=2), **kw})
-        assert D.staging_memory(other, "bfloat16", n3b, 64 * 2**30) == ("", True), kw
-    assert D.stages_received(C.RolloutConfig(engine="vllm", max_staleness=1, stale="drop"))
+        assert not pipeline.stages_received(C.RolloutConfig(**{**dict(engine="vllm", max_staleness=2), **kw})), kw
+    assert pipeline.stages_received(C.RolloutConfig(engine="vllm", max_staleness=1, stale="drop"))
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
@@ -421,3 +422,24 @@ def test_chunked_vision_tower_under_fsdp2_equals_one_call(tiny_dir):
         torch.testing.assert_close(outs[1][1], outs[0][1])
     finally:
         dist.destroy_process_group()
+
+
+def test_the_staging_line_at_start_and_its_refusal(tiny_dir, monkeypatch):
+    """pipeline.staging_memory_line, as set_up calls it on trainer rank 0 of a world of one: the
+    tiny model's figure on CPU (not checked), and a ConfigError where the copy cannot fit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import config as C
+    import pipeline
+    from errors import ConfigError
+    cfg = C.load(None, ["--rollout.engine=vllm", "--rollout.max_staleness=2", "--loss.tis_cap=2"])
+    one = SimpleNamespace(rank=0, size=1)
+    line = pipeline.staging_memory_line(cfg, one, D.TABLE["cpu"], torch.device("cpu"), tiny_dir())
+    assert line.startswith("engine memory: staging a received version holds") and "not checked" in line
+    monkeypatch.setattr(D, "total_memory", lambda dev, device: 1000)  # a device smaller than the copy
+    with pytest.raises(ConfigError, match="does not fit; lower rollout.gpu_memory_utilization"):
+        pipeline.staging_memory_line(cfg, one, D.TABLE["cuda"], torch.device("cpu"), tiny_dir())
+    cfg.rollout.partial = True
+    assert pipeline.staging_memory_line(cfg, one, D.TABLE["cuda"], torch.device("cpu"), tiny_dir()) == ""

@@ -303,3 +303,17 @@ def test_dry_run_draws_the_per_node_plan_on_npu(monkeypatch, capsys):
     assert train.main(["--config", cfg, "--cluster.layout=per_node", "--cluster.gen_ranks=5",
                        "--rollout.prompts_per_step=10", "--dry-run"]) == 2
     assert "not an even spread" in capsys.readouterr().err
+
+
+def test_per_node_refuses_nodes_of_different_sizes(monkeypatch):
+    """A node whose process count differs from the others' would shift every role of the
+    "per_node" split: that node refuses before any process group exists."""
+    import device as D
+    from errors import NodeConfigError
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(NodeConfigError, match="needs the same processes on every node: this node runs 4"):
+        W.setup(2, 60, "gloo", D.TABLE["cpu"], layout="per_node")
