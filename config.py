@@ -97,7 +97,12 @@ class RunConfig:
 
 @dataclass
 class ClusterConfig:
-    gen_ranks: int = num(1, ">= 1")          # the LAST gen_ranks ranks of the world generate; the others train
+    gen_ranks: int = num(1, ">= 1")          # ranks that generate (one engine each); the others train
+    # where the generation ranks sit (world.split_roles): "by_node" = the LAST gen_ranks ranks of
+    # the world (vl3b: node 0 trains, node 1 generates); "per_node" = on every node, its last
+    # gen_ranks / nodes ranks (ROLL's trainers on NPUs 0-3 and engines on 4-7 of each node;
+    # gen_ranks must spread evenly over equal nodes)
+    layout: str = "by_node"
     timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
     nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
     nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node
@@ -449,6 +454,8 @@ def validate(cfg: Config) -> None:
     _check_rollout(cfg, need)
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0")
+    need(cfg.cluster.layout in ("by_node", "per_node"),
+         f"cluster.layout must be \"by_node\" or \"per_node\", got {cfg.cluster.layout!r}")
     need(cfg.train.packing in (True, False, "auto", *PACKED_LAYOUTS),
          "train.packing: expected true, false, \"auto\", \"segments\" or \"varlen\", got "
          f"{cfg.train.packing!r}")

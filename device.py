@@ -41,6 +41,16 @@ class Device:
     # the package the "varlen" layout's flash_attention_2 needs here (None: the device's own
     # fused op, torch_npu's on NPU); checked at start (microbatches.resolve_layout)
     varlen_package: str | None = "flash_attn"
+    # the "varlen" kernel takes fp32 (model.mixed_precision = false: the trainer computes in its
+    # fp32 weights' dtype). flash-attn's does not: "FlashAttention only support fp16 and bf16
+    # data type" (flash-attn 2.8.3 csrc/flash_attn/flash_api.cpp, mha_varlen_fwd);
+    # npu_fusion_attention does (op-plugin docs/context/torch_npu-npu_fusion_attention.md:
+    # query/key/value float16, bfloat16, float32). Refused at start (packing_refusal)
+    varlen_fp32: bool = True
+    # sequences one varlen call may take (None: no limit known): op-plugin's npu_fusion_attention
+    # documents B in 1..2K and actual_seq_qlen "at most 1K long in the varlen case" (same page);
+    # the vision tower's window calls are chunked to it (vision_chunks)
+    varlen_max_seqs: int | None = None
     # what train.packing = "auto" picks, from what bench/packing.py measured (docs/benchmarks.md):
     # "always" packs; "rows" packs when micro-batches are counted in rows (micro_batch_tokens = 0:
     # on an H200, 2.7-3.2x padded micro-batches of micro_batch_size rows at 3B shapes, but 0.77-
@@ -58,10 +68,10 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   auto_packing="rows", bucket_ratio=4.0),
+                   auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                   experts="eager", packed_attention="varlen", auto_packing="never",
-                  varlen_package=None),
+                  varlen_package=None, varlen_max_seqs=1024),
 }
 
 
@@ -182,22 +192,144 @@ def narrow_visible(dev: Device, device_ids: list[int]) -> None:
 
 def hccl_env(timeout_s: float, environ=os.environ) -> dict[str, str]:
     """HCCL settings of an NPU run checked against `cluster.timeout_s` (the watchdog's, as
-    :func:`group_timeout` gives it), before any process group exists: HCCL_EXEC_TIMEOUT must
-    stay below it (unset: 90% of it), HCCL_OP_EXPANSION_MODE=AIV is refused (docs/gpu-npu.md).
-    Returns the variables to set; raises ValueError (one line) on a contradiction."""
+    :func:`group_timeout` gives it), before any process group exists: HCCL_EXEC_TIMEOUT (how long
+    a started collective waits) and HCCL_CONNECT_TIMEOUT (how long a link takes to establish)
+    must each stay below it (unset: 90% of it), HCCL_OP_EXPANSION_MODE=AIV is refused
+    (docs/gpu-npu.md). Returns the variables to set; raises ValueError (one line) on a
+    contradiction."""
     if environ.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV":
         raise ValueError("HCCL_OP_EXPANSION_MODE=AIV is for inference only (CANN: not for several "
                          "communicators per process, Broadcast single-node); unset it for training")
     watchdog, note = group_timeout("npu", timeout_s)
-    exec_s = environ.get("HCCL_EXEC_TIMEOUT")
-    if exec_s is None:
-        return {"HCCL_EXEC_TIMEOUT": str(max(1, int(watchdog * 0.9)))}
-    if not exec_s.strip().isdigit() or not 0 < int(exec_s) < watchdog:
-        used = f" (used as {watchdog:g} s)" if note else ""
-        raise ValueError(f"HCCL_EXEC_TIMEOUT={exec_s} must be in [1, cluster.timeout_s={timeout_s:g}"
-                         f"){used} (torch-npu's watchdog would fire first and HCCL's report be "
-                         "lost); lower it, raise cluster.timeout_s, or unset it (then 90% of it)")
-    return {}
+    out = {}
+    for name in ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT"):
+        value = environ.get(name)
+        if value is None:
+            out[name] = str(max(1, int(watchdog * 0.9)))
+        elif not value.strip().isdigit() or not 0 < int(value) < watchdog:
+            used = f" (used as {watchdog:g} s)" if note else ""
+            raise ValueError(f"{name}={value} must be in [1, cluster.timeout_s={timeout_s:g}){used} "
+                             "(torch-npu's watchdog would fire first and HCCL's report be lost); "
+                             "lower it, raise cluster.timeout_s, or unset it (then 90% of it)")
+    return out
+
+
+# --- start-up refusals and process settings read from the hardware stacks (issue 52) ----------
+def packing_refusal(kind: str, packing, mixed_precision: bool) -> str:
+    """The one line refusing `train.packing` on device `kind` at start ("" if it runs): the
+    "varlen" layout computes in the trainer's dtype, fp32 without model.mixed_precision, which
+    the device's varlen kernel may not take (Device.varlen_fp32)."""
+    row = TABLE[kind]
+    layout = packing if packing in ("segments", "varlen") else (
+        row.packed_attention if packing is True else None)
+    if layout != "varlen" or mixed_precision or row.varlen_fp32:
+        return ""
+    return (f"train.packing = {packing!r} runs the \"varlen\" layout, whose kernel on {kind} "
+            "(flash-attn) takes only fp16/bf16, but model.mixed_precision = false computes in fp32: "
+            "set model.mixed_precision = true, or train.packing = \"segments\"")
+
+
+def vllm_spawn_env(dev: Device, environ=os.environ) -> dict[str, str]:
+    """Variables the vLLM engine's processes get (set in the generation rank before it spawns
+    them; a value already set is kept unless said):
+    - VLLM_USE_V2_MODEL_RUNNER=0: vLLM 0.23 runs a few dense architectures (one of them the
+      text-only reference config's) on its V2 model runner by default on GPU (vllm/config/vllm.py,
+      DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES and VllmConfig.use_v2_model_runner); vllm-ascend
+      forces V1 and the CPU build runs V1 here, so V1 is what every test ran. Pinned until a
+      GPU run validates V2 (set it to 1 to try);
+    - on NPU, TASK_QUEUE_ENABLE=1 and CPU_AFFINITY_CONF=0 (always): launch/npu_env.sh sets 2
+      and 1 for the trainers; ROLL's vLLM workers force TASK_QUEUE_ENABLE back to 1 (ROLL's
+      Ascend env guide, roll/platforms/npu.py), and vllm-ascend 0.23 binds its workers' CPUs
+      itself (additional_config enable_cpu_binding, default true: vllm_ascend/platform.py)."""
+    out = {} if "VLLM_USE_V2_MODEL_RUNNER" in environ else {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if dev.kind == "npu":
+        out.update(TASK_QUEUE_ENABLE="1", CPU_AFFINITY_CONF="0")
+    return out
+
+
+def chunk_vision(model, limit: int | None) -> bool:
+    """Make `model`'s vision tower (a `visual` module with a `grid_thw` forward) run its images in
+    runs of at most `limit` varlen sequences per call (:func:`vision_chunks`; the windows of a
+    windowed tower, else one per frame), its outputs concatenated in image order as one call's
+    would be. For the "varlen" layout on a device with a per-call limit (Device.varlen_max_seqs:
+    NPU's TND). Returns whether it wrapped a tower."""
+    visual = getattr(model, "visual", None) or getattr(getattr(model, "model", None), "visual", None)
+    if visual is None or limit is None:
+        return False
+    vc = visual.config
+    side = max(1, getattr(vc, "window_size", 0) // vc.spatial_merge_size // vc.patch_size)
+    windowed = bool(getattr(vc, "window_size", 0))
+
+    def seqs(t: int, h: int, w: int) -> int:  # h, w in patches; windows count merged tokens
+        m = vc.spatial_merge_size
+        return t * (-(-(h // m) // side) * -(-(w // m) // side) if windowed else 1)
+
+    whole = visual.forward
+
+    def forward(hidden_states, grid_thw, **kwargs):
+        runs = vision_chunks([seqs(*g) for g in grid_thw.tolist()], limit)
+        if len(runs) <= 1:
+            return whole(hidden_states, grid_thw, **kwargs)
+        ends = grid_thw.prod(-1).cumsum(0).tolist()  # patch rows per image, cumulated
+        outs = [whole(hidden_states[(ends[r.start - 1] if r.start else 0):ends[r.stop - 1]],
+                      grid_thw[r.start:r.stop], **kwargs) for r in runs]
+        return type(outs[0])(**{k: _cat([o[k] for o in outs]) for k in outs[0].keys()})
+
+    visual.forward = forward
+    return True
+
+
+def _cat(parts: list):
+    """One call's output field from the chunks' (tensors: concatenated; lists: per entry)."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(parts[0], (list, tuple)):
+        return type(parts[0])(_cat(list(entry)) for entry in zip(*parts))
+    return parts[0]
+
+
+def staging_memory(ro, dtype: str, n_params: int, total_bytes: int) -> tuple[str, bool]:
+    """(the start-up memory line, whether it fits) of an engine device that stages a received
+    version (pipeline.stages_received): a full copy of the model in `dtype` (model.dtype)
+    outside rollout.gpu_memory_utilization (`[rollout]` ro), against what that leaves of a
+    device of `total_bytes` (0: not known, as on CPU: not checked)."""
+    need, util = n_params * (2 if dtype == "bfloat16" else 4), ro.gpu_memory_utilization
+    line = (f"engine memory: staging a received version holds {need / 2**30:.1f} GiB ({n_params / 1e9:.2f} B "
+            f"parameters in {dtype}; rollout.max_staleness={ro.max_staleness}, stale={ro.stale!r}, no "
+            f"rollout.partial) outside rollout.gpu_memory_utilization={util:g}")
+    if not total_bytes:
+        return line + " (the device's memory is not known here: not checked)", True
+    slack = (1 - util) * total_bytes
+    line += f", which leaves {slack / 2**30:.1f} GiB of each {total_bytes / 2**30:.0f} GiB device"
+    if need <= slack:
+        return line, True
+    most = max(0.0, 1 - need / total_bytes)
+    return (line + f": it does not fit; lower rollout.gpu_memory_utilization to {most:.2f} or less, or set "
+            "rollout.partial = true (loads at once, stages nothing)"), False
+
+
+def total_memory(dev: Device, device: torch.device) -> int:
+    """Bytes of memory of `device` (0 on CPU: not an engine's budget)."""
+    if dev.kind == "cpu":
+        return 0
+    return torch.get_device_module(device.type).get_device_properties(device).total_memory
+
+
+def vision_chunks(seqs_per_image: list[int], limit: int | None) -> list[range]:
+    """Consecutive runs of images whose varlen sequences (a vision tower's windows or frames,
+    per image) add up to at most `limit` per call (Device.varlen_max_seqs; None: one run). An
+    image over the limit alone is a run of its own (one call cannot split an image's windows:
+    they share its full-attention layers). Every image is in exactly one run, in order."""
+    if limit is None or sum(seqs_per_image) <= limit:
+        return [range(len(seqs_per_image))] if seqs_per_image else []
+    runs, start, count = [], 0, 0
+    for i, n in enumerate(seqs_per_image):
+        if i > start and count + n > limit:
+            runs.append(range(start, i))
+            start, count = i, 0
+        count += n
+    runs.append(range(start, len(seqs_per_image)))
+    return runs
 
 
 def synchronize(dev: Device) -> None:

@@ -270,8 +270,11 @@ def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool 
     config = load_config(path)
     refuse_dropout(config, path)
     with torch.device("meta") if meta else torch.device("cpu"):
-        return F.auto_class(config).from_config(config, dtype=dtype, attn_implementation=attention,
-                                                **_kernels(device_type))
+        model = F.auto_class(config).from_config(config, dtype=dtype, attn_implementation=attention,
+                                                 **_kernels(device_type))
+    if attention == "flash_attention_2":  # NPU's TND call takes at most so many sequences
+        D.chunk_vision(model, D.TABLE[device_type].varlen_max_seqs)
+    return model
 
 
 def attention_for(layout: str | None) -> str:

@@ -304,6 +304,37 @@ class Producer:
         self.engine.between = self.engine.interrupt = None
 
 
+def stages_received(ro) -> bool:
+    """Whether a generation rank's engine stages a received version (`[rollout]` ro): vLLM
+    running ahead without partial rollouts (:class:`Generation` starts a Producer, which
+    receives with stage = not partial), i.e. max_staleness > 1, or >= 1 with stale = "drop"."""
+    ahead = ro.max_staleness > 1 or (ro.max_staleness >= 1 and ro.stale == "drop")
+    return ro.engine == "vllm" and ahead and not ro.partial
+
+
+def staging_memory_line(cfg, world, dev, device, model_path: str) -> str:
+    """The start-up memory line of engines that stage received versions (device.staging_memory;
+    "" when none does), refused (ConfigError on every rank) where the copy cannot fit. Trainer
+    rank 0 decides, its device standing for the engines' (same kind), before any model loads."""
+    if not stages_received(cfg.rollout):
+        return ""
+    import torch.distributed as dist
+
+    import device as D
+    import model as M
+    from errors import ConfigError
+    decided = [None]
+    if world.rank == 0:
+        n = sum(p.numel() for p in M.model_from_config(model_path, meta=True).parameters())
+        decided = [D.staging_memory(cfg.rollout, cfg.model.dtype, n, D.total_memory(dev, device))]
+    if world.size > 1:
+        dist.broadcast_object_list(decided, src=0, group=world.ctrl)
+    line, fits = decided[0]
+    if not fits:
+        raise ConfigError(line)
+    return line
+
+
 class Generation:
     """A generation rank's episodes for each step: generated in the step (k = 0), one step ahead
     in this thread between the exchange and the sync (k = 1, "wait", no partial, with an engine

@@ -236,8 +236,7 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
     by_role: dict[str, list[int]] = {}
     for r, role in enumerate(roles):
         by_role.setdefault(role, []).append(r)
-    who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs[0]}{f'-{rs[-1]}' if len(rs) > 1 else ''} "
-                    f"{role}" for role, rs in by_role.items())
+    who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_runs(rs)} {role}" for role, rs in by_role.items())
     ev = cfg.eval
     lines = [f"== {len(roles)} rank(s) on {device}: {who} ({cfg.rollout.engine} engine)",
              f"   model {cfg.model.path} ({_params_text(cfg.model, n_params)}; engines in "
@@ -269,6 +268,17 @@ def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_
         lines.append("   changed since the checkpoint: " + "; ".join(f"{k} {a!r} -> {b!r}"
                                                                     for k, a, b in changed))
     return "\n".join(lines)
+
+
+def _runs(ranks: list[int]) -> str:
+    """[0, 1, 3, 4] as "0-1,3-4" (cluster.layout = "per_node" interleaves the roles)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def _mixture(entries: list[dict]) -> str:

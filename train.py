@@ -1,7 +1,7 @@
 """GRPO for Qwen vision-language and language models (families.py), one torchrun launch, no Ray.
 
-The world is split statically (world.py): the first ranks train (FSDP2 over a trainer-only
-mesh), the last `cluster.gen_ranks` ranks each own one inference engine. One step:
+The world is split statically (world.py, `cluster.layout`): trainers run FSDP2 over a trainer-only
+mesh, `cluster.gen_ranks` ranks own one inference engine each. One step:
 
     1. rollout   generation ranks: problems -> engine.generate(n=G) -> rewards -> Episodes
                  (DAPO dynamic sampling: further prompts until the groups disagree)
@@ -117,7 +117,7 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     try:
         own = rollout.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
         world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
-                            cfg.rollout.tensor_parallel_size if own else None, check)
+                            cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
@@ -216,6 +216,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                               if cfg.run.eval_every or cfg.eval.before_start else (None, 0))
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
+    notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None

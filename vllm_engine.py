@@ -287,7 +287,7 @@ class VLLMEngine:
         return cls(path, procs.tokens, cfg.rollout, cfg.model, seed=seed,
                    timeout_s=cfg.cluster.timeout_s, max_images=max_images if procs.vision else None,
                    verbose=cfg.run.verbose, device_kind=dev.kind,
-                   llm_kwargs={"enable_return_routed_experts": True} if capture else None)
+                   llm_kwargs={"enable_return_routed_experts": True} if cfg.model.moe_routing_replay else None)
 
     def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
                  timeout_s: float | None = None, llm_kwargs: dict | None = None,
@@ -304,6 +304,7 @@ class VLLMEngine:
         _prepare_spawn(rc.start_timeout_s, verbose, dev.vllm_workers,
                        eager_helpers=dev.vllm_eager_helpers and rc.enforce_eager,
                        cpu_moe_fix=dev.vllm_cpu_moe_fix)
+        os.environ.update(D.vllm_spawn_env(dev))  # V1 model runner; NPU: the engines' dispatch/CPU binding
         _image_only_processor()  # the front end (this process) runs the HF processor too
         from vllm import LLM
 

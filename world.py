@@ -1,9 +1,13 @@
 """The world: which rank trains, which generates, and the process groups between them.
 
-One torchrun world; :func:`split_roles` is the only place that decides roles:
+One torchrun world; :func:`split_roles` is the only place that decides roles (`cluster.layout`):
 
-    world ranks:  [ trainer ranks ............ | generation ranks ........ ]
-                    FSDP2 over a trainer-only mesh   one inference engine each
+    "by_node":   [ trainer ranks ............ | generation ranks ........ ]   the LAST gen_ranks generate
+    "per_node":  node 0 [ trainers | engines ]  node 1 [ trainers | engines ] ...   (ROLL's second layout)
+                  FSDP2 over a trainer-only mesh, one inference engine per generation rank
+
+Every other module asks the World (`trainers`, `gens`, `is_trainer`, ...) which rank does what;
+trainer rank 0 is world rank 0 in both layouts.
 
 A world of one plays both roles in one process. Every process group is created on every rank,
 in the same order (a group created on some ranks only makes the next `new_group` hang on gloo).
@@ -24,17 +28,35 @@ import device as D
 from errors import ConfigError, NodeConfigError
 
 
-def split_roles(world_size: int, gen_ranks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(trainer ranks, generation ranks): the LAST `gen_ranks` ranks generate, the others train;
-    a world of one does both. Raises ValueError when no trainer rank would be left."""
+LAYOUTS = ("by_node", "per_node")
+
+
+def split_roles(world_size: int, gen_ranks: int, layout: str = "by_node",
+                nnodes: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(trainer ranks, generation ranks); a world of one does both. "by_node": the LAST
+    `gen_ranks` ranks generate. "per_node": `gen_ranks` spread evenly over the `nnodes` nodes
+    (equal nodes of world_size / nnodes ranks), each node's last ones generating. Raises
+    ValueError (one line naming the key) when no trainer rank would be left or the spread is
+    uneven."""
     if world_size == 1:
         return (0,), (0,)
     if not 1 <= gen_ranks < world_size:
         raise ValueError(f"cluster.gen_ranks={gen_ranks} leaves no trainer rank in a world of "
                          f"{world_size}" if gen_ranks >= world_size else
                          f"cluster.gen_ranks must be >= 1, got {gen_ranks}")
-    n_train = world_size - gen_ranks
-    return tuple(range(n_train)), tuple(range(n_train, world_size))
+    if layout == "by_node":
+        n_train = world_size - gen_ranks
+        return tuple(range(n_train)), tuple(range(n_train, world_size))
+    if layout != "per_node":
+        raise ValueError(f"cluster.layout must be one of {LAYOUTS}, got {layout!r}")
+    if world_size % nnodes or gen_ranks % nnodes:
+        raise ValueError(f"cluster.layout = \"per_node\": cluster.gen_ranks={gen_ranks} over {nnodes} "
+                         f"nodes of a world of {world_size} is not an even spread (every node "
+                         "needs the same ranks and the same engines)")
+    per, g = world_size // nnodes, gen_ranks // nnodes  # g < per: gen_ranks < world_size
+    nodes = [range(n * per, (n + 1) * per) for n in range(nnodes)]
+    return (tuple(r for node in nodes for r in node[:per - g]),
+            tuple(r for node in nodes for r in node[per - g:]))
 
 
 def role_of(rank: int, trainers: tuple[int, ...], gens: tuple[int, ...]) -> str:
@@ -80,34 +102,41 @@ class World:
         return role_of(self.rank if rank is None else rank, self.trainers, self.gens)
 
 
-def local_devices(rank: int, local_rank: int, local_world_size: int, n_trainers: int,
+def _trainer_set(trainers) -> range | frozenset:
+    """An int n means the first n ranks (the "by_node" split); else the trainer ranks."""
+    return range(trainers) if isinstance(trainers, int) else frozenset(trainers)
+
+
+def local_devices(rank: int, local_rank: int, local_world_size: int, trainers,
                   engine_devices: int = 1) -> list[int]:
     """The devices of this node (indices among those visible to the launcher) that `rank` uses:
     trainers first, one each (device = local rank), then each generation rank's
-    `engine_devices` consecutive ones (docs/gpu-npu.md, "Devices")."""
-    if rank < n_trainers:
+    `engine_devices` consecutive ones (docs/gpu-npu.md, "Devices"). `trainers`: the trainer
+    ranks (an int n: the first n). Both layouts put a node's trainers before its engines."""
+    trainers = _trainer_set(trainers)
+    if rank in trainers:
         return [local_rank]
     first_rank_here = rank - local_rank
-    trainers_here = min(max(n_trainers - first_rank_here, 0), local_world_size)
+    trainers_here = sum(r in trainers for r in range(first_rank_here, first_rank_here + local_world_size))
     first = trainers_here + (local_rank - trainers_here) * engine_devices
     return list(range(first, first + engine_devices))
 
 
-def node_devices(first_rank: int, n_local: int, n_trainers: int, engine_devices: int = 1) -> int:
+def node_devices(first_rank: int, n_local: int, trainers, engine_devices: int = 1) -> int:
     """Devices the node running ranks first_rank .. first_rank + n_local - 1 uses
     (:func:`local_devices`: trainers one each, then engines of `engine_devices`)."""
-    return max(local_devices(first_rank + i, i, n_local, n_trainers, engine_devices)[-1]
+    return max(local_devices(first_rank + i, i, n_local, trainers, engine_devices)[-1]
                for i in range(n_local)) + 1
 
 
-def check_node_devices(node: int, first_rank: int, n_local: int, n_trainers: int,
+def check_node_devices(node: int, first_rank: int, n_local: int, trainers,
                        engine_devices: int, have: int, have_what: str) -> None:
     """ValueError naming the keys when that node's ranks need more devices than it has."""
-    need = node_devices(first_rank, n_local, n_trainers, engine_devices)
+    need = node_devices(first_rank, n_local, trainers, engine_devices)
     if need <= have:
         return
     ranks = range(first_rank, first_rank + n_local)
-    t = sum(r < n_trainers for r in ranks)
+    t = sum(r in _trainer_set(trainers) for r in ranks)
     raise ValueError(
         f"node {node} (ranks {ranks[0]}-{ranks[-1]}) needs {need} devices ({t} trainer(s) + "
         f"{n_local - t} engine(s) x rollout.tensor_parallel_size={engine_devices}) but has {have} "
@@ -116,7 +145,8 @@ def check_node_devices(node: int, first_rank: int, n_local: int, n_trainers: int
 
 
 def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
-          engine_devices: int | None = None, claim_engine_devices: bool = False) -> World:
+          engine_devices: int | None = None, claim_engine_devices: bool = False,
+          layout: str = "by_node") -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
     With an accelerator `dev`, each rank first checks its node's device count
@@ -124,13 +154,17 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
     that computes here makes its device current; a generation rank whose engine runs in
     processes of its own (`engine_devices` each; None: an in-process engine) only narrows the
     visible devices and joins with gloo alone (device.world_backend). `claim_engine_devices`
-    (`--check-channel`): such a rank claims its engine's first device itself."""
+    (`--check-channel`): such a rank claims its engine's first device itself. `layout`:
+    `cluster.layout` (:func:`split_roles`)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    trainers, gens = split_roles(size, gen_ranks)
+    local_rank, n_local = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if layout == "per_node" and size != launched_nodes() * n_local:  # this node differs from the others
+        raise NodeConfigError(f"cluster.layout = \"per_node\" needs the same processes on every node: this "
+                              f"node runs {n_local} of a world of {size} over {launched_nodes()} nodes")
+    trainers, gens = split_roles(size, gen_ranks, layout, launched_nodes())
     kind = dev.kind if dev is not None else "cpu"
     timeout_s, note = D.group_timeout(kind, timeout_s)
     if note and rank == 0:
@@ -139,15 +173,14 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
         os.environ.update(D.hccl_env(timeout_s))
     own = engine_devices is not None and rank not in trainers and not claim_engine_devices
     if kind != "cpu":
-        n_local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
         try:
             check_node_devices(int(os.environ.get("GROUP_RANK", rank // n_local)),
-                               rank - local_rank, n_local, len(trainers),
+                               rank - local_rank, n_local, trainers,
                                engine_devices if engine_devices and size > 1 else 1,
                                D.device_count(dev), f"{kind} devices visible here")
         except ValueError as e:
             raise NodeConfigError(str(e)) from None
-        mine = local_devices(rank, local_rank, n_local, len(trainers), engine_devices or 1)
+        mine = local_devices(rank, local_rank, n_local, trainers, engine_devices or 1)
         if own:
             D.narrow_visible(dev, mine)
             backend = D.world_backend(dev, uses_device=False)  # gloo alone: no HCCL/NCCL here
@@ -167,14 +200,15 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
 
 
 def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int,
-              engine_devices: int = 1) -> list[dict]:
+              engine_devices: int = 1, layout: str = "by_node") -> list[dict]:
     """Every rank's role, node and devices (the dry run prints it; nothing is initialised).
-    `engine_devices`: devices each generation rank's engine spans (see :func:`local_devices`)."""
-    trainers, gens = split_roles(world_size, gen_ranks)
+    `engine_devices`: devices each generation rank's engine spans (see :func:`local_devices`);
+    `layout`: `cluster.layout` over nodes of `nproc_per_node` ranks."""
+    trainers, gens = split_roles(world_size, gen_ranks, layout, max(1, world_size // nproc_per_node))
     rows = []
     for r in range(world_size):
         local = r % nproc_per_node
-        devs = local_devices(r, local, nproc_per_node, len(trainers),
+        devs = local_devices(r, local, nproc_per_node, trainers,
                              engine_devices if world_size > 1 else 1)
         rows.append({"rank": r, "node": r // nproc_per_node, "local_rank": local,
                      "role": role_of(r, trainers, gens) if world_size > 1 else "trainer",
@@ -183,10 +217,10 @@ def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int,
 
 
 def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind: str,
-              engine_devices: int, own_channel: bool) -> list[dict]:
+              engine_devices: int, own_channel: bool, layout: str = "by_node") -> list[dict]:
     """The dry run's lines: one per rank, then one with every group's members (`own_channel`:
     the engines' workers, `engine_devices` each, join their own weight channel)."""
-    plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices)
+    plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices, layout)
     for row in plan:
         row["device"] = row["device"].format(dev=device_kind)
     trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
@@ -210,16 +244,29 @@ def launched_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_nodes() -> int:
+    """The nodes torchrun launched (its GROUP_WORLD_SIZE; else world size / LOCAL_WORLD_SIZE)."""
+    if "GROUP_WORLD_SIZE" in os.environ:
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    return max(1, launched_size() // int(os.environ.get("LOCAL_WORLD_SIZE", launched_size())))
+
+
 def validate_world(cfg, world_size: int, device: str | None = None,
                    dry_run: bool = False) -> None:
-    """ConfigError for rules that depend on the launch: the rank split, and the device kind
-    (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without GRPO_DEVICE; None: not
-    checked). `dry_run`: every node of the plan must fit in cluster.devices_per_node devices."""
+    """ConfigError for rules that depend on the launch: the rank split (over cluster.nnodes
+    nodes in a dry run, else the nodes torchrun launched), and the device kind (`device`: "cpu",
+    "cuda", "npu", "cuda|npu" for a dry run without GRPO_DEVICE; None: not checked). `dry_run`:
+    every node of the plan must fit in cluster.devices_per_node devices."""
     c, ro = cfg.cluster, cfg.rollout
     try:
-        trainers, gens = split_roles(world_size, c.gen_ranks)
+        trainers, gens = split_roles(world_size, c.gen_ranks, c.layout,
+                                     c.nnodes if dry_run else launched_nodes())
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for kind in (device or "").split("|"):
+        refusal = D.packing_refusal(kind, cfg.train.packing, cfg.model.mixed_precision) if kind else ""
+        if refusal:
+            raise ConfigError(refusal)
     n_train, n_gen = len(trainers), len(gens)
     if ro.max_staleness and world_size == 1:
         raise ConfigError(f"rollout.max_staleness={ro.max_staleness} needs separate generation "
@@ -232,7 +279,7 @@ def validate_world(cfg, world_size: int, device: str | None = None,
         per = c.nproc_per_node
         for node in range(world_size // per):
             try:  # tensor_parallel_size > 1 is vLLM's alone (validate), so it is the engine's span
-                check_node_devices(node, node * per, per, n_train, ro.tensor_parallel_size,
+                check_node_devices(node, node * per, per, trainers, ro.tensor_parallel_size,
                                    c.devices_per_node, "cluster.devices_per_node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
@@ -263,6 +310,6 @@ def dry_run(cfg, own_channel: bool) -> int:
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
     validate_world(cfg, n, D.planned_kind(), dry_run=True)
     for row in plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
-                         cfg.rollout.tensor_parallel_size, own_channel):
+                         cfg.rollout.tensor_parallel_size, own_channel, c.layout):
         print(json.dumps(row))
     return 0

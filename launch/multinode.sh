@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Two (or more) nodes, one torchrun per node, one world. With configs/vl3b.toml and 2 x 8
 # devices: node 0 = ranks 0-7 = trainers, node 1 = ranks 8-15 = one engine each
-# (cluster.gen_ranks = 8: the LAST 8 ranks generate).
+# (cluster.gen_ranks = 8: the LAST 8 ranks generate). With --cluster.layout=per_node on both
+# nodes, every node trains on its first 4 devices and generates on the other 4 (ROLL's second
+# layout; docs/gpu-npu.md, "Layouts"); the same NPROC_PER_NODE on every node then.
 #
 # Run the same command on every node, changing only NODE_RANK:
 #   node 0 (trainers):  MASTER_ADDR=10.0.0.1 NODE_RANK=0 bash launch/multinode.sh

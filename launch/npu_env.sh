@@ -29,18 +29,16 @@ if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f /usr/local/Ascend/ascend-toolkit/se
 fi
 
 # --- HCCL (the collective library: FSDP2 on the trainers, vLLM's groups and the weight channel) --
-# Seconds to establish an HCCL link (default 120). Communicators are created at the first
-# collective (trainers) and when the weight channel opens (engines, after vLLM loaded the model
-# and, on a first run, compiled its operators). Kept at most cluster.timeout_s (vl3b: 1800).
-# ROLL uses 3600.
-export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}
-# HCCL_EXEC_TIMEOUT (seconds a started collective waits for its peers; CANN default 1836) is NOT
-# set here: it must stay below cluster.timeout_s, torch-npu's watchdog timeout, or the watchdog
-# kills the job before HCCL writes its own report (plog; torch-npu warns "The watchdog timeout
-# ... is less than or equal to HCCL execution timeout"). train.py sets it to 90% of
-# cluster.timeout_s when unset, and refuses a value at or above it (device.hccl_env). The
-# engines do not wait inside HCCL during a training step (they wait for a gloo control message
-# first), so a long HCCL wait buys nothing.
+# HCCL_CONNECT_TIMEOUT (seconds to establish an HCCL link; CANN default 120) and
+# HCCL_EXEC_TIMEOUT (seconds a started collective waits for its peers; CANN default 1836) are
+# NOT set here: both must stay below cluster.timeout_s, torch-npu's watchdog timeout, or the
+# watchdog kills the job before HCCL writes its own report (plog; torch-npu warns "The watchdog
+# timeout ... is less than or equal to HCCL execution timeout"). train.py sets each to 90% of
+# cluster.timeout_s when unset (vl3b: 1619 s; ROLL uses 3600 for both) and refuses a value at
+# or above it (device.hccl_env). Communicators are created at the first collective (trainers)
+# and when the weight channel opens (engines, after vLLM loaded the model and, on a first run,
+# compiled its operators). The engines do not wait inside HCCL during a training step (they
+# wait for a gloo control message first), so a long HCCL wait buys nothing.
 # HCCL_OP_EXPANSION_MODE is NOT set (train.py refuses AIV): CANN documents AIV for inference
 # only, not for several communicators in one process, its Broadcast for one node (<= 8 cards;
 # vl3b's weight channel spans two nodes), and it caps HCCL_EXEC_TIMEOUT at 1091 s. The
@@ -61,10 +59,23 @@ export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}
 # itself whenever sleep mode is off (VA platform.py); only sleep mode's CaMemAllocator rejects it
 # (why ROLL clears it for its vLLM workers). The engines here never use sleep mode.
 export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
-# Not exported, torch-npu's defaults already (torch-npu 2.10 OptionsManager.cpp):
+# Not exported, torch-npu's default already (torch-npu 2.10 OptionsManager.cpp):
 # MULTI_STREAM_MEMORY_REUSE=1 (erase the cross-stream record of collective buffers after
-# work.wait()) and TASK_QUEUE_ENABLE=1 (asynchronous dispatch; ROLL forces 1 for its vLLM
-# workers, i.e. the default; 2 offloads more and is not needed).
+# work.wait()).
+
+# --- operator dispatch and CPU binding: for the trainers ----------------------------------
+# TASK_QUEUE_ENABLE=2: torch-npu's level-2 task queue (more of each operator's dispatch moved
+# off the Python thread; "may raise the memory peak"). Value: vllm-ascend v0.23.0
+# docs/source/developer_guide/performance_and_debug/optimization_and_tuning.md ("Scheduling
+# optimization") and ROLL's env guide (2 for non-graph mode: FSDP2 here runs eagerly).
+# CPU_AFFINITY_CONF=1: torch-npu binds each process's threads to the CPU cores of its NPU's
+# NUMA node (coarse; 2 = fine-grained, ROLL's choice, also pins the main threads). Value:
+# the same vllm-ascend guide. Both are read at process start, so they are exported here for
+# every rank; the vLLM engines' processes get TASK_QUEUE_ENABLE=1 and CPU_AFFINITY_CONF=0
+# back (device.vllm_spawn_env): ROLL's vLLM workers force 1, and vllm-ascend 0.23 binds its
+# workers' CPUs itself (enable_cpu_binding, on by default).
+export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-2}
+export CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-1}
 
 # --- CPU ------------------------------------------------------------------------------------
 # One OpenMP thread per process: 8-16 ranks plus their engine processes share the host.

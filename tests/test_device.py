@@ -18,11 +18,11 @@ def test_table_rows():
     assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].auto_packing == "always"
     assert D.TABLE["cpu"].bucket_ratio == 1.25
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                                       auto_packing="rows", bucket_ratio=4.0)
+                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False)
     assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                                       experts="eager", packed_attention="varlen", auto_packing="never",
-                                      varlen_package=None)
+                                      varlen_package=None, varlen_max_seqs=1024)
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 
@@ -53,20 +53,98 @@ def test_narrow_visible(monkeypatch):
 
 
 def test_hccl_env_against_the_watchdog():
-    """HCCL_EXEC_TIMEOUT must stay below cluster.timeout_s (torch-npu's watchdog): derived when
-    unset, refused when set at or above it; AIV expansion mode is refused for training."""
-    assert D.hccl_env(2000.0, {}) == {"HCCL_EXEC_TIMEOUT": "1800"}
-    assert D.hccl_env(1800.0, {}) == {"HCCL_EXEC_TIMEOUT": "1619"}  # 90% of 1799 (below)
-    assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {}
-    for bad in ("2000", "3600", "0", "abc"):
-        with pytest.raises(ValueError, match=f"HCCL_EXEC_TIMEOUT={bad} must be in .*cluster.timeout_s=2000"):
-            D.hccl_env(2000.0, {"HCCL_EXEC_TIMEOUT": bad})
-    with pytest.raises(ValueError, match=r"HCCL_EXEC_TIMEOUT=1799 must be in \[1, cluster.timeout_s=1800\) "
-                                         r"\(used as 1799 s\)"):
-        D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1799"})
+    """HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT must stay below cluster.timeout_s (torch-npu's
+    watchdog): derived when unset, refused when set at or above it; AIV expansion mode is refused
+    for training."""
+    both = lambda v: {"HCCL_EXEC_TIMEOUT": v, "HCCL_CONNECT_TIMEOUT": v}  # noqa: E731
+    assert D.hccl_env(2000.0, {}) == both("1800")
+    assert D.hccl_env(1800.0, {}) == both("1619")  # 90% of 1799 (below)
+    assert D.hccl_env(1800.0, both("1740")) == {}
+    assert D.hccl_env(1800.0, {"HCCL_EXEC_TIMEOUT": "1740"}) == {"HCCL_CONNECT_TIMEOUT": "1619"}
+    for name in ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT"):
+        for bad in ("2000", "3600", "0", "abc"):
+            with pytest.raises(ValueError, match=f"{name}={bad} must be in .*cluster.timeout_s=2000"):
+                D.hccl_env(2000.0, {name: bad})
+        with pytest.raises(ValueError, match=rf"{name}=1799 must be in \[1, cluster.timeout_s=1800\) "
+                                             r"\(used as 1799 s\)"):
+            D.hccl_env(1800.0, {name: "1799"})
     with pytest.raises(ValueError, match="HCCL_OP_EXPANSION_MODE=AIV"):
         D.hccl_env(1800.0, {"HCCL_OP_EXPANSION_MODE": "AIV", "HCCL_EXEC_TIMEOUT": "100"})
-    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == {"HCCL_EXEC_TIMEOUT": "1800"}
+    assert D.hccl_env(2000.0, {"HCCL_OP_EXPANSION_MODE": "HOST"}) == both("1800")
+
+
+def test_hccl_connect_timeout_is_not_a_fixed_default_of_npu_env(tmp_path):
+    """launch/npu_env.sh leaves HCCL_CONNECT_TIMEOUT to device.hccl_env (a fixed 1800 there would
+    be refused against the tiny config's cluster.timeout_s = 300) and sets the trainers'
+    TASK_QUEUE_ENABLE=2 / CPU_AFFINITY_CONF=1, which the engines' processes take back
+    (device.vllm_spawn_env)."""
+    import subprocess
+    script = (f"source {ROOT / 'launch' / 'npu_env.sh'}; "
+              'echo "${HCCL_CONNECT_TIMEOUT-unset} $TASK_QUEUE_ENABLE $CPU_AFFINITY_CONF"')
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HCCL_CONNECT_TIMEOUT", "TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF")}
+    out = subprocess.run(["bash", "-c", script], env={**env, "HOME": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["unset", "2", "1"]
+    assert D.vllm_spawn_env(D.TABLE["npu"], {})["TASK_QUEUE_ENABLE"] == "1"
+    assert D.vllm_spawn_env(D.TABLE["npu"], {})["CPU_AFFINITY_CONF"] == "0"
+    assert "TASK_QUEUE_ENABLE" not in D.vllm_spawn_env(D.TABLE["cuda"], {})
+
+
+def test_varlen_in_fp32_is_refused_where_the_kernel_takes_half_precision_only():
+    """C1: flash-attn refuses fp32 (the CUDA row); npu_fusion_attention takes it; "segments" and
+    padded rows never reach a varlen kernel."""
+    line = D.packing_refusal("cuda", "varlen", mixed_precision=False)
+    assert "train.packing" in line and "model.mixed_precision" in line and "\n" not in line
+    assert D.packing_refusal("cuda", "varlen", mixed_precision=True) == ""
+    for packing in (True, "auto", "segments", False):  # CUDA's packed layout is "segments"
+        assert D.packing_refusal("cuda", packing, mixed_precision=False) == ""
+    for packing in (True, "varlen"):
+        assert D.packing_refusal("npu", packing, mixed_precision=False) == ""
+        assert D.packing_refusal("cpu", packing, mixed_precision=False) == ""
+
+
+def test_varlen_fp32_is_one_config_error_at_start_and_in_a_dry_run(monkeypatch, capsys):
+    import config as C
+    import train
+    import world as W
+    from errors import ConfigError
+    cfg = C.load(None, ["--train.packing=varlen"])
+    with pytest.raises(ConfigError, match="train.packing.*model.mixed_precision"):
+        W.validate_world(cfg, 1, "cuda")
+    W.validate_world(cfg, 1, "cpu")
+    monkeypatch.setenv("GRPO_DEVICE", "cuda")
+    assert train.main(["--train.packing=varlen", "--cluster.nproc_per_node=3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: train.packing = 'varlen'" in err and "model.mixed_precision" in err
+    assert train.main(["--train.packing=varlen", "--model.mixed_precision=true", "--dry-run"]) == 0
+
+
+def test_engines_run_vllms_v1_model_runner_unless_told():
+    """A1: vLLM 0.23 would run a dense Qwen3 on its V2 model runner on GPU; the engine's processes
+    get VLLM_USE_V2_MODEL_RUNNER=0 on every device unless the variable is set."""
+    for kind in ("cpu", "cuda", "npu"):
+        assert D.vllm_spawn_env(D.TABLE[kind], {})["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in D.vllm_spawn_env(D.TABLE["cuda"], {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+
+
+def test_vision_chunks_keep_each_call_under_the_limit():
+    """V1: images in order, runs of at most `limit` sequences (an image over it alone)."""
+    assert D.TABLE["npu"].varlen_max_seqs == 1024 and D.TABLE["cuda"].varlen_max_seqs is None
+    assert D.vision_chunks([84] * 16, None) == [range(16)]
+    assert D.vision_chunks([], 1024) == []
+    runs = D.vision_chunks([84] * 16, 1024)
+    assert runs == [range(0, 12), range(12, 16)]
+    assert D.vision_chunks([5, 2000, 5, 5], 10) == [range(0, 1), range(1, 2), range(2, 4)]
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs, limit = [rng.randint(1, 50) for _ in range(rng.randint(1, 40))], rng.randint(1, 120)
+        runs = D.vision_chunks(seqs, limit)
+        assert [i for r in runs for i in r] == list(range(len(seqs)))
+        assert all(len(r) == 1 or sum(seqs[i] for i in r) <= limit for r in runs)
+        # greedy: no run could take the next image
+        assert all(sum(seqs[i] for i in a) + seqs[b[0]] > limit for a, b in zip(runs, runs[1:]))
 
 
 def test_group_timeout_avoids_torch_npus_unset_sentinel():
@@ -256,3 +334,112 @@ def test_experts_implementation_follows_the_device_row(tmp_path, model_type):
     if model_type.endswith("moe"):
         assert npu.config._experts_implementation == "eager"
         assert cpu.config._experts_implementation != "eager"
+
+
+def test_staging_memory_line_counts_the_copy_and_refuses_where_it_cannot_fit():
+    """A2: without partial rollouts an engine running ahead stages a full copy of what a sync
+    sends, outside gpu_memory_utilization: the start-up line says how much, and a device whose
+    slack cannot hold it is refused (the 3B in bf16 on a 64 GiB NPU at vl3b's 0.9)."""
+    import config as C
+    ro = C.RolloutConfig(engine="vllm", max_staleness=2, gpu_memory_utilization=0.9)
+    n3b = 3_754_622_976  # about Qwen2.5-VL-3B's (docs/vllm.md: 7.5 GB in bf16)
+    line, fits = D.staging_memory(ro, "bfloat16", n3b, 64 * 2**30)
+    assert not fits and "\n" not in line
+    assert "staging a received version holds 7.0 GiB (3.75 B parameters in bfloat16" in line
+    assert "leaves 6.4 GiB of each 64 GiB device" in line
+    assert "rollout.gpu_memory_utilization to 0.89 or less" in line and "rollout.partial = true" in line
+    line, fits = D.staging_memory(C.RolloutConfig(engine="vllm", max_staleness=2, gpu_memory_utilization=0.85),
+                                  "bfloat16", n3b, 64 * 2**30)
+    assert fits and "leaves 9.6 GiB" in line
+    assert D.staging_memory(ro, "float32", 1000, 0) == (
+        D.staging_memory(ro, "float32", 1000, 0)[0], True)           # CPU: said, not checked
+    assert "not checked" in D.staging_memory(ro, "float32", 1000, 0)[0]
+    # nothing is staged: partial rollouts load at once; k = 1 "wait" receives between batches
+    import pipeline
+    assert pipeline.stages_received(ro)
+    for kw in (dict(partial=True), dict(max_staleness=1), dict(max_staleness=0), dict(engine="hf")):
+        assert not pipeline.stages_received(C.RolloutConfig(**{**dict(engine="vllm", max_staleness=2), **kw})), kw
+    assert pipeline.stages_received(C.RolloutConfig(engine="vllm", max_staleness=1, stale="drop"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_chunked_vision_tower_equals_one_call(tiny_dir, family):
+    """V1: the vision tower run in runs of at most `limit` sequences (windows, or frames) gives
+    one call's features and gradients; the tiny model's tower, three images of other sizes."""
+    import torch
+
+    import model as M
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8], [1, 8, 4]])
+    outs = []
+    path = tiny_dir(family)  # built first: building draws random numbers
+    for limit in (None, 2):
+        torch.manual_seed(0)  # the same random tower twice
+        m = M.model_from_config(path)
+        visual = m.model.visual
+        assert D.chunk_vision(m, limit) is (limit is not None)
+        vc = visual.config
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        x = torch.randn(int(grid.prod(-1).sum()), width, generator=torch.Generator().manual_seed(1))
+        calls = []
+        visual.blocks[0].register_forward_hook(lambda *a: calls.append(1))
+        out = visual(x, grid_thw=grid)
+        out.pooler_output.sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in visual.blocks[0].parameters()])
+        outs.append((out.pooler_output, grads, len(calls)))
+    (one, g_one, n_one), (chunked, g_chunked, n_chunked) = outs
+    assert n_one == 1 and n_chunked > 1                       # really split
+    torch.testing.assert_close(chunked, one)
+    torch.testing.assert_close(g_chunked, g_one)
+
+
+def test_chunked_vision_tower_under_fsdp2_equals_one_call(tiny_dir):
+    """The chunked tower calls each FSDP2 vision block once per run: the same features and
+    gradients as one unsharded call (a gloo world of one)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import model as M
+    from world import free_port
+    path, grid = tiny_dir("qwen2_5_vl"), torch.tensor([[1, 8, 8], [1, 4, 8], [1, 8, 4]])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        outs = []
+        for limit in (None, 2):
+            torch.manual_seed(0)
+            m = M.model_from_config(path)
+            D.chunk_vision(m, limit)
+            if limit:  # the root's own weights (the patch embedding) gathered as its forward would
+                M.apply_fsdp(m, DeviceMesh.from_group(dist.group.WORLD, "cpu")).unshard()
+            vc = m.model.visual.config
+            x = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
+                            generator=torch.Generator().manual_seed(1))
+            out = m.model.visual(x, grid_thw=grid).pooler_output
+            out.sum().backward()
+            g = m.model.visual.blocks[0].mlp.down_proj.weight.grad
+            outs.append((out.detach(), g.full_tensor() if hasattr(g, "full_tensor") else g))
+        torch.testing.assert_close(outs[1][0], outs[0][0])
+        torch.testing.assert_close(outs[1][1], outs[0][1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_staging_line_at_start_and_its_refusal(tiny_dir, monkeypatch):
+    """pipeline.staging_memory_line, as set_up calls it on trainer rank 0 of a world of one: the
+    tiny model's figure on CPU (not checked), and a ConfigError where the copy cannot fit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import config as C
+    import pipeline
+    from errors import ConfigError
+    cfg = C.load(None, ["--rollout.engine=vllm", "--rollout.max_staleness=2", "--loss.tis_cap=2"])
+    one = SimpleNamespace(rank=0, size=1)
+    line = pipeline.staging_memory_line(cfg, one, D.TABLE["cpu"], torch.device("cpu"), tiny_dir())
+    assert line.startswith("engine memory: staging a received version holds") and "not checked" in line
+    monkeypatch.setattr(D, "total_memory", lambda dev, device: 1000)  # a device smaller than the copy
+    with pytest.raises(ConfigError, match="does not fit; lower rollout.gpu_memory_utilization"):
+        pipeline.staging_memory_line(cfg, one, D.TABLE["cuda"], torch.device("cpu"), tiny_dir())
+    cfg.rollout.partial = True
+    assert pipeline.staging_memory_line(cfg, one, D.TABLE["cuda"], torch.device("cpu"), tiny_dir()) == ""

@@ -24,8 +24,8 @@ import train
 from tests.util import ROOT
 
 START = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:torchrun\s+-|python3?\s+train\.py\b|bash\s+launch/"
-                   r"(?!install_cpu\.sh|compat_check\.sh|vlmeval\.sh)\S+\.sh\b)")  # these launch no training
-# (launch/vlmeval.sh's documented examples: tests/test_vlmeval.py)
+                   r"(?!install_cpu\.sh|compat_check\.sh|vlmeval\.sh|npu_preflight\.sh)\S+\.sh\b)")  # these launch no training
+# (launch/vlmeval.sh's documented examples: tests/test_vlmeval.py; npu_preflight.sh's: tests/test_preflight.py)
 
 
 def _joined(lines: list[str]) -> list[str]:
@@ -157,7 +157,8 @@ def test_example_passes_dry_run(cmd, tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "launch").glob("*_*.sh")
                                           if p.name not in ("npu_env.sh", "install_cpu.sh",
-                                                            "compat_check.sh"))  # test_compat.py
+                                                            "compat_check.sh",  # test_compat.py
+                                                            "npu_preflight.sh"))  # test_preflight.py
                          + ["multinode.sh"])
 def test_launch_script_dry_run_for_real(script, tmp_path):
     """DRY_RUN=1 runs train.py --dry-run with the real interpreter: the plan comes out."""

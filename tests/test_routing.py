@@ -245,6 +245,31 @@ def test_replay_with_vllm_is_refused_where_its_build_captures_nothing(tiny_dir):
         V.VLLMEngine.from_config(cfg, path, procs, dev=D.TABLE["cpu"], device=CPU, seed=0)
 
 
+@pytest.mark.parametrize("replay", [False, True])
+def test_vllm_captures_routed_experts_only_for_replay(tiny_dir, monkeypatch, replay):
+    """A3: on a device whose vLLM fills the capture (CUDA's row), a MoE model asks vLLM for each
+    token's experts only with model.moe_routing_replay (the engine's arguments)."""
+    import sys
+    from types import SimpleNamespace
+
+    import device as D
+    import vllm_engine as V
+    captured = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            captured.update(kw)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(V, "_image_only_processor", lambda: None)
+    monkeypatch.setattr(V, "_prepare_spawn", lambda *a, **kw: None)
+    path = tiny_dir("qwen3_moe")
+    cfg = load_config(None, [f"--model.path={path}", f"--model.moe_routing_replay={str(replay).lower()}",
+                             "--rollout.engine=vllm", "--data.source=synthetic-text"])
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    V.VLLMEngine.from_config(cfg, path, procs, dev=D.TABLE["cuda"], device=CPU, seed=0)
+    assert captured.get("enable_return_routed_experts", False) is replay
+
+
 _CAPTURE = r'''
 import json, os, sys
 sys.path.insert(0, os.getcwd())

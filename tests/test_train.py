@@ -263,3 +263,57 @@ def test_too_few_devices_on_a_node_is_one_config_error_line_and_exit_2(monkeypat
     assert len(lines) == 1 and lines[0].startswith("config error: node 0 (ranks 0-7) needs 12 "), err
     assert "cluster.gen_ranks" in lines[0] and "rollout.tensor_parallel_size=2" in lines[0], err
     assert "Traceback" not in err and "could not set up the world" not in err
+
+
+def test_split_roles_per_node_puts_trainers_first_on_every_node():
+    """cluster.layout = "per_node" (ROLL's second layout): gen_ranks spread evenly over the
+    nodes, each node's last ranks generating; uneven spreads are one line naming the keys."""
+    assert W.split_roles(16, 8, "per_node", 2) == ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+    assert W.split_roles(6, 2, "per_node", 2) == ((0, 1, 3, 4), (2, 5))
+    assert W.split_roles(6, 2, "by_node", 2) == ((0, 1, 2, 3), (4, 5))
+    assert W.split_roles(4, 1, "per_node", 1) == W.split_roles(4, 1)   # one node: the same split
+    with pytest.raises(ValueError, match=r"cluster.layout = \"per_node\": cluster.gen_ranks=3 over 2 nodes"):
+        W.split_roles(8, 3, "per_node", 2)
+    with pytest.raises(ValueError, match="cluster.layout must be one of"):
+        W.split_roles(4, 1, "interleaved")
+    # devices: each node's trainers first (device = local rank), then its engines
+    trainers, _ = W.split_roles(16, 8, "per_node", 2)
+    assert [W.local_devices(r, r % 8, 8, trainers, 1) for r in range(16)] == [[r % 8] for r in range(16)]
+    trainers, _ = W.split_roles(12, 4, "per_node", 2)   # 4 trainers + 2 engines of tp 2 per node
+    assert [W.local_devices(r, r % 6, 6, trainers, 2) for r in range(6, 12)] == [[0], [1], [2], [3], [4, 5], [6, 7]]
+    assert W.node_devices(6, 6, trainers, 2) == 8
+    import tracking  # the start-up summary names interleaved roles by runs
+    assert (tracking._runs([0, 1, 3, 4]), tracking._runs([2, 5]), tracking._runs([0, 1, 2])) == ("0-1,3-4", "2,5", "0-2")
+
+
+def test_dry_run_draws_the_per_node_plan_on_npu(monkeypatch, capsys):
+    """`--cluster.layout=per_node` with GRPO_DEVICE=npu draws 2 x (4 trainers + 4 engines): the
+    FSDP2 mesh and the sync group built from that split."""
+    import json
+    monkeypatch.setenv("GRPO_DEVICE", "npu")
+    cfg = str(ROOT / "configs" / "vl3b.toml")
+    assert train.main(["--config", cfg, "--cluster.layout=per_node", "--dry-run"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    plan, groups = rows[:-1], rows[-1]["groups"]
+    assert [(r["node"], r["role"]) for r in plan] == (
+        [(0, "trainer")] * 4 + [(0, "generation")] * 4 + [(1, "trainer")] * 4 + [(1, "generation")] * 4)
+    assert [r["device"] for r in plan] == [f"npu:{i}" for i in range(8)] * 2
+    assert groups["trainers (FSDP2 mesh)"] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert groups["sync (trainer 0 + engines)"] == [0, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert train.main(["--config", cfg, "--cluster.layout=per_node", "--cluster.gen_ranks=5",
+                       "--rollout.prompts_per_step=10", "--dry-run"]) == 2
+    assert "not an even spread" in capsys.readouterr().err
+
+
+def test_per_node_refuses_nodes_of_different_sizes(monkeypatch):
+    """A node whose process count differs from the others' would shift every role of the
+    "per_node" split: that node refuses before any process group exists."""
+    import device as D
+    from errors import NodeConfigError
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(NodeConfigError, match="needs the same processes on every node: this node runs 4"):
+        W.setup(2, 60, "gloo", D.TABLE["cpu"], layout="per_node")

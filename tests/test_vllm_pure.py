@@ -258,6 +258,33 @@ def fake_llm(monkeypatch) -> dict:
     return captured
 
 
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"])
+def test_engine_processes_run_vllms_v1_model_runner(monkeypatch, fake_llm, kind):
+    """A1: vLLM 0.23 runs dense Qwen3 (configs/qwen3_4b_math.toml) on its V2 model runner on GPU
+    by default; nothing here ever ran that path, so the engine's processes inherit
+    VLLM_USE_V2_MODEL_RUNNER=0 (device.vllm_spawn_env) when vLLM starts; on NPU also the
+    engines' own TASK_QUEUE_ENABLE / CPU_AFFINITY_CONF. The variable is one vLLM 0.23 reads."""
+    import importlib.util
+
+    import config as C
+    seen = {}
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    for k in ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF"):
+        monkeypatch.setenv(k, "2")  # as launch/npu_env.sh sets them for the trainers
+    sys.modules["vllm"].LLM.__init__ = lambda self, **kw: seen.update(os.environ)
+    V.VLLMEngine("m", TOKENS, C.RolloutConfig(engine="vllm"), C.ModelConfig(min_pixels=1, max_pixels=2),
+                 seed=0, device_kind=kind)
+    assert seen["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert (seen["TASK_QUEUE_ENABLE"], seen["CPU_AFFINITY_CONF"]) == (("1", "0") if kind == "npu" else ("2", "2"))
+    monkeypatch.delitem(sys.modules, "vllm")
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed: the variable's name is not checked")
+    root = Path(spec.origin).parent  # no vLLM import
+    assert '"VLLM_USE_V2_MODEL_RUNNER": lambda' in (root / "envs.py").read_text()
+    assert "use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER" in (root / "config" / "vllm.py").read_text()
+
+
 def test_engine_turns_async_scheduling_off_on_every_device(monkeypatch, fake_llm):
     """vLLM 0.23 turns async scheduling on by default on GPU/NPU, while its CPU build forces it
     off: the engine turns it off itself, so what runs here (generate, reset_prefix_cache, the
