@@ -286,7 +286,7 @@ Channel = TorchChannel  # anything with .broadcast(uint8 tensor) -> work with .w
 
 
 class Receiver:
-    """Generation-rank side of a sync (a `rollout.WeightSource`): control messages, and bucket
+    """Generation-rank side of a sync (an `episode.WeightSource`): control messages, and bucket
     data for in-process engines."""
 
     def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):

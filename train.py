@@ -16,8 +16,9 @@ generate step k+1's batch while the trainers train on step k (corrected by TIS).
 
 `python train.py --help` lists the flags (and the launch); every config key is documented in
 config.py. Where things live: the update in update.py and loss.py (objectives and filters:
-registry.py), the policy in trainer.py, the engines in rollout.py and vllm_engine.py, the
-weights' way to them in sync.py and channel.py, failure handling in failures.py.
+registry.py), the policy in trainer.py, the engines in hf_engine.py and vllm_engine.py (their
+contract: episode.py), the weights' way to them in sync.py and channel.py, failure handling in
+failures.py.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ import torch.distributed as dist
 import checkpoint as ckpt
 import config
 import data
+import engines
+import episode
 import evaluation
 import failures
 import families
@@ -51,6 +54,7 @@ import inputs
 import loss  # noqa: F401  (registers the built-in objectives before registry.check)
 import microbatches
 import model
+import multiturn
 import pipeline
 import registry
 import rewards
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         configs, flags, overrides = config.split_argv(argv)
         cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
-            engine = rollout.engine_class(cfg.rollout.engine)
+            engine = engines.engine_class(cfg.rollout.engine)
             code = dry_run(cfg, engine.OWN_CHANNEL)
             note = engine.start_note(cfg.rollout, model.peek_config(cfg.model.path))
             if note:  # what the engine decides from the model (vLLM: prefix caching)
@@ -103,7 +107,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
-    rollout.check(cfg.rollout, cfg.train)  # a known engine (rollout.ENGINES), environment and tools (envs/)
+    engines.check(cfg.rollout, cfg.train)  # a known engine (engines.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 
@@ -114,7 +118,7 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     dev = detect_device()
     validate_world(cfg, launched_size(), dev.kind)  # before any process group exists
     try:
-        own = rollout.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
+        own = engines.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
         world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
                             cfg.rollout.tensor_parallel_size if own else None, check)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
@@ -194,7 +198,7 @@ class Setup:
     images: dict                   # problem index -> image (the trainer's batches)
     n_skipped: int                 # dataset rows skipped
     eval_set: list | None          # evaluation problems, when run.eval_every > 0
-    engine: rollout.Engine | None        # generation ranks
+    engine: episode.Engine | None        # generation ranks
     scorer: rewards.RewardRunner | None       # generation ranks: [reward] functions
     eval_scorer: rewards.RewardRunner | None  # generation ranks: [eval] functions
     receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
@@ -202,6 +206,7 @@ class Setup:
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
     mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
+    turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
@@ -230,12 +235,13 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
-                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes))
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
+                 multiturn.turns(ro, procs) if world.is_gen else None)
 
 
 def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
                  live: failures.Liveness, model_path: str, procs: inputs.Processors,
-                 problems: list) -> rollout.Engine | None:
+                 problems: list) -> episode.Engine | None:
     """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
     holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
     vLLM's start-up outlasts any collective timeout."""
@@ -243,7 +249,7 @@ def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.de
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
         failures.inject_start(cfg.cluster.timeout_s)
-        engine = rollout.build_engine(cfg, model_path, procs, dev=dev, device=device,
+        engine = engines.build_engine(cfg, model_path, procs, dev=dev, device=device,
                                       seed=cfg.run.seed + world.gen_index,
                                       max_images=max((len(p.images) for p in problems), default=0))
     live.phase(None, "start: waiting for every engine to start")
@@ -278,7 +284,7 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.say(tracking.startup_summary(cfg, roles, detect_device().kind, trainer.parameter_counts(s.trainer),
                                          len(s.problems), s.n_skipped, len(s.eval_set or []), plan,
                                          sources))
-        note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
+        note = engines.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         for line in filter(None, (note, *s.notes)):
             rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:
@@ -296,7 +302,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
     s, progress, rec = started
     first, by_index = progress.step, {p.index: p for p in s.problems}
     gen = pipeline.Generation(s.engine, cfg, world, progress,
-                              lambda step, version: generate(s, cfg, world, step, version))
+                              lambda step, version, check=None: generate(s, cfg, world, step, version, check))
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -345,27 +351,35 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.close()
     if s.engine is not None:
         s.engine.shutdown()
+    if s.turns is not None:
+        s.turns.close()
     dist.destroy_process_group()
     return 0
 
 
-def generate(s: Setup, cfg: config.Config, world: World, step: int,
-             version: int) -> tuple[list[rollout.Episode], dict]:
-    """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
+def generate(s: Setup, cfg: config.Config, world: World, step: int, version: int,
+             check: episode.Check | None = None) -> tuple[list[episode.Episode], dict]:
+    """This generation rank's share of `step`'s problems, sampled with weight `version` (or
+    what `check` says: pipeline.Producer's, handed to the engine), scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
-    sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
-                          top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return rollout.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
-                              version, group_offset=world.gen_index * per_gen,
-                              seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
-                              refill=rollout.Refill(s.problems, cfg.loss.drop_zero_variance
-                                                    and ro.max_refill_rounds))
+    sampling = episode.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
+                                top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
+
+    def roll(problems: list, seed: int):
+        return rollout.rollout(s.engine, problems, s.procs, sampling, template=cfg.data.template,
+                               scorer=s.scorer, version=check or version, group_offset=0, seed=seed,
+                               turns=s.turns)
+    return rollout.rollout_refilled(roll, mine, sampling.n,
+                                    cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
+                                    rollout.Refill(s.problems, cfg.loss.drop_zero_variance
+                                                   and ro.max_refill_rounds),
+                                    group_offset=world.gen_index * per_gen)
 
 
 def exchange(world: World, local: tuple[list, dict],
-             progress: ckpt.Progress) -> tuple[list[rollout.Episode], list[dict], float]:
+             progress: ckpt.Progress) -> tuple[list[episode.Episode], list[dict], float]:
     """Every rank gets every generation rank's episodes (sorted by group) and stats, and the
     seconds it waited for them; running-ahead engines' stream positions go to `progress`."""
     t0, gathered = time.perf_counter(), [None] * world.size
@@ -376,7 +390,7 @@ def exchange(world: World, local: tuple[list, dict],
     return episodes, stats, time.perf_counter() - t0
 
 
-def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollout.Episode],
+def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[episode.Episode],
                 progress: ckpt.Progress, step: int) -> tuple[dict[str, float], list[float]]:
     """The rollout step's optimizer steps on the trainer ranks; counts non-finite (skipped) ones.
     Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
@@ -419,7 +433,7 @@ def run_eval(cfg: config.Config, world: World, s: "Setup", rec: tracking.Recorde
              after: int, version: int) -> dict[str, float]:
     """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
     metrics, eps = evaluation.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
-                              seed=cfg.run.seed * 7919 + after)
+                                       seed=cfg.run.seed * 7919 + after, turns=s.turns)
     if rec:
         rec.evaluation(after, version, metrics, evaluation.eval_rows(eps, s.eval_set),
                        evaluation.settings(cfg.eval, cfg.rollout))
@@ -442,8 +456,9 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
+    turns = multiturn.turns(cfg.rollout, procs) if world.is_gen else None
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
-                        seed=cfg.run.seed * 7919 + max(step, 0))
+                                 seed=cfg.run.seed * 7919 + max(step, 0), turns=turns)
     if world.is_root:
         print(json.dumps(m))
         path = tracking.write_evaluation(out_dir, step, step, m, evaluation.eval_rows(eps, eval_set),
@@ -451,6 +466,8 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()
+    if turns is not None:
+        turns.close()
     dist.destroy_process_group()
     return 0
 

@@ -11,6 +11,8 @@ import pytest
 import config as C
 import errors
 import rollout as R
+import hf_engine as HF
+import engines
 import train
 import vllm_engine as V
 import world as W
@@ -55,7 +57,7 @@ def test_rank_plan_uses_the_one_split():
     assert [(r["node"], r["local_rank"]) for r in plan] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("cls", [R.HFEngine, V.VLLMEngine])
+@pytest.mark.parametrize("cls", [HF.HFEngine, V.VLLMEngine])
 def test_both_engines_satisfy_the_engine_interface(cls):
     for name in ("generate", "receive_weights", "shutdown", "from_config"):
         assert callable(getattr(cls, name)), name
@@ -64,7 +66,7 @@ def test_both_engines_satisfy_the_engine_interface(cls):
     extra = "join_weight_channel" if cls.OWN_CHANNEL else "load_weights"
     assert callable(getattr(cls, extra)), extra
     assert isinstance(cls.OWN_CHANNEL, bool)
-    assert R.engine_class({"hf": "hf", "vllm": "vllm"}["hf" if cls is R.HFEngine else "vllm"]) is cls
+    assert engines.engine_class({"hf": "hf", "vllm": "vllm"}["hf" if cls is HF.HFEngine else "vllm"]) is cls
     sig = inspect.signature(cls.generate)
     assert list(sig.parameters) == ["self", "prompts", "sp", "seed"]
 

