@@ -110,6 +110,11 @@ class Engine(Protocol):
         """What the engine decided from `[rollout]` (rc) and the model's config (None: not known
         yet, a dry run), said once at start and in the dry run; "" for nothing."""
 
+    @classmethod
+    def from_config(cls, cfg, path: str, procs, *, dev, device, seed: int, max_images: int = 1) -> "Engine":
+        """The engine of a generation rank from the run's config (engines.build_engine);
+        `max_images`: the most images one prompt holds."""
+
 
 class LocalEngine(Engine, Protocol):
     """An engine whose weights live in this process (OWN_CHANNEL False: hf_engine.HFEngine)."""

@@ -4,7 +4,7 @@
 sync"): every trainer rank gathers the engines' tensors in one order, trainer rank 0 packs and
 broadcasts them, the generation ranks' engines load them. An engine with `OWN_CHANNEL` (vLLM)
 receives the buckets in its own workers over channel.py's communicator
-(`vllm_engine.VLLMWorkerExtension`, with `plan_from_plain` / `unpack` from here).
+(`vllm_worker.VLLMWorkerExtension`, with `plan_from_plain` / `unpack` from here).
 """
 from __future__ import annotations
 

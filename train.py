@@ -208,6 +208,13 @@ class Setup:
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
     turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
 
+    def close(self) -> None:
+        """The engine's processes and memory, the tool runner's threads."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.turns is not None:
+            self.turns.close()
+
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
     device, ro = rank_device(cfg, world, dev), cfg.rollout
@@ -349,10 +356,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.say(rec.summary(time.perf_counter() - t_start, cfg.run.steps - first,
                             str(ckpt.latest(out_dir) or "") or None))
         rec.close()
-    if s.engine is not None:
-        s.engine.shutdown()
-    if s.turns is not None:
-        s.turns.close()
+    s.close()
     dist.destroy_process_group()
     return 0
 

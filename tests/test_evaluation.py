@@ -9,7 +9,6 @@ import pytest
 
 import config as C
 import evaluation as E
-import rollout as R
 import episode as E
 from synthetic import Problem
 

@@ -19,7 +19,6 @@ import data
 import inputs as I
 import lora
 import model as M
-import rollout as R
 import hf_engine as HF
 import episode as E
 import sync as S
@@ -230,12 +229,12 @@ def test_engine_tensors_send_every_sibling_vllm_fuses_with_an_adapted_layer(tiny
 
 
 def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_part_layer():
-    """vllm_engine.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
+    """vllm_worker.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
     partial reload are held back; a layer loaded in part (vLLM's "Delayed processing") stops it,
     except a vocabulary layer (padded rows, one weight: the LoRA output head's later syncs)."""
     import logging
 
-    import vllm_engine as V
+    import vllm_worker as V
     seen: list[str] = []
 
     class Keep(logging.Handler):  # on the loggers themselves: vLLM's own config may not propagate

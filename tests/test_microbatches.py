@@ -14,7 +14,6 @@ import inputs as I
 import loss as L
 import microbatches as MB
 import model as M
-import rollout as R
 import hf_engine as HF
 import episode as E
 import synthetic

@@ -10,7 +10,6 @@ import families as F
 import inputs as I
 import model as M
 import synthetic
-import rollout as R
 import hf_engine as HF
 import episode as E
 from tests.util import CheckpointCounter

@@ -16,7 +16,6 @@ import inputs as I
 import lora
 import microbatches as MB
 import model as M
-import rollout as R
 import hf_engine as HF
 import episode as E
 import synthetic

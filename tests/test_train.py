@@ -10,7 +10,6 @@ import pytest
 
 import config as C
 import errors
-import rollout as R
 import hf_engine as HF
 import engines
 import train

@@ -48,9 +48,8 @@ import vllm_engine as V  # noqa: E402
 import families as F  # noqa: E402
 import inputs as I  # noqa: E402
 import model as M  # noqa: E402
-import rollout as R  # noqa: E402
-import hf_engine as HF
-import episode as E
+import hf_engine as HF  # noqa: E402
+import episode as E  # noqa: E402
 import sync as S  # noqa: E402
 
 MIN_PX, MAX_PX = 56 * 56, 112 * 112

@@ -18,11 +18,11 @@ import channel as CH
 import families as F
 import inputs as I
 import model as M
-import rollout as R
 import hf_engine as HF
 import episode as E
 import sync as S
 import vllm_engine as V
+import vllm_worker as W
 
 # hand-made ids: 0 pad, 2 eos, 4/5/6 vision start/pad/end, 9 an unused row past the tokenizer
 TOKENS = I.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
@@ -321,7 +321,7 @@ class _BufferingRunner:
                 params[name].copy_(t)
 
 
-class _Worker(V.VLLMWorkerExtension):
+class _Worker(W.VLLMWorkerExtension):
     def __init__(self, model, channel, device_type: str = "cpu", quantization=None):
         self.device, self.rank = torch.device(device_type), 0
         self.model_config = SimpleNamespace(quantization=quantization)
@@ -603,7 +603,7 @@ def test_partial_reload_exempts_every_vocabulary_layer_by_suffix():
     """vLLM's padded vocabulary layers load "in part" by design; vllm-ascend's subclasses
     (AscendParallelLMHead, AscendVocabParallelEmbedding) are the same layers."""
     import logging
-    f = V.PartialReload(active=True)
+    f = W.PartialReload(active=True)
     for name in ("ParallelLMHead", "VocabParallelEmbedding", "AscendParallelLMHead",
                  "AscendVocabParallelEmbedding", "QKVParallelLinear"):
         f.filter(logging.LogRecord("x", logging.DEBUG, "", 0, "%s: Delayed processing",

@@ -17,8 +17,7 @@ from tests.util import free_port  # noqa: E402
 import channel as CH  # noqa: E402
 import config as C  # noqa: E402
 import model as M  # noqa: E402
-import rollout as R  # noqa: E402
-import episode as E
+import episode as E  # noqa: E402
 import sync as S  # noqa: E402
 import vllm_engine as V  # noqa: E402
 
