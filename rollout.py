@@ -70,11 +70,11 @@ class Refill(NamedTuple):  # DAPO's refills (rollout_refilled)
     rounds: int  # at most this many extra rounds (0: none)
 
 
-def rollout_refilled(roll: Callable[[list, int], tuple[list[Episode], dict]], problems: list,
+def rollout_refilled(roll: Callable[..., tuple[list[Episode], dict]], problems: list,
                      n: int, seed: int, refill: Refill,
                      group_offset: int) -> tuple[list[Episode], dict[str, float]]:
     """DAPO dynamic sampling: `len(problems)` groups (of `n` samples) whose rewards are not all
-    equal. `roll(problems, seed)`: :func:`rollout` of them, groups numbered from 0.
+    equal. `roll(problems, seed=...)`: :func:`rollout` of them, groups numbered from 0.
 
     Round 0 rolls out `problems` with `seed` (exactly that when `rounds = 0` or every group
     varies); round r rolls out `refill_problems(pool, len(problems), seed, r)` with seed
@@ -88,7 +88,7 @@ def rollout_refilled(roll: Callable[[list, int], tuple[list[Episode], dict]], pr
     stats = {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0, "refill_rounds": 0}
     batch, rnd = problems, 0
     while True:
-        eps, st = roll(batch, seed + rnd * 1_000_003)
+        eps, st = roll(batch, seed=seed + rnd * 1_000_003)
         if not refill.rounds:
             for e in eps:
                 e.group += group_offset

@@ -16,9 +16,8 @@ generate step k+1's batch while the trainers train on step k (corrected by TIS).
 
 `python train.py --help` lists the flags (and the launch); every config key is documented in
 config.py. Where things live: the update in update.py and loss.py (objectives and filters:
-registry.py), the policy in trainer.py, the engines in hf_engine.py and vllm_engine.py (their
-contract: episode.py), the weights' way to them in sync.py and channel.py, failure handling in
-failures.py.
+registry.py), the policy in trainer.py, the engines in hf_engine.py and vllm_engine.py (as
+episode.py says), the weights' way to them in sync.py and channel.py, failures in failures.py.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ if __name__ == "__main__":  # a stop while torch imports (seconds): one line, ex
     for _sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_sig, _stopped)
 
+import functools
 import json  # (the imports below come after those handlers: torch alone takes seconds)
 import time
 from dataclasses import dataclass
@@ -208,13 +208,6 @@ class Setup:
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
     turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
 
-    def close(self) -> None:
-        """The engine's processes and memory, the tool runner's threads."""
-        if self.engine is not None:
-            self.engine.shutdown()
-        if self.turns is not None:
-            self.turns.close()
-
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
     device, ro = rank_device(cfg, world, dev), cfg.rollout
@@ -226,7 +219,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
-    engine = start_engine(cfg, world, dev, device, live, model_path, procs,
+    engine, turns = engines.start(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
     if world.own_channel and cfg.sync.enabled:
@@ -242,27 +235,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
-                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
-                 multiturn.turns(ro, procs) if world.is_gen else None)
-
-
-def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
-                 live: failures.Liveness, model_path: str, procs: inputs.Processors,
-                 problems: list) -> episode.Engine | None:
-    """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
-    holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
-    vLLM's start-up outlasts any collective timeout."""
-    engine = None
-    if world.is_gen:
-        live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
-        failures.inject_start(cfg.cluster.timeout_s)
-        engine = engines.build_engine(cfg, model_path, procs, dev=dev, device=device,
-                                      seed=cfg.run.seed + world.gen_index,
-                                      max_images=max((len(p.images) for p in problems), default=0))
-    live.phase(None, "start: waiting for every engine to start")
-    failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
-    live.phase(None, "start-up")
-    return engine
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes), turns)
 
 
 def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
@@ -356,25 +329,24 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.say(rec.summary(time.perf_counter() - t_start, cfg.run.steps - first,
                             str(ckpt.latest(out_dir) or "") or None))
         rec.close()
-    s.close()
+    if s.engine is not None:
+        s.engine.shutdown()
+        s.turns and s.turns.close()
     dist.destroy_process_group()
     return 0
 
 
 def generate(s: Setup, cfg: config.Config, world: World, step: int, version: int,
              check: episode.Check | None = None) -> tuple[list[episode.Episode], dict]:
-    """This generation rank's share of `step`'s problems, sampled with weight `version` (or
-    what `check` says: pipeline.Producer's, handed to the engine), scored."""
+    """This generation rank's share of `step`'s problems, sampled with weight `version` (or as
+    `check`, pipeline.Producer's, says), scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = episode.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                                 top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-
-    def roll(problems: list, seed: int):
-        return rollout.rollout(s.engine, problems, s.procs, sampling, template=cfg.data.template,
-                               scorer=s.scorer, version=check or version, group_offset=0, seed=seed,
-                               turns=s.turns)
+    roll = functools.partial(rollout.rollout, s.engine, procs=s.procs, sp=sampling, template=cfg.data.template,
+                             scorer=s.scorer, version=check or version, group_offset=0, turns=s.turns)
     return rollout.rollout_refilled(roll, mine, sampling.n,
                                     cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
                                     rollout.Refill(s.problems, cfg.loss.drop_zero_variance
@@ -455,12 +427,11 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     eval_set = load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
-    engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
+    engine, turns = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
-    turns = multiturn.turns(cfg.rollout, procs) if world.is_gen else None
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                                  seed=cfg.run.seed * 7919 + max(step, 0), turns=turns)
     if world.is_root:
@@ -470,8 +441,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()
-    if turns is not None:
-        turns.close()
+        turns and turns.close()
     dist.destroy_process_group()
     return 0
 

@@ -327,18 +327,18 @@ class VLLMEngine:
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)
 
-    def generate(self, prompts: list[Prompt], sp: Sampling, seed: int,
+    def generate(self, rows: list[Prompt], sp: Sampling, seed: int,
                  check: Check | None = None) -> list[list[Completion]]:
         """episode.Engine.generate: `LLM.generate`, or with a check vLLM's engine stepped by
         hand (vllm_ahead.stepped; the same seeds)."""
         if check is not None:
-            return A.stepped(self, prompts, sp, seed, check)
+            return A.stepped(self, rows, sp, seed, check)
         from vllm import SamplingParams
         per = 1 if sp.greedy else sp.n
-        # prompt i's samples use seeds seed + i*per + j: distinct across the whole call
+        # row i's samples use seeds seed + i*per + j: distinct across the whole call
         params = [SamplingParams(**vllm_sampling_kwargs(sp, self.tokens, seed + i * per))
-                  for i in range(len(prompts))]
-        inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]
+                  for i in range(len(rows))]
+        inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in rows]
         with self.owner.hold():
             outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason, c.routed_experts)

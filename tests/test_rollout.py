@@ -22,7 +22,7 @@ G = 4
 def _fake_rollout(calls, version=7):
     """rollout() stand-in (rollout_refilled's `roll`): problem p's group has reward variance iff
     p.index % 3 == 0; groups numbered from 0."""
-    def fake(problems, seed):
+    def fake(problems, *, seed):
         calls.append(([p.index for p in problems], seed))
         eps = []
         for g, p in enumerate(problems):
