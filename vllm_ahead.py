@@ -41,42 +41,26 @@ class Owner:
         self.who, self.timeout_s = who, timeout_s
         self.cv = threading.Condition()
         self.holder: int | None = None   # thread ident
-        self.driving = False             # the holder is a step loop: it runs posted calls itself
         self.tasks: list[_Task] = []
-
-    def _take(self, driving: bool) -> None:
-        """Under self.cv: wait until nobody holds it, then hold it."""
-        while self.holder is not None:
-            self.cv.wait()
-        self.holder, self.driving = threading.get_ident(), driving
 
     def _give(self) -> None:
         with self.cv:
-            self.holder, self.driving = None, False
+            self.holder = None
             self.cv.notify_all()
 
     @contextmanager
-    def hold(self, driving: bool = False):
-        """This thread alone in the LLM (`driving`: a step loop, which runs posted calls)."""
+    def hold(self):
+        """This thread alone in the LLM (a step loop in it runs the posted calls: stepped)."""
         with self.cv:
             if self.holder == threading.get_ident():
                 raise RuntimeError("vLLM engine: entered twice by one thread")
-            self._take(driving)
+            while self.holder is not None:
+                self.cv.wait()
+            self.holder = threading.get_ident()
         try:
             yield
         finally:
             self._give()
-
-    def outside(self, fn: Callable[[], object]) -> object:
-        """`fn()` with the LLM let go (the holder's requests all ended first): another thread
-        may use it meanwhile (evaluation during a pause, a weight receive); held again after."""
-        driving = self.driving
-        self._give()
-        try:
-            return fn()
-        finally:
-            with self.cv:
-                self._take(driving)
 
     def needs_empty(self) -> bool:
         return any(t.empty for t in self.tasks)  # read without the lock: a stale read costs a step
@@ -100,8 +84,8 @@ class Owner:
 
     def call(self, fn: Callable[[], object], empty: bool) -> object:
         """`fn()` inside the LLM from a thread that does not hold it: run here when nobody holds
-        it, else by a driving holder at its next decode step (`empty`: with its requests aborted
-        first), else here once the holder lets go. Waits at most timeout_s."""
+        it, else by a holder stepping requests at its next decode step (`empty`: with its
+        requests aborted first), else here once the holder lets go. Waits at most timeout_s."""
         task = _Task(fn, empty)
         end = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self.cv:
@@ -121,7 +105,7 @@ class Owner:
                 self.cv.wait(left)
             mine = not task.done
             if mine:
-                self.holder, self.driving = threading.get_ident(), False
+                self.holder = threading.get_ident()
         if mine:
             try:
                 self.run_tasks()
@@ -193,7 +177,7 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -
     (`empty`), or a check that returns another version, ends the call: requests aborted (their
     samples keep their tokens so far), posted calls run. What `check` raises ends it the same way."""
     engine = eng.llm.llm_engine
-    with eng.owner.hold(driving=True):
+    with eng.owner.hold():
         eng.owner.run_tasks()
         version = check()
         batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, version)

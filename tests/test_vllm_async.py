@@ -1,6 +1,6 @@
 """The vllm engine running ahead (vllm_ahead.py, pipeline.py's own-channel path).
 
-Pure (no vLLM): :class:`vllm_ahead.Owner` (one thread in the LLM, calls posted to a driving
+Pure (no vLLM): :class:`vllm_ahead.Owner` (one thread in the LLM, calls posted to a stepping
 worker), :func:`vllm_ahead.stepped` over a stand-in `LLMEngine` that streams tokens, aborts and
 re-adds (each token's version and logprob from the weights the stand-in held when it made it),
 and pipeline.Producer with an own-channel stand-in (staged weights loaded at a batch's start,
@@ -193,8 +193,8 @@ def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
         owner.call(lambda: (_ for _ in ()).throw(ValueError("boom")), empty=False)
     held, release = threading.Event(), threading.Event()
 
-    def stuck():  # a driving holder that never reaches a decode step
-        with owner.hold(driving=True):
+    def stuck():  # a stepping holder that never reaches a decode step
+        with owner.hold():
             held.set()
             release.wait(10)
     t = threading.Thread(target=stuck)
