@@ -237,7 +237,7 @@ def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
         path, procs = _procs(tiny_dir, "qwen3")
 
         class Stub:  # an engine that answers every prompt with one fixed token
-            def generate(self, prompts, sp, seed):
+            def generate(self, prompts, sp, seed, check=None):
                 return [[E.Completion([procs.tokens.eos], [0.0], False)] * sp.n for _ in prompts]
         scorer = rewards.RewardRunner([{"name": "test_columns_seen"}], timeout_s=5)
         eps, _ = R.rollout(Stub(), problems, procs, E.Sampling(n=2), template=data.DEFAULT_TEMPLATE,
