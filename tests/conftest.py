@@ -47,8 +47,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 import pytest  # noqa: E402
-import hf_engine as HF
-import episode as E
 
 
 @pytest.fixture(scope="session")
@@ -96,8 +94,9 @@ def tiny_step(gloo_world, tiny_dir, tmp_path_factory):
     from torch.distributed.device_mesh import DeviceMesh
 
     import data
+    import episode as E
+    import hf_engine as HF
     import inputs as I
-    import rollout as R
     import synthetic
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
