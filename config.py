@@ -197,11 +197,14 @@ class RolloutConfig:
     max_refill_rounds: int = num(4, ">= 0")
     # Multi-turn (multiturn.py, docs/multiturn.md): an environment of envs/ that answers each
     # reply ("" = single-turn), tools the model may call (envs.tools: Qwen's <tool_call> JSON,
-    # each run under tool_timeout_s), the most model turns, and the most tokens after the prompt
-    # (sampled and inserted; 0 = only max_new_tokens per turn). Inserted tokens never train.
+    # each run under tool_timeout_s, at most max_tool_calls of one reply's, the rest ignored),
+    # the most model turns, and the most tokens after the prompt (sampled and inserted; 0 =
+    # max_turns replies of max_new_tokens with an inserted turn of at most 1,024 tokens between
+    # each two: multiturn.episode_budget). Inserted tokens never train.
     env: str = ""
     tools: list = field(default_factory=list)
     tool_timeout_s: float = num(5.0, "> 0")
+    max_tool_calls: int = num(4, ">= 1")
     max_turns: int = num(4, ">= 1")
     max_episode_tokens: int = num(0, ">= 0")
 

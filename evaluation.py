@@ -7,10 +7,11 @@ import torch.distributed as dist
 
 import inputs as I
 import rollout as R
+from episode import Engine, Episode, Sampling
 
 
-def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Processors,
-             cfg, version: int, seed: int, skipped: int = 0) -> tuple[dict[str, float], list[R.Episode]]:
+def evaluate(world, engine: Engine | None, scorer, problems: list, procs: I.Processors,
+             cfg, version: int, seed: int, skipped: int = 0, turns=None) -> tuple[dict[str, float], list[Episode]]:
     """The evaluation problems on the generation ranks, graded by `[eval] functions` (a
     data.sources problem: by its source's own reward_functions, where it has them): greedy
     when eval.n = 1 (Geometry3K-style), else n samples at eval.temperature. Metrics: each part's
@@ -24,7 +25,7 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Pr
         sp = sampling(ev, ro)
         local = R.rollout(engine, problems[world.gen_index::len(world.gens)], procs, sp,
                           template=cfg.data.template, scorer=scorer, version=version,
-                          group_offset=0, seed=seed + world.gen_index)
+                          group_offset=0, seed=seed + world.gen_index, turns=turns)
     got: list = [None] * world.size
     dist.all_gather_object(got, local, group=world.ctrl)
     eps = sorted((e for g, _ in got for e in g), key=lambda e: e.index)
@@ -34,7 +35,7 @@ def evaluate(world, engine: R.Engine | None, scorer, problems: list, procs: I.Pr
     return out, eps
 
 
-def score_key(eps: list[R.Episode]) -> str:
+def score_key(eps: list[Episode]) -> str:
     """The part that is the evaluation's score, the one pass@n is for: `accuracy` where the
     functions give one (the geometry verifier's 0/1 answer check: its `reward` mixes in the
     format), else the functions' total `reward`. Every other part (format, length, ...) is a
@@ -42,11 +43,11 @@ def score_key(eps: list[R.Episode]) -> str:
     return "accuracy" if any("accuracy" in e.parts for e in eps) else "reward"
 
 
-def metrics(eps: list[R.Episode], n: int, prefix: str) -> dict[str, float]:
+def metrics(eps: list[Episode], n: int, prefix: str) -> dict[str, float]:
     """`prefix` + each part's mean over `eps` (and with `n` > 1 the score's pass@n over their
     problems), the mean response length, the problems and samples counted."""
     out: dict[str, float] = {}
-    by_problem: dict[int, list[R.Episode]] = {}
+    by_problem: dict[int, list[Episode]] = {}
     for e in eps:
         by_problem.setdefault(e.index, []).append(e)
     score = score_key(eps)
@@ -61,14 +62,14 @@ def metrics(eps: list[R.Episode], n: int, prefix: str) -> dict[str, float]:
     return out
 
 
-def sampling(ev, ro) -> R.Sampling:
+def sampling(ev, ro) -> Sampling:
     """Evaluation's decoding from `[eval]` (ev) over `[rollout]` (ro): greedy when eval.n = 1,
     else eval.n samples at eval.temperature; eval.max_new_tokens / eval.top_p when set (> 0),
     else the rollout's; top_k is the rollout's."""
     limit = ev.max_new_tokens or ro.max_new_tokens
     if ev.n == 1:
-        return R.Sampling(n=1, greedy=True, max_new_tokens=limit)
-    return R.Sampling(n=ev.n, temperature=ev.temperature, top_p=ev.top_p or ro.top_p,
+        return Sampling(n=1, greedy=True, max_new_tokens=limit)
+    return Sampling(n=ev.n, temperature=ev.temperature, top_p=ev.top_p or ro.top_p,
                       top_k=ro.top_k, max_new_tokens=limit)
 
 
@@ -80,7 +81,7 @@ def settings(ev, ro) -> dict:
             "top_p": 1.0 if sp.greedy else sp.top_p, "max_new_tokens": sp.max_new_tokens}
 
 
-def eval_rows(eps: list[R.Episode], problems: list) -> list[dict]:
+def eval_rows(eps: list[Episode], problems: list) -> list[dict]:
     """An evaluation's generations, one row per sample (eval/step_N.jsonl), each with its
     problem text and gold answer (`problems`: the evaluation set, looked up by index)."""
     by_index = {p.index: p for p in problems}

@@ -303,7 +303,7 @@ def loss_mask(e) -> list[int]:
 
 def sampled_tokens(e) -> int:
     """The response tokens the engine sampled (the length metrics count these), of an Episode
-    or a rollout.Completion (its `ids`)."""
+    or an episode.Completion (its `ids`)."""
     if getattr(e, "loss_mask", None):
         return sum(e.loss_mask)
     return len(e.response_ids if hasattr(e, "response_ids") else e.ids)

@@ -1,20 +1,25 @@
-"""Multi-turn rollouts: an episode is a conversation (docs/multiturn.md).
+"""Generation as rows that grow: the one continuation loop above the engines (:func:`generate`),
+and multi-turn rollouts, where an episode is a conversation (docs/multiturn.md).
 
-:class:`Conversations` wraps an engine (rollout.Engine) and keeps its `generate` signature: the
-first turn samples sp.n replies per prompt as a single-turn rollout does; after each reply the
-tool calls in it are run (`rollout.tools`, envs.tools) and otherwise the environment
-(`rollout.env`, envs.get) says the next user message or stops; the inserted turn is rendered by
-the model's own chat template and the unfinished conversations continue, n = 1 each, with the
-conversation so far as their prompt (both engines take it as it is; vLLM's prefix cache reuses
-it). A Completion then holds every token after the prompt: the sampled ones (`loss_mask` 1, their
-engine logprobs and weight versions) and the inserted ones (`loss_mask` 0, logprob 0), and the
-turns with their roles. `rollout.max_turns` bounds the model's turns, `rollout.max_episode_tokens`
-(0 = no bound) the tokens after the prompt, sampled and inserted.
+A partial rollout (a new weight version arrives mid-batch: the engine's `check` ends its call)
+and an inserted turn (a tool result, the environment's next message) are the same move: the row
+grows and an engine continues it, as its prompt plus everything after it so far (both engines
+take it as it is; vLLM's prefix cache reuses it).
+
+Multi-turn (:class:`Turns`, `rollout.env` / `rollout.tools`): the first call samples sp.n
+replies per prompt; after each reply the tool calls in it are run (envs.tools, at most
+`rollout.max_tool_calls` of them) and otherwise the environment (envs.get) says the next user
+message or stops; the inserted turn is rendered by the model's own chat template. A Completion
+then holds every token after the prompt: the sampled ones (`loss_mask` 1, their engine logprobs
+and weight versions) and the inserted ones (`loss_mask` 0, logprob 0), and the turns with their
+roles. `rollout.max_turns` bounds the model's turns, `rollout.max_episode_tokens` the tokens after
+the prompt, sampled and inserted (0: :func:`episode_budget`).
 
 Rendering an inserted turn: the template is applied to a fixed base (a user turn, an assistant
 turn) plus the new messages, with the next assistant header; what follows the base's assistant
 content is the inserted text (the end-of-turn token the engine already sampled when it stopped on
-it is not repeated). The model's own tokens are never re-tokenized.
+it is not repeated), its messages' contents tokenized as text (:func:`encode_turn_text`). The
+model's own tokens are never re-tokenized.
 """
 from __future__ import annotations
 
@@ -22,108 +27,131 @@ from dataclasses import dataclass, field, replace
 
 import envs
 import inputs as I
+from episode import Check, Completion, Engine, Prompt, Sampling
 
 _REPLY = "<<reply>>"  # the base's assistant content, found again in the rendered text
+SEED_STRIDE = 104_729  # call c of a batch samples with seed + c * SEED_STRIDE (generate)
 
 
 @dataclass
 class _Live:
-    """One conversation being generated: its prompt (ids, images) and what follows it."""
-    prompt: tuple
+    """One sample being generated: its prompt (ids, images) and what follows it."""
+    prompt: Prompt
     problem: object
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     routing: list = field(default_factory=list)
     truncated: bool = False
     done: bool = False
-    raw: str = ""  # the last reply decoded with its special tokens
+    reply: int = 0        # tokens of the reply being sampled, so far
+    replies: int = 0      # the model's finished replies
     images: list = field(default_factory=list)  # pictures the inserted turns showed
-    first: object = None  # the first turn's Completion
+    first: Completion | None = None  # the first call's Completion (its prompt routing)
 
 
-class Conversations:
-    """A multi-turn engine around `engine` (see the module docstring)."""
+def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, check: Check | None = None,
+             turns: Turns | None = None, problems: list | None = None) -> list[list[Completion]]:
+    """sp.n samples of each prompt (1 when greedy), each continued until it ends: the one loop
+    that grows rows, for partial rollouts and multi-turn episodes alike, on any engine.
 
-    def __init__(self, engine, rc, procs: I.Processors):
-        self.engine, self.procs = engine, procs
+    Call c = 0, 1, ... of the loop hands the engine its rows and `check` (episode.Engine) with
+    the seed `seed + c * SEED_STRIDE`: call 0 every prompt with its sp.n samples, each later call
+    every unfinished sample alone (n = 1) as its prompt plus its tokens so far, in sample order.
+    A sample is unfinished when the check ended the call before its reply did (a new weight
+    version) or when `turns` inserted a turn after its reply. Within a call an engine seeds as
+    it always does (HF: the call's generator; vLLM: row r's samples seed + c * SEED_STRIDE +
+    r * n + j), so a given schedule (which calls end where) reproduces its tokens on each engine.
+    Each reply has at most sp.max_new_tokens tokens (and what the episode budget leaves)."""
+    per = 1 if sp.greedy else sp.n
+    live = [_Live(p, problems[i] if problems else None) for i, p in enumerate(prompts) for _ in range(per)]
+    call = 0
+    while todo := [c for c in live if not c.done]:
+        room = [sp.max_new_tokens - c.reply if turns is None else turns.room(c, sp) for c in todo]
+        rows = (prompts if call == 0 else
+                [(c.prompt[0] + c.ids, list(c.prompt[1]) + c.images) for c in todo])
+        out = engine.generate(rows, replace(sp, n=sp.n if call == 0 else 1, max_new_tokens=max(room)),
+                              seed + call * SEED_STRIDE, check)
+        for c, comp, r in zip(todo, [x for cs in out for x in cs], room, strict=True):
+            if _add_tokens(c, comp, r):
+                if turns is None:
+                    c.done = True
+                else:
+                    turns.after_reply(c)
+        call += 1
+    done = [_completion(c, turns) for c in live]
+    return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
+
+
+def _add_tokens(c: _Live, comp: Completion, room: int) -> bool:
+    """A call's tokens for `c` (at most `room`); whether its reply is over (else the check
+    ended the call first)."""
+    n = min(len(comp.ids), room)
+    c.first = c.first or comp
+    c.ids += comp.ids[:n]
+    c.logprobs += comp.logprobs[:n]
+    c.versions += comp.versions[:n] if comp.versions else [None] * n
+    c.mask += [1] * n
+    c.routing.append((comp.routing[:n] if comp.routing is not None else None, n))
+    c.reply += n
+    if comp.truncated and n == len(comp.ids) and n < room:
+        return False  # ended by the check: the reply goes on in the next call
+    c.truncated = comp.truncated or n < len(comp.ids)  # the last reply's: the episode's at its end
+    return True
+
+
+def _completion(c: _Live, turns: Turns | None) -> Completion:
+    """The engine's first Completion record refilled with the whole sample (episode)."""
+    many = turns is not None
+    return replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
+                   versions=_versions(c.versions), routing=_routing(c.routing, many),
+                   loss_mask=c.mask if many else [], turns=c.turns, images=c.images,
+                   env_reward=turns.env_reward(c) if many else None)
+
+
+def turns(rc, procs: I.Processors) -> Turns | None:
+    """The turn rule of a run with an environment or tools (`[rollout]` rc), else None."""
+    return Turns(rc, procs) if (rc.env or rc.tools) else None
+
+
+class Turns:
+    """What follows a reply in a multi-turn rollout (see the module docstring)."""
+
+    def __init__(self, rc, procs: I.Processors):
+        self.procs = procs
         self.env = envs.get(rc.env) if rc.env else None
         self.runner = None
         if rc.tools:
             from envs import tools as T
             self.parse, self.runner = T.parse_calls, T.ToolRunner(list(rc.tools), rc.tool_timeout_s)
-        self.max_turns, self.budget = rc.max_turns, rc.max_episode_tokens
+        self.max_turns, self.budget, self.max_calls = rc.max_turns, episode_budget(rc), rc.max_tool_calls
 
-    takes_problems = True  # rollout() passes each prompt's problem (the environment's first argument)
+    def room(self, c: _Live, sp: Sampling) -> int:
+        """The tokens the conversation's reply in progress may still take."""
+        return max(1, min(sp.max_new_tokens - c.reply, self.budget - len(c.ids)))
 
-    def __getattr__(self, name):  # everything else is the engine's (receive_weights, shutdown, ...)
-        return getattr(self.engine, name)
+    def after_reply(self, c: _Live) -> None:
+        """The reply just ended: record it, then insert the next turn or end the conversation."""
+        reply, c.reply, c.replies = c.ids[len(c.ids) - c.reply:], 0, c.replies + 1
+        c.turns.append({"role": "assistant",
+                        "content": self.procs.tokenizer.decode(reply, skip_special_tokens=True)})
+        c.done = len(c.ids) >= self.budget or c.replies >= self.max_turns
+        if not c.done:
+            # tool calls are read with special tokens kept (a tokenizer may mark <tool_call> special)
+            self._next_turn(c, self.procs.tokenizer.decode(reply, skip_special_tokens=False))
 
-    def __setattr__(self, name, value):
-        if name in ("between", "interrupt", "chunk"):  # pipeline.Producer's hooks: the engine's
-            setattr(self.engine, name, value)
-        else:
-            object.__setattr__(self, name, value)
-
-    def generate(self, prompts: list, sp, seed: int, problems: list | None = None) -> list[list]:
-        per = 1 if sp.greedy else sp.n
-        problems = problems if problems is not None else [None] * len(prompts)
-        convs = [_Live(p, problems[i]) for i, p in enumerate(prompts) for _ in range(per)]
-        for turn in range(self.max_turns):
-            live = [c for c in convs if not c.done]
-            if not live:
-                break
-            room = [self._room(c, sp) for c in live]
-            rows = (prompts if turn == 0 else
-                    [(c.prompt[0] + c.ids, list(c.prompt[1]) + c.images) for c in live])
-            step_sp = replace(sp, n=sp.n if turn == 0 else 1, max_new_tokens=max(room))
-            out = self.engine.generate(rows, step_sp, seed + turn * 104_729)
-            for c, comp, r in zip(live, [x for cs in out for x in cs], room):
-                self._add_reply(c, comp, r)
-                if turn + 1 < self.max_turns and not c.done:
-                    self._next_turn(c, sp)
-            for c in live:  # the last allowed turn: the conversation ends with this reply
-                c.done = c.done or turn + 1 == self.max_turns
-        # the engine's own Completion records (rollout.Completion), refilled with the whole episode
-        graded = getattr(self.env, "reward", None)  # an environment's own final reward, if it has one
-        done = [replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
-                        versions=_versions(c.versions), routing=_routing(c.routing), loss_mask=c.mask,
-                        turns=c.turns, images=c.images,
-                        env_reward=None if graded is None else float(graded(c.problem, c.turns)))
-                for c in convs]
-        return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
-
-    def _room(self, c: _Live, sp) -> int:
-        """The tokens this conversation's next reply may take."""
-        return sp.max_new_tokens if not self.budget else max(1, min(sp.max_new_tokens, self.budget - len(c.ids)))
-
-    def _add_reply(self, c: _Live, comp, room: int) -> None:
-        n = min(len(comp.ids), room)
-        c.first = c.first or comp
-        c.ids += comp.ids[:n]
-        c.logprobs += comp.logprobs[:n]
-        c.versions += comp.versions[:n] if comp.versions else [None] * n
-        c.mask += [1] * n
-        c.routing.append((comp.routing[:n] if comp.routing is not None else None, n))
-        c.truncated = comp.truncated or n < len(comp.ids)  # the last reply's: the episode's at its end
-        text = self.procs.tokenizer.decode(comp.ids[:n], skip_special_tokens=True)
-        c.turns.append({"role": "assistant", "content": text})
-        # tool calls are read with special tokens kept (a tokenizer may mark <tool_call> special)
-        c.raw = self.procs.tokenizer.decode(comp.ids[:n], skip_special_tokens=False)
-        c.done = bool(self.budget and len(c.ids) >= self.budget)
-
-    def _next_turn(self, c: _Live, sp) -> None:
-        """The tool results of the last reply, else the environment's next message; inserted
-        after it, or the conversation ends."""
-        messages = self._respond(c)
+    def _next_turn(self, c: _Live, raw: str) -> None:
+        """The tool results of the last reply (`raw`), else the environment's next message;
+        inserted after it, or the conversation ends."""
+        messages = self._respond(c, raw)
         if not messages:
             c.done = True
             return
         stop = c.ids[-1] if c.ids and c.ids[-1] in self.procs.tokens.stops else None
         ids = inserted_ids(self.procs, messages, stop)
-        if self.budget and len(c.ids) + len(ids) >= self.budget:  # no room left for a reply
+        if len(c.ids) + len(ids) >= self.budget:  # no room left for a reply
             c.done, c.truncated = True, True
             return
         c.ids += ids
@@ -134,9 +162,9 @@ class Conversations:
         c.images += [im for m in messages for im in m.get("images", [])]
         c.turns += [{k: v for k, v in m.items() if k != "images"} for m in messages]
 
-    def _respond(self, c: _Live) -> list[dict]:
+    def _respond(self, c: _Live, raw: str) -> list[dict]:
         if self.runner is not None:
-            calls = self.parse(c.raw)
+            calls = self.parse(raw)[:self.max_calls]  # rollout.max_tool_calls per reply
             if calls:
                 out = []
                 for call in calls:
@@ -151,10 +179,24 @@ class Conversations:
             return []
         return [msg if isinstance(msg, dict) else {"role": "user", "content": str(msg)}]
 
-    def shutdown(self) -> None:
+    def env_reward(self, c: _Live) -> float | None:
+        """The environment's own grade of a finished conversation, if it gives one."""
+        graded = getattr(self.env, "reward", None)
+        return None if graded is None else float(graded(c.problem, c.turns))
+
+    def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
-        self.engine.shutdown()
+
+
+INSERTED_TOKENS = 1024  # an inserted turn's allowance in the derived episode budget
+
+
+def episode_budget(rc) -> int:
+    """`rollout.max_episode_tokens`, or when 0 the bound the turn limits give: max_turns
+    replies of max_new_tokens and an inserted turn of INSERTED_TOKENS between each two (a
+    longer one ends the episode, truncated)."""
+    return rc.max_episode_tokens or rc.max_turns * rc.max_new_tokens + (rc.max_turns - 1) * INSERTED_TOKENS
 
 
 def _versions(vs: list) -> list[int]:
@@ -169,12 +211,15 @@ def _versions(vs: list) -> list[int]:
     return out
 
 
-def _routing(parts: list):
-    """The turns' routing as one [R, L, k] tensor (-1 rows for inserted tokens), or None."""
+def _routing(parts: list, many: bool):
+    """The calls' routing as one [R, L, k] tensor (`many` turns: int16, -1 rows for inserted
+    tokens), or None."""
     ref = next((r for r, _ in parts if r is not None), None)
     if ref is None:
         return None
     import torch
+    if not many:
+        return parts[0][0] if len(parts) == 1 else torch.cat([r for r, _ in parts])
     return torch.cat([r.to(torch.int16) if r is not None else
                       torch.full((n, *ref.shape[1:]), -1, dtype=torch.int16) for r, n in parts])
 
@@ -191,25 +236,50 @@ def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) ->
     come next: the reply's closing (without the stop token `stop` the reply already ended on),
     the messages, and the next assistant header: what the template renders after an assistant
     turn's content when they follow it (the part before may differ, e.g. a template that drops earlier
-    turns' thinking: the model's own tokens are kept as sampled). ValueError when the template
-    loses the reply's content."""
+    turns' thinking: the model's own tokens are kept as sampled). The template's own text is
+    tokenized with its special tokens, each message's content by :func:`encode_turn_text` (as
+    text). ValueError when the template loses the reply's content or a message's."""
+    texts: list[str] = []  # every message's text, in order, each rendered as a placeholder
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _REPLY}]
-    after = _render(procs, base + [_plain(m) for m in messages], True)
+    after = _render(procs, base + [_held(_plain(m), texts) for m in messages], True)
     if _REPLY not in after:
         raise ValueError("the chat template drops an earlier assistant turn's content: multi-turn "
                          "rollouts cannot insert turns with it")
-    ids = procs.tokenizer.encode(after[after.rindex(_REPLY) + len(_REPLY):], add_special_tokens=False)
+    rest, ids, tok = after[after.rindex(_REPLY) + len(_REPLY):], [], procs.tokenizer
+    for i, text in enumerate(texts):
+        if rest.count(_HELD % i) != 1:
+            raise ValueError("the chat template does not render an inserted turn's text as it is")
+        before, rest = rest.split(_HELD % i)
+        ids += tok.encode(before, add_special_tokens=False) + encode_turn_text(tok, text)
+    ids += tok.encode(rest, add_special_tokens=False)
     return ids[1:] if stop is not None and ids and ids[0] == stop else ids
+
+
+def encode_turn_text(tokenizer, text: str) -> list[int]:
+    """Tool or environment text as token ids of plain TEXT: a special token's string in it (a
+    forged end of turn in a tool result) is split like any other text, never parsed as the
+    special token, so inserted text cannot open or close chat turns."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+_HELD = "<<text %d>>"  # an inserted message's text while the template renders around it
+
+
+def _held(m: dict, texts: list[str]) -> dict:
+    """`m` with its text (the content, or each text part of it) as placeholders, the text
+    appended to `texts`."""
+    def hold(text: str) -> str:
+        texts.append(str(text))
+        return _HELD % (len(texts) - 1)
+    c = m["content"]
+    content = ([{**part, "text": hold(part["text"])} if part.get("type") == "text" else part for part in c]
+               if isinstance(c, list) else hold(c))
+    return {**m, "content": content}
 
 
 def _plain(m: dict) -> dict:
     """A message as the template takes it (roles, content, a tool's name)."""
     return {k: v for k, v in m.items() if k in ("role", "content", "name")}
-
-
-def wrap(engine, rc, procs: I.Processors):
-    """`engine` itself for a single-turn run, else its :class:`Conversations`."""
-    return Conversations(engine, rc, procs) if (rc.env or rc.tools) else engine
 
 
 def max_sampled_tokens(rc) -> int:
@@ -218,8 +288,7 @@ def max_sampled_tokens(rc) -> int:
     constant)."""
     if not (rc.env or rc.tools):
         return rc.max_new_tokens
-    most = rc.max_turns * rc.max_new_tokens
-    return min(most, rc.max_episode_tokens) if rc.max_episode_tokens else most
+    return min(rc.max_turns * rc.max_new_tokens, episode_budget(rc))
 
 
 def turn_metrics(episodes: list) -> dict[str, float]:

@@ -6,9 +6,10 @@ queue of finished groups. The rank's main thread stays in lock-step with every o
 step's exchange and weight sync: world.py's groups, entered in the same order everywhere) and
 only hands things over: at each step it takes the oldest `per_gen` groups (:meth:`take`), at
 each sync it receives the new weights into the receiver's buffers (:meth:`receive_weights`), which the
-worker loads at its next check point: a batch's start, and with `rollout.partial` the next
-decode step (the engine's `interrupt` ends its generate call, `between` loads the weights and the
-batch goes on under them). So the trainers wait for the engines only when the
+worker loads at a batch's start, and with `rollout.partial` at the engine's next decode step:
+the engine is handed :meth:`Producer.check` (episode.Engine.generate), which loads them and
+returns their version, so the engine's call ends there and the batch goes on under them
+(multiturn.generate). So the trainers wait for the engines only when the
 queue is empty, and the engines wait for the trainers only at the staleness bound:
 
 - `rollout.stale = "wait"` (AReaL's rule): batch `s` starts only once the engine can hold the
@@ -20,12 +21,15 @@ queue is empty, and the engines wait for the trainers only at the staleness boun
 
 k = 1 with "wait" is the one-step overlap (batch s sampled with version s - 1, exactly).
 
-An engine with its own weight channel (vLLM: `OWN_CHANNEL`) receives in its own processes, and
-its `LLM` takes one thread at a time: the sync is posted to the engine
+An engine with its own weight channel (vLLM: `OWN_CHANNEL`, an episode.AheadEngine) receives in
+its own processes, and its `LLM` takes one thread at a time: the sync is posted to the engine
 (`receive_ahead`), which runs it at the worker's next decode step (vllm_ahead.py): into staging
-buffers loaded at the next batch's start, or with `rollout.partial` loaded at once, the
-batch's requests aborted and added again under the new weights. (k = 1 with "wait" and no
-partial stays the main thread's overlap there: :class:`Generation`.)
+buffers loaded at the next batch's start, or with `rollout.partial` loaded at once, ending the
+engine's call (the batch goes on under the new weights). (k = 1 with "wait" and no partial
+stays the main thread's overlap there: :class:`Generation`.)
+
+A pause (evaluation, :meth:`Producer.paused`) with `rollout.partial` ends the batch in flight at
+its next decode step (the check raises) and makes it again after, from its start.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from collections import deque
 from contextlib import contextmanager, nullcontext
 from typing import Callable, NamedTuple
 
+from episode import Check, Engine
 from failures import fault_active
 
 
@@ -55,15 +60,20 @@ class _Stopped(Exception):
     """Raised at a check point when the producer is stopped: ends the worker quietly."""
 
 
+class _Paused(Exception):
+    """Raised at a check point when a pause is asked: the batch in flight is made again after."""
+
+
 class Producer:
     """The generation worker of one generation rank (see the module docstring).
 
-    `make(index, version)` generates and scores batch `index` of the prompt stream with the
-    engine's current weights (`version`): (episodes sorted by group, stats). `position` (batch, groups already taken
+    `make(index, version, check)` generates and scores batch `index` of the prompt stream with
+    the engine's current weights (`version`), handing the engine `check` (None: no check):
+    (episodes sorted by group, stats). `position` (batch, groups already taken
     from it) is where the stream starts: (step, 0) for a fresh or "wait" run, the checkpoint's
     for "drop". `limit`: no batch at or after it ("wait": run.steps; "drop": None)."""
 
-    def __init__(self, engine, make: Callable[[int, int], tuple[list, dict]], bound: Bound,
+    def __init__(self, engine: Engine, make: Callable[[int, int, Check | None], tuple[list, dict]], bound: Bound,
                  position: tuple[int, int], limit: int | None, partial: bool = False):
         self.engine, self.make, self.bound, self.limit = engine, make, bound, limit
         self.loaded = bound.version0        # the version in the engine
@@ -82,11 +92,9 @@ class Producer:
         if self.own and engine.weight_version != self.loaded:
             raise RuntimeError(f"the engine holds weight version {engine.weight_version}, the "
                                f"trainers {self.loaded}")
-        if partial:
-            engine.between, engine.interrupt = self.check_point, self._pending
-        elif self.own:  # stepped only to end at a stop: no weights load mid-batch
-            engine.between, engine.interrupt = self._stop_point, lambda: self.stopping
-        self.hooks = (engine.between, getattr(engine, "interrupt", None))
+        # what the engine is handed: with partial the check that loads weights mid-batch; an
+        # own-channel engine a check that only stops (its weights load at a batch's start)
+        self.engine_check = self.check if partial else (self._stop_check if self.own else None)
         self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.thread.start()
 
@@ -119,7 +127,10 @@ class Producer:
                     index = self.batch = self.index
                     self._checks = 0
                 self._load()
-                episodes, stats = self.make(index, self.loaded)
+                try:
+                    episodes, stats = self.make(index, self.loaded, self.engine_check)
+                except _Paused:  # made again, from its start, once the pause ends
+                    continue
                 groups: dict[int, list] = {}
                 for e in episodes:
                     groups.setdefault(e.group, []).append(e)
@@ -135,13 +146,24 @@ class Producer:
                 self.error = e
                 self.cv.notify_all()
 
-    def _pending(self) -> bool:
-        """Whether the engine should stop at its next decode step: newer weights wait, or a
-        pause or stop is asked (read without the lock: a stale read costs one decode step)."""
+    def check(self) -> int:
+        """What the engine is handed with partial rollouts (episode.Check): before a batch's
+        first token and after each decode step. Raises to stop, or to end the batch on a pause;
+        loads the newest weights received (an own-channel engine loaded them itself) and returns
+        their version, so the engine's call ends once newer weights are in."""
         self._checks += 1
         if self._checks == 2 and not self._held and fault_active("hold_for_weights"):
             self._hold_for_weights()
-        return self.staged is not None or self.pause_asked or self.stopping
+        if self.stopping:
+            raise _Stopped
+        if self.pause_asked:
+            raise _Paused
+        if self.own:
+            with self.cv:
+                self.loaded = max(self.loaded, self.engine.weight_version)
+        elif self.staged is not None:
+            self._load()
+        return self.loaded
 
     def _hold_for_weights(self, timeout_s: float = 120.0) -> None:
         """Tests (`GRPO_FAULT=hold_for_weights`): the first batch generated ahead of the trainers
@@ -168,19 +190,11 @@ class Producer:
             while not (self.idle or self.holding or self.error or not self.thread.is_alive()):
                 self.cv.wait(timeout=1.0)
 
-    def check_point(self) -> int:
-        """Before each generate call of a batch (partial rollouts): stop or pause if asked, load the
-        newest weights received; returns the version the next tokens are sampled with."""
-        with self.cv:
-            self._wait(lambda: not self.pause_asked)
-        self._load()
-        return self.loaded
-
-    def _stop_point(self) -> int:
-        """The check point of a batch whose weights stay (own channel, no partial): a stop only."""
-        with self.cv:
-            if self.stopping:
-                raise _Stopped
+    def _stop_check(self) -> int:
+        """The check of an own-channel engine's batch without partial: its weights stay; a stop
+        ends it."""
+        if self.stopping:
+            raise _Stopped
         return self.loaded
 
     def _load(self) -> None:
@@ -285,11 +299,9 @@ class Producer:
             while not (self.idle or self.error or not self.thread.is_alive()):
                 self.cv.wait(timeout=1.0)
         self._load()
-        self.engine.between = self.engine.interrupt = None
         try:
             yield
         finally:
-            self.engine.between, self.engine.interrupt = self.hooks
             with self.cv:
                 self.pause_asked = False
                 self.cv.notify_all()
@@ -301,7 +313,6 @@ class Producer:
             self.stopping = True
             self.cv.notify_all()
         self.thread.join()
-        self.engine.between = self.engine.interrupt = None
 
 
 def stages_received(ro) -> bool:

@@ -4,7 +4,7 @@
 sync"): every trainer rank gathers the engines' tensors in one order, trainer rank 0 packs and
 broadcasts them, the generation ranks' engines load them. An engine with `OWN_CHANNEL` (vLLM)
 receives the buckets in its own workers over channel.py's communicator
-(`vllm_engine.VLLMWorkerExtension`, with `plan_from_plain` / `unpack` from here).
+(`vllm_worker.VLLMWorkerExtension`, with `plan_from_plain` / `unpack` from here).
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ Channel = TorchChannel  # anything with .broadcast(uint8 tensor) -> work with .w
 
 
 class Receiver:
-    """Generation-rank side of a sync (a `rollout.WeightSource`): control messages, and bucket
+    """Generation-rank side of a sync (an `episode.WeightSource`): control messages, and bucket
     data for in-process engines."""
 
     def __init__(self, group, src: int, device: torch.device = torch.device("cpu")):

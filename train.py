@@ -16,8 +16,8 @@ generate step k+1's batch while the trainers train on step k (corrected by TIS).
 
 `python train.py --help` lists the flags (and the launch); every config key is documented in
 config.py. Where things live: the update in update.py and loss.py (objectives and filters:
-registry.py), the policy in trainer.py, the engines in rollout.py and vllm_engine.py, the
-weights' way to them in sync.py and channel.py, failure handling in failures.py.
+registry.py), the policy in trainer.py, the engines in hf_engine.py and vllm_engine.py (as
+episode.py says), the weights' way to them in sync.py and channel.py, failures in failures.py.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ if __name__ == "__main__":  # a stop while torch imports (seconds): one line, ex
     for _sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_sig, _stopped)
 
+import functools
 import json  # (the imports below come after those handlers: torch alone takes seconds)
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ import torch.distributed as dist
 import checkpoint as ckpt
 import config
 import data
+import engines
+import episode
 import evaluation
 import failures
 import families
@@ -51,6 +54,7 @@ import inputs
 import loss  # noqa: F401  (registers the built-in objectives before registry.check)
 import microbatches
 import model
+import multiturn
 import pipeline
 import registry
 import rewards
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         configs, flags, overrides = config.split_argv(argv)
         cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
-            engine = rollout.engine_class(cfg.rollout.engine)
+            engine = engines.engine_class(cfg.rollout.engine)
             code = dry_run(cfg, engine.OWN_CHANNEL)
             note = engine.start_note(cfg.rollout, model.peek_config(cfg.model.path))
             if note:  # what the engine decides from the model (vLLM: prefix caching)
@@ -104,7 +108,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
-    rollout.check(cfg.rollout, cfg.train)  # a known engine (rollout.ENGINES), environment and tools (envs/)
+    engines.check(cfg.rollout, cfg.train)  # a known engine (engines.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 
@@ -115,7 +119,7 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     dev = detect_device()
     validate_world(cfg, launched_size(), dev.kind)  # before any process group exists
     try:
-        own = rollout.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
+        own = engines.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
         world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
                             cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
@@ -195,7 +199,7 @@ class Setup:
     images: dict                   # problem index -> image (the trainer's batches)
     n_skipped: int                 # dataset rows skipped
     eval_set: list | None          # evaluation problems, when run.eval_every > 0
-    engine: rollout.Engine | None        # generation ranks
+    engine: episode.Engine | None        # generation ranks
     scorer: rewards.RewardRunner | None       # generation ranks: [reward] functions
     eval_scorer: rewards.RewardRunner | None  # generation ranks: [eval] functions
     receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
@@ -204,6 +208,7 @@ class Setup:
     mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
     eval_skipped: int = 0          # evaluation rows skipped (eval/skipped_rows)
+    turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
@@ -217,7 +222,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
-    engine = start_engine(cfg, world, dev, device, live, model_path, procs,
+    engine, turns = engines.start(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
     if world.own_channel and cfg.sync.enabled:
@@ -234,26 +239,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
-                 eval_skipped)
-
-
-def start_engine(cfg: config.Config, world: World, dev: Device, device: torch.device,
-                 live: failures.Liveness, model_path: str, procs: inputs.Processors,
-                 problems: list) -> rollout.Engine | None:
-    """A generation rank's engine (None elsewhere; sized for the most images one of `problems`
-    holds); then every rank waits until every engine has started, for `rollout.start_timeout_s`:
-    vLLM's start-up outlasts any collective timeout."""
-    engine = None
-    if world.is_gen:
-        live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
-        failures.inject_start(cfg.cluster.timeout_s)
-        engine = rollout.build_engine(cfg, model_path, procs, dev=dev, device=device,
-                                      seed=cfg.run.seed + world.gen_index,
-                                      max_images=max((len(p.images) for p in problems), default=0))
-    live.phase(None, "start: waiting for every engine to start")
-    failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
-    live.phase(None, "start-up")
-    return engine
+                 eval_skipped, turns)
 
 
 def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
@@ -285,7 +271,7 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         if s.eval_skipped:
             rec.say(f"   note: {s.eval_skipped} rows of the {cfg.eval.split} split skipped for "
                     "evaluation (prompts over data.max_prompt_len or bad rows; eval/skipped_rows)")
-        note = rollout.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
+        note = engines.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
                                  cfg.run.steps)
         for line in filter(None, (note, *s.notes, epochs)):
@@ -305,7 +291,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
     s, progress, rec = started
     first, by_index = progress.step, {p.index: p for p in s.problems}
     gen = pipeline.Generation(s.engine, cfg, world, progress,
-                              lambda step, version: generate(s, cfg, world, step, version))
+                              lambda step, version, check=None: generate(s, cfg, world, step, version, check))
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -354,27 +340,31 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         rec.close()
     if s.engine is not None:
         s.engine.shutdown()
+        s.turns and s.turns.close()
     dist.destroy_process_group()
     return 0
 
 
-def generate(s: Setup, cfg: config.Config, world: World, step: int,
-             version: int) -> tuple[list[rollout.Episode], dict]:
-    """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
+def generate(s: Setup, cfg: config.Config, world: World, step: int, version: int,
+             check: episode.Check | None = None) -> tuple[list[episode.Episode], dict]:
+    """This generation rank's share of `step`'s problems, sampled with weight `version` (or as
+    `check`, pipeline.Producer's, says), scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
-    sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
-                          top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
-    return rollout.rollout_refilled(s.engine, mine, s.procs, sampling, cfg.data.template, s.scorer,
-                              version, group_offset=world.gen_index * per_gen,
-                              seed=cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
-                              refill=rollout.Refill(s.problems, cfg.loss.drop_zero_variance
-                                                    and ro.max_refill_rounds))
+    sampling = episode.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
+                                top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
+    roll = functools.partial(rollout.rollout, s.engine, procs=s.procs, sp=sampling, template=cfg.data.template,
+                             scorer=s.scorer, version=check or version, group_offset=0, turns=s.turns)
+    return rollout.rollout_refilled(roll, mine, sampling.n,
+                                    cfg.run.seed * 1_000_003 + step * 1009 + world.gen_index,
+                                    rollout.Refill(s.problems, cfg.loss.drop_zero_variance
+                                                   and ro.max_refill_rounds),
+                                    group_offset=world.gen_index * per_gen)
 
 
 def exchange(world: World, local: tuple[list, dict],
-             progress: ckpt.Progress) -> tuple[list[rollout.Episode], list[dict], float]:
+             progress: ckpt.Progress) -> tuple[list[episode.Episode], list[dict], float]:
     """Every rank gets every generation rank's episodes (sorted by group) and stats, and the
     seconds it waited for them; running-ahead engines' stream positions go to `progress`."""
     t0, gathered = time.perf_counter(), [None] * world.size
@@ -385,7 +375,7 @@ def exchange(world: World, local: tuple[list, dict],
     return episodes, stats, time.perf_counter() - t0
 
 
-def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[rollout.Episode],
+def train_phase(cfg: config.Config, world: World, s: Setup, episodes: list[episode.Episode],
                 progress: ckpt.Progress, step: int) -> tuple[dict[str, float], list[float]]:
     """The rollout step's optimizer steps on the trainer ranks; counts non-finite (skipped) ones.
     Returns the metrics and every episode's advantage (empty on generation-only ranks)."""
@@ -428,7 +418,7 @@ def run_eval(cfg: config.Config, world: World, s: "Setup", rec: tracking.Recorde
              after: int, version: int) -> dict[str, float]:
     """Evaluate after `after` rollout steps; rank 0 records it (eval.jsonl, eval/step_N.jsonl)."""
     metrics, eps = evaluation.evaluate(world, s.engine, s.eval_scorer, s.eval_set, s.procs, cfg, version,
-                              seed=cfg.run.seed * 7919 + after, skipped=s.eval_skipped)
+                                       seed=cfg.run.seed * 7919 + after, skipped=s.eval_skipped, turns=s.turns)
     if rec:
         rec.evaluation(after, version, metrics, evaluation.eval_rows(eps, s.eval_set),
                        evaluation.settings(cfg.eval, cfg.rollout))
@@ -449,13 +439,13 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     if world.is_root and skipped:
         print(f"note: {skipped} rows of split {cfg.eval.split!r} skipped (prompts over "
               "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
-    engine = start_engine(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
+    engine, turns = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
-                        seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped)
+                                 seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped, turns=turns)
     if world.is_root:
         print(json.dumps(m))
         path = tracking.write_evaluation(out_dir, step, step, m, evaluation.eval_rows(eps, eval_set),
@@ -463,6 +453,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
         print(f"generations: {path}", flush=True)
     if engine is not None:
         engine.shutdown()
+        turns and turns.close()
     dist.destroy_process_group()
     return 0
 

@@ -4,31 +4,27 @@ With `rollout.max_staleness > 1`, `rollout.stale = "drop"` or `rollout.partial`,
 pipeline.Producer's worker thread generates while the rank's main thread receives each weight
 sync. vLLM's `LLM` is not thread-safe, so :class:`Owner` lets one thread at a time into it, and
 a call the main thread needs while the worker is generating (the weight receive) is posted to
-the worker, which runs it at its next decode step. :func:`stepped` is that generation: vLLM's
-`LLMEngine` stepped by hand (add_request / step / abort_request) instead of `LLM.generate`, so
-the worker reaches a check point after every decode step:
+the worker, which runs it at its next decode step. :func:`stepped` is that generation (a call
+of `VLLMEngine.generate` handed a check): vLLM's `LLMEngine` stepped by hand (add_request /
+step / abort_request) instead of `LLM.generate`, so the worker reaches a check point after
+every decode step:
 
 - a receive without `partial` lands in staging buffers in vLLM's worker, loaded at the next
   batch's start (a batch's weights never change mid-batch);
-- a receive with `partial` needs the engine empty: the batch's requests are aborted keeping
-  the tokens and logprobs seen so far, the weights load, and every unfinished sample is added
-  again as its prompt + its tokens so far with the token budget left, prefilled anew under the
-  new weights (vLLM's KV of the old weights is dropped with the prefix cache). Each token
-  records the version it was sampled with (Completion.versions).
+- a receive with `partial` needs the engine empty: the call's requests are aborted keeping
+  the tokens and logprobs seen so far, the weights load, and the call ends there; the loop above
+  the engines (multiturn.generate) continues every unfinished sample under the new weights.
 
-Seeds: chunk 0 (the batch's first requests) uses `LLM.generate`'s seeds (sample s of the call:
-seed + s), chunk c > 0 `seed + c * samples + s`: a batch reproduces for a given schedule.
+Seeds: as `LLM.generate`'s (row r's samples seed + r * n + j).
 """
 from __future__ import annotations
 
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Callable
 
-from rollout import Completion, Prompt, Sampling
-
+from episode import Check, Completion, Prompt, Sampling
 
 class _Task:
     __slots__ = ("fn", "empty", "done", "result", "error")
@@ -45,42 +41,26 @@ class Owner:
         self.who, self.timeout_s = who, timeout_s
         self.cv = threading.Condition()
         self.holder: int | None = None   # thread ident
-        self.driving = False             # the holder is a step loop: it runs posted calls itself
         self.tasks: list[_Task] = []
-
-    def _take(self, driving: bool) -> None:
-        """Under self.cv: wait until nobody holds it, then hold it."""
-        while self.holder is not None:
-            self.cv.wait()
-        self.holder, self.driving = threading.get_ident(), driving
 
     def _give(self) -> None:
         with self.cv:
-            self.holder, self.driving = None, False
+            self.holder = None
             self.cv.notify_all()
 
     @contextmanager
-    def hold(self, driving: bool = False):
-        """This thread alone in the LLM (`driving`: a step loop, which runs posted calls)."""
+    def hold(self):
+        """This thread alone in the LLM (a step loop in it runs the posted calls: stepped)."""
         with self.cv:
             if self.holder == threading.get_ident():
                 raise RuntimeError("vLLM engine: entered twice by one thread")
-            self._take(driving)
+            while self.holder is not None:
+                self.cv.wait()
+            self.holder = threading.get_ident()
         try:
             yield
         finally:
             self._give()
-
-    def outside(self, fn: Callable[[], object]) -> object:
-        """`fn()` with the LLM let go (the holder's requests all ended first): another thread
-        may use it meanwhile (evaluation during a pause, a weight receive); held again after."""
-        driving = self.driving
-        self._give()
-        try:
-            return fn()
-        finally:
-            with self.cv:
-                self._take(driving)
 
     def needs_empty(self) -> bool:
         return any(t.empty for t in self.tasks)  # read without the lock: a stale read costs a step
@@ -104,8 +84,8 @@ class Owner:
 
     def call(self, fn: Callable[[], object], empty: bool) -> object:
         """`fn()` inside the LLM from a thread that does not hold it: run here when nobody holds
-        it, else by a driving holder at its next decode step (`empty`: with its requests aborted
-        first), else here once the holder lets go. Waits at most timeout_s."""
+        it, else by a holder stepping requests at its next decode step (`empty`: with its
+        requests aborted first), else here once the holder lets go. Waits at most timeout_s."""
         task = _Task(fn, empty)
         end = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self.cv:
@@ -125,7 +105,7 @@ class Owner:
                 self.cv.wait(left)
             mine = not task.done
             if mine:
-                self.holder, self.driving = threading.get_ident(), False
+                self.holder = threading.get_ident()
         if mine:
             try:
                 self.run_tasks()
@@ -137,44 +117,27 @@ class Owner:
 
 
 class Batch:
-    """One generate call's samples, added to vLLM's `LLMEngine` (`engine`) chunk after chunk.
+    """One generate call's samples, added to vLLM's `LLMEngine` (`engine`) as requests.
 
     `render(list of vllm_engine.vllm_prompt inputs)`: vLLM's processed inputs for them;
     `params(sampling, seed)`: a streaming (DELTA) `SamplingParams`."""
 
     def __init__(self, engine, render: Callable, params: Callable[[Sampling, int], object],
-                 prompts: list[Prompt], sp: Sampling, seed: int):
+                 prompts: list[Prompt], sp: Sampling, version: int):
         self.engine, self.render, self.params = engine, render, params
-        self.prompts, self.sp, self.seed = prompts, sp, seed
+        self.prompts, self.sp, self.version = prompts, sp, version
         self.per = 1 if sp.greedy else sp.n
         self.seqs = [Completion([], [], True, []) for _ in range(len(prompts) * self.per)]
-        self.open = list(range(len(self.seqs)))   # samples not finished
         self.live: dict[str, int] = {}            # request id -> its first sample
-        self.chunk, self.version = 0, -1
         self.tag = f"grpo-{id(self):x}"
 
-    def add(self, version: int) -> None:
-        """The next chunk's requests, sampled with weights `version`: every prompt with its n
-        samples at first; then each unfinished sample alone, its prompt + tokens so far, with
-        the budget left (a sample at the budget is finished, truncated)."""
-        self.version, sp, c = version, self.sp, self.chunk
-        if c == 0:
-            rows = [(i * self.per, ids, ims, sp) for i, (ids, ims) in enumerate(self.prompts)]
-        else:
-            rows = []
-            for s in list(self.open):
-                left = sp.max_new_tokens - len(self.seqs[s].ids)
-                if left <= 0:
-                    self.open.remove(s)
-                    continue
-                ids, ims = self.prompts[s // self.per]
-                rows.append((s, ids + self.seqs[s].ids, ims, replace(sp, n=1, max_new_tokens=left)))
-        inputs = self.render([(ids, ims) for _, ids, ims, _ in rows]) if rows else []
-        for (s, _, _, spc), prompt in zip(rows, inputs, strict=True):
-            rid = f"{self.tag}-{c}-{s}"
-            self.engine.add_request(rid, prompt, self.params(spc, chunk_seed(self.seed, c, s, len(self.seqs))))
-            self.live[rid] = s
-        self.chunk += 1
+    def add(self, seed: int) -> None:
+        """Every row with its n samples, row r's seeded seed + r * n (+ j: vLLM's child index)."""
+        inputs = self.render(self.prompts) if self.prompts else []
+        for r, prompt in enumerate(inputs):
+            rid = f"{self.tag}-{r}"
+            self.engine.add_request(rid, prompt, self.params(self.sp, seed + r * self.per))
+            self.live[rid] = r * self.per
 
     def absorb(self, outputs) -> None:
         """One engine step's streamed outputs (new tokens of each request, DELTA)."""
@@ -192,7 +155,6 @@ class Batch:
                     seq.versions += [self.version] * len(ids)
                 if c.finish_reason is not None:
                     seq.truncated = c.finish_reason == "length"
-                    self.open.remove(s)
             if out.finished:
                 del self.live[out.request_id]
 
@@ -206,33 +168,28 @@ class Batch:
         return [self.seqs[i * self.per:(i + 1) * self.per] for i in range(len(self.prompts))]
 
 
-def chunk_seed(seed: int, chunk: int, sample: int, samples: int) -> int:
-    """Sample `sample` of a call's `samples`, in chunk `chunk`: chunk 0 as `LLM.generate` (seed
-    + sample, vLLM adding a prompt's child index), then a fresh block of seeds per chunk."""
-    return seed + chunk * samples + sample
+def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -> list[list[Completion]]:
+    """`eng.generate(prompts, sp, seed, check)` (vllm_engine.VLLMEngine, or a stand-in with
+    `llm`, `owner`, `render`, `stream_params` and `weight_version`), in the thread that drives it.
 
-
-def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
-    """`eng.generate` in the worker thread (vllm_engine.VLLMEngine, or a stand-in with `llm`,
-    `owner`, `render`, `stream_params`, `between`, `interrupt` and `weight_version`).
-
-    Before each decode step: posted calls that keep the batch's weights run at once; one that
-    loads weights (`empty`), or `interrupt()` (pause, stop), ends the chunk: requests aborted,
-    posted calls run, `between()` outside the LLM (it may wait, or raise to stop), then the
-    unfinished samples go on with the weights the engine then holds."""
-    between, interrupt = eng.between, eng.interrupt  # the pause clears the engine's (pipeline.py)
+    Calls posted before the batch run first; `check()` gives the call's version. After each
+    decode step: posted calls that keep the weights run at once; one that loads weights
+    (`empty`), or a check that returns another version, ends the call: requests aborted (their
+    samples keep their tokens so far), posted calls run. What `check` raises ends it the same way."""
     engine = eng.llm.llm_engine
-    batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, seed)
-    with eng.owner.hold(driving=True):
-        while batch.chunk == 0 or batch.live:
-            if batch.chunk == 0 or eng.owner.needs_empty() or (interrupt is not None and interrupt()):
-                batch.abort()
-                eng.owner.run_tasks()
-                eng.owner.outside(between)
-                eng.owner.run_tasks()  # posted meanwhile: nothing is in flight yet
-                batch.add(eng.weight_version)
-                continue
-            if eng.owner.tasks:  # posted since the check above: a weight load waits for it
-                eng.owner.run_tasks(keep=True)
-            batch.absorb(engine.step())
+    with eng.owner.hold():
+        eng.owner.run_tasks()
+        version = check()
+        batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, version)
+        try:
+            batch.add(seed)
+            while batch.live:
+                batch.absorb(engine.step())
+                if not batch.live or eng.owner.needs_empty() or check() != version:
+                    break
+                if eng.owner.tasks:  # posted since the check: a weight load waits for it
+                    eng.owner.run_tasks(keep=True)
+        finally:
+            batch.abort()
+            eng.owner.run_tasks()
     return batch.completions()

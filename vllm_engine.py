@@ -1,4 +1,5 @@
-"""The vLLM / vllm-ascend engine and its worker extension (the receiving side of weight sync).
+"""The vLLM / vllm-ascend engine: this rank's client (the code in vLLM's worker processes, the
+receiving side of weight sync, is vllm_worker.py).
 
 vLLM runs in processes it spawns, outside the torchrun world; this rank only sends requests.
 Weights reach the worker over `channel.open_channel`, only metadata crosses `collective_rpc`
@@ -8,13 +9,11 @@ from a worker thread when it runs ahead of the trainers: vllm_ahead.py.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import multiprocessing
 import os
 import threading
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -29,7 +28,7 @@ import routing as R
 import sync
 import vllm_ahead as A
 from errors import ModelError
-from rollout import Completion, Prompt, Sampling
+from episode import Check, Completion, Prompt, Sampling
 
 
 def vllm_sampling_kwargs(sp: Sampling, tokens: I.Tokens, seed: int) -> dict:
@@ -230,7 +229,7 @@ def _prepare_spawn(start_timeout_s: float | None = None, verbose: bool = False,
     # torchrun sets it; torch's tcp:// rendezvous (vLLM's private world) then never starts a
     # store of its own and waits forever for torchrun's.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # vLLM's worker imports "vllm_engine.VLLMWorkerExtension" (spawn also passes sys.path).
+    # vLLM's worker imports "vllm_worker.VLLMWorkerExtension" (spawn also passes sys.path).
     root = str(Path(__file__).resolve().parent)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
@@ -252,15 +251,11 @@ def _environ_restored():
 
 
 class VLLMEngine:
-    """vLLM / vllm-ascend generation: rollout.py's engine interface (`generate`,
-    `receive_weights`, `shutdown`) like HFEngine; `join_weight_channel` once before the syncs.
-    This rank never touches the accelerator (vLLM's processes see only its devices)."""
+    """vLLM / vllm-ascend generation: an episode.AheadEngine (`generate`, `receive_weights`,
+    `shutdown`; `join_weight_channel` once before the syncs; `receive_ahead`, `load_staged`,
+    `weights_waiting` while pipeline.Producer drives it). This rank never touches the
+    accelerator (vLLM's processes see only its devices)."""
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over channel.open_channel
-    # Set by pipeline.Producer while its worker thread drives this engine (vllm_ahead.stepped):
-    # `between()` at each chunk's start (a pause, a stop, weights it loads), `interrupt()` True
-    # ends the chunk at the next decode step; None: `LLM.generate`, as with k <= 1
-    between: Callable[[], int] | None = None
-    interrupt: Callable[[], bool] | None = None
 
     @classmethod
     def start_note(cls, rc, config) -> str:
@@ -326,22 +321,25 @@ class VLLMEngine:
                 enable_prefix_caching=prefix_caching(rc.prefix_caching, M.peek_config(path))[0],
                 logprobs_mode="processed_logprobs",  # see vllm_sampling_kwargs
                 async_scheduling=False,  # as vLLM's CPU build forces: docs/vllm.md
-                worker_extension_cls="vllm_engine.VLLMWorkerExtension",
+                worker_extension_cls="vllm_worker.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **mm, **(llm_kwargs or {}))
         # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)
 
-    def generate(self, prompts: list[Prompt], sp: Sampling, seed: int) -> list[list[Completion]]:
-        if self.between is not None:  # a worker thread drives it, step by step
-            return A.stepped(self, prompts, sp, seed)
+    def generate(self, rows: list[Prompt], sp: Sampling, seed: int,
+                 check: Check | None = None) -> list[list[Completion]]:
+        """episode.Engine.generate: `LLM.generate`, or with a check vLLM's engine stepped by
+        hand (vllm_ahead.stepped; the same seeds)."""
+        if check is not None:
+            return A.stepped(self, rows, sp, seed, check)
         from vllm import SamplingParams
         per = 1 if sp.greedy else sp.n
-        # prompt i's samples use seeds seed + i*per + j: distinct across the whole call
+        # row i's samples use seeds seed + i*per + j: distinct across the whole call
         params = [SamplingParams(**vllm_sampling_kwargs(sp, self.tokens, seed + i * per))
-                  for i in range(len(prompts))]
-        inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in prompts]
+                  for i in range(len(rows))]
+        inputs = [vllm_prompt(ids, ims, self.tokens) for ids, ims in rows]
         with self.owner.hold():
             outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [[vllm_completion(c.token_ids, c.logprobs, c.finish_reason, c.routed_experts)
@@ -458,143 +456,3 @@ def refuse_npu_nz(kind: str) -> None:
     if kind == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1") != "0":
         raise RuntimeError(f"VLLM_ASCEND_ENABLE_NZ={os.environ.get('VLLM_ASCEND_ENABLE_NZ', '1 (unset)')}: "
                            "weight sync needs VLLM_ASCEND_ENABLE_NZ=0 (source launch/npu_env.sh)")
-
-
-class PartialReload(logging.Filter):
-    """Context manager around a partial reload (`active`: LoRA syncs after the first): holds
-    back the per-layer "not loaded" warnings, and stops the sync naming any layer that got only
-    part of its weights (vocabulary layers exempt; docs/vllm.md, "Partial reloads")."""
-
-    LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.gpu_model_runner")
-    PADDED = ("ParallelLMHead", "VocabParallelEmbedding")
-
-    def __init__(self, active: bool):
-        super().__init__()
-        self.active = active
-        self.partly: list[str] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if "Delayed processing" in msg and not msg.split(":")[0].endswith(self.PADDED):
-            self.partly.append(msg.split(":")[0])
-        return record.levelno >= logging.ERROR
-
-    def __enter__(self) -> "PartialReload":
-        if self.active:
-            self._levels = []
-            for name in self.LOGGERS:
-                log = logging.getLogger(name)
-                self._levels.append(log.level)
-                log.setLevel(logging.DEBUG)  # the layerwise debug lines name partly loaded layers
-                log.addFilter(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.active:
-            return
-        for name, level in zip(self.LOGGERS, self._levels):
-            logging.getLogger(name).removeFilter(self)
-            logging.getLogger(name).setLevel(level)
-        if self.partly and exc[0] is None:
-            raise RuntimeError(f"weight sync: vLLM layer(s) {', '.join(sorted(set(self.partly)))} "
-                               "got only part of their weights in a partial sync (the rest would "
-                               "be garbage); send every tensor of such a layer")
-
-
-class VLLMWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`), called by name through
-    `collective_rpc`; `device`, `rank`, `model_config`, `model_runner` are the worker's."""
-
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
-                         deadline_s: float | None = None) -> None:
-        self.refuse_unloadable()
-        # the communicator of this worker's device kind, as trainer rank 0 picks by its own
-        comm = D.TABLE[self.device.type].comm
-        self.weight_channel = CH.open_channel(comm, host, port, rank_offset + self.rank,
-                                              world_size, self.device, deadline_s=deadline_s)
-
-    def refuse_unloadable(self) -> None:
-        """Weights the trainer's bf16/fp32 HF tensors cannot update: a quantized model, or
-        vllm-ascend's FRACTAL_NZ layout (any nz mode but 0; always on Atlas 300I / 310P)."""
-        q = self.model_config.quantization
-        if q is not None:
-            raise RuntimeError(f"weight sync: the engine's model is quantized ({q}); the trainer "
-                               "sends unquantized Hugging Face weights")
-        if self.device.type == "npu":
-            from vllm_ascend.ascend_config import get_ascend_config
-            from vllm_ascend.utils import is_310p
-            if is_310p() or get_ascend_config().weight_nz_mode != 0:
-                raise RuntimeError("weight sync: vllm-ascend stores weights as FRACTAL_NZ; set "
-                                   "VLLM_ASCEND_ENABLE_NZ=0 (Atlas 300I / 310P is not supported)")
-
-    def receive_weights(self, version: int, plan: list, partial: bool = False,
-                        stage: bool = False) -> int:
-        """Receive every bucket of `plan` (plain data) and load it through vLLM's layerwise
-        reload (which redoes each layer's post-load processing); `partial`: only some tensors
-        (:class:`PartialReload`); `stage`: keep them for :meth:`load_staged` instead (an engine
-        running ahead, mid-batch: a copy of what the sync sends, outside vLLM's memory budget,
-        merged over a staged sync not yet loaded). Returns the tensor count."""
-        buckets = sync.plan_from_plain(plan)
-        if stage:
-            old = getattr(self, "staged", None) or (version, {}, True)
-            self.staged = (version, {**old[1], **dict(self.weight_stream(buckets))}, partial and old[2])
-        else:
-            self._reload(self.weight_stream(buckets), partial, version)
-        said = "staged_said" if stage else "sync_said"
-        if not getattr(self, said, False):  # once: what a sync costs here
-            setattr(self, said, True)
-            held = (f"a staged weight sync holds {self.receive_memory.now / 2**20:.1f} MiB until "
-                    "the next batch loads it" if stage else f"a weight sync held at most "
-                    f"{self.receive_memory.peak / 2**20:.1f} MiB of received tensors at once")
-            print(f"vLLM worker {self.rank}: {held}, outside vLLM's memory budget (largest bucket "
-                  f"{max(map(sync.bucket_size, buckets)) / 2**20:.1f} MiB)", flush=True)
-        return sum(len(b) for b in buckets)
-
-    def load_staged(self) -> int:
-        """Load the staged sync (`receive_weights(..., stage=True)`), then free it; its version."""
-        version, named, partial = self.staged
-        self.staged = None
-        self._reload(iter(list(named.items())), partial, version)
-        return version
-
-    def _reload(self, named, partial: bool, version: int) -> None:
-        with torch.device(self.device), PartialReload(partial):
-            self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
-        D.synchronize(D.TABLE[self.device.type])
-        self.weight_version = version
-
-    def weight_sync_memory(self) -> dict:
-        """The last sync's received tensors: bytes alive now and at most at once (tests)."""
-        return {"peak": self.receive_memory.peak, "now": self.receive_memory.now}
-
-    def weight_stream(self, buckets: list):
-        """(HF name, tensor) of every bucket, in order, the next received while one loads: a
-        one-tensor bucket into memory of its own, a packed one into one of two reused buffers,
-        handed over as copies, so a sync adds about two buckets (docs/vllm.md, "Memory a sync
-        adds"). `receive_memory` counts the bytes alive."""
-        live = self.receive_memory = sync.LiveBytes()
-        packed = [i for i, b in enumerate(buckets) if len(b) > 1]
-        size = max((sync.bucket_size(buckets[i]) for i in packed), default=0)
-        ring = [live.track(torch.empty(size, dtype=torch.uint8, device=self.device))
-                for _ in range(min(2, len(packed)))]
-        slot = {i: k % 2 for k, i in enumerate(packed)}
-
-        def receive(i: int):
-            n = sync.bucket_size(buckets[i])
-            buf = (ring[slot[i]][:n] if i in slot else
-                   live.track(torch.empty(n, dtype=torch.uint8, device=self.device)))
-            # the broadcast waits for this thread's earlier work (the copies out of the same
-            # ring buffer two buckets ago): channel.CommChannel.broadcast
-            return buf, self.weight_channel.broadcast(buf)
-
-        pending = receive(0) if buckets else None
-        for i, bucket in enumerate(buckets):
-            buf, work = pending
-            work.wait()
-            pending = receive(i + 1) if i + 1 < len(buckets) else None
-            if i in slot:
-                for name, t in sync.unpack(buf, bucket):
-                    yield name, live.track(t.clone())
-            else:
-                yield from sync.unpack(buf, bucket)  # the whole buffer: the reload owns it
-            del buf

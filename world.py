@@ -304,7 +304,7 @@ def validate_world(cfg, world_size: int, device: str | None = None,
 
 def dry_run(cfg, own_channel: bool) -> int:
     """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
-    group's members (`own_channel`: the engine's, rollout.Engine.OWN_CHANNEL); nothing is
+    group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL); nothing is
     initialised."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node

@@ -54,7 +54,7 @@ def lengths(n: int, max_new: int, seed: int) -> list[int]:
 def workload(a, procs):
     import data
     import inputs as I
-    import rollout as R
+    import episode as R
     import synthetic
     problems = synthetic.make_synthetic(a.prompts, seed=3)
     rng = random.Random(a.seed)

@@ -3,7 +3,7 @@
     python bench/sync_memory.py                 # bf16, sync.bucket_mb 256 (the default)
     python bench/sync_memory.py --bucket-mb 1024
 
-Runs the worker's real receiving side (`vllm_engine.VLLMWorkerExtension.weight_stream`, the
+Runs the worker's real receiving side (`vllm_worker.VLLMWorkerExtension.weight_stream`, the
 bucket plan of `sync.Sender`) on the meta device (shapes only, nothing allocated), with a
 stand-in for vLLM 0.23's layerwise reload that does what matters for memory: it keeps a layer's
 tensors until the layer has all of them, then drops them (q/k/v go to one `qkv_proj`, gate/up to
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import sync as S  # noqa: E402
-import vllm_engine as V  # noqa: E402
+import vllm_worker as V  # noqa: E402
 from bench.step import QWEN25_VL_3B  # noqa: E402
 
 

@@ -94,16 +94,17 @@ def tiny_step(gloo_world, tiny_dir, tmp_path_factory):
     from torch.distributed.device_mesh import DeviceMesh
 
     import data
+    import episode as E
+    import hf_engine as HF
     import inputs as I
-    import rollout as R
     import synthetic
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(4, seed=3)
     prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
-    out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=10), seed=1)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
+    out = engine.generate(prompts, E.Sampling(n=4, max_new_tokens=10), seed=1)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(len(c.ids) % 3), {}, 0,
                      c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=gloo_world)
     return SimpleNamespace(path=path, procs=procs, eps=eps, images={p.index: p.images for p in problems},

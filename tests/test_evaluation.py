@@ -9,12 +9,13 @@ import pytest
 
 import config as C
 import evaluation as E
+import episode as EP
 import rollout as R
 from synthetic import Problem
 
 
 def _ep(index, accuracy, n_tokens=3):
-    return R.Episode(index=index, group=0, prompt_ids=[1], response_ids=[7] * n_tokens,
+    return EP.Episode(index=index, group=0, prompt_ids=[1], response_ids=[7] * n_tokens,
                      logprobs=[-1.0] * n_tokens, reward=accuracy, parts={"accuracy": accuracy,
                      "errors": 0.0}, version=4, truncated=False, text="x",
                      info={"difficulty": index + 1})  # what a reward returns beside the score
@@ -22,9 +23,9 @@ def _ep(index, accuracy, n_tokens=3):
 
 def test_sampling_is_greedy_at_n_1_and_overrides_only_what_is_set():
     ro = C.RolloutConfig(max_new_tokens=16, top_p=0.9, top_k=5, temperature=0.7)
-    assert E.sampling(C.EvalConfig(), ro) == R.Sampling(n=1, greedy=True, max_new_tokens=16)
+    assert E.sampling(C.EvalConfig(), ro) == EP.Sampling(n=1, greedy=True, max_new_tokens=16)
     sp = E.sampling(C.EvalConfig(n=4, temperature=0.6, max_new_tokens=32), ro)
-    assert sp == R.Sampling(n=4, temperature=0.6, top_p=0.9, top_k=5, max_new_tokens=32)
+    assert sp == EP.Sampling(n=4, temperature=0.6, top_p=0.9, top_k=5, max_new_tokens=32)
     assert E.sampling(C.EvalConfig(n=4, top_p=0.5), ro).top_p == 0.5
     assert E.settings(C.EvalConfig(), ro) == {"split": "validation", "n": 1, "temperature": 0.0,
                                               "top_p": 1.0, "max_new_tokens": 16}

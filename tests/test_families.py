@@ -23,6 +23,8 @@ from errors import ModelError
 import inputs as I
 import model as M
 import rollout as R
+import hf_engine as HF
+import episode as E
 import synthetic
 from train import load_config
 
@@ -60,12 +62,12 @@ def test_loads_strictly_with_its_own_class_and_text_models_build_no_vision(tiny_
 @pytest.mark.parametrize("t", FAMILIES)
 def test_engine_and_trainer_agree_and_packing_is_exact_where_it_applies(tiny_dir, t):
     path, procs = _procs(tiny_dir, t)
-    engine = R.HFEngine(path, torch.float32, procs, CPU)
+    engine = HF.HFEngine(path, torch.float32, procs, CPU)
     problems = _problems(procs, 2, seed=4)
     prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), len(p.images)), p.images)
                for i, p in enumerate(problems)]               # different lengths: padding
-    out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=8), seed=1)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
+    out = engine.generate(prompts, E.Sampling(n=3, max_new_tokens=8), seed=1)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
     flat = I.collate(eps, images, procs, CPU)
@@ -143,7 +145,7 @@ def test_moe_experts_go_per_expert_and_land_back_bitwise(tiny_dir, t):
             for n, _, pos, index in pieces]
     gate = dict(wire)[f"{head}.1.gate_proj.weight"]
     assert torch.equal(gate, params[fused[0]][1, : two_i // 2])
-    engine = R.HFEngine(path, torch.float32, procs, CPU)
+    engine = HF.HFEngine(path, torch.float32, procs, CPU)
     engine.load_weights(wire)
     got = dict(engine.model.named_parameters())
     assert all(torch.equal(got[n], p) for n, p in params.items())
@@ -235,10 +237,10 @@ def test_other_columns_reach_the_reward_functions(tiny_dir, tmp_path):
         path, procs = _procs(tiny_dir, "qwen3")
 
         class Stub:  # an engine that answers every prompt with one fixed token
-            def generate(self, prompts, sp, seed):
-                return [[R.Completion([procs.tokens.eos], [0.0], False)] * sp.n for _ in prompts]
+            def generate(self, prompts, sp, seed, check=None):
+                return [[E.Completion([procs.tokens.eos], [0.0], False)] * sp.n for _ in prompts]
         scorer = rewards.RewardRunner([{"name": "test_columns_seen"}], timeout_s=5)
-        eps, _ = R.rollout(Stub(), problems, procs, R.Sampling(n=2), template=data.DEFAULT_TEMPLATE,
+        eps, _ = R.rollout(Stub(), problems, procs, E.Sampling(n=2), template=data.DEFAULT_TEMPLATE,
                            scorer=scorer, version=0, group_offset=0, seed=0)
         assert [e.reward for e in eps] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
         assert seen[0] == {"difficulty": 1, "tags": ["easy"]}

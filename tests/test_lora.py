@@ -19,7 +19,8 @@ import data
 import inputs as I
 import lora
 import model as M
-import rollout as R
+import hf_engine as HF
+import episode as E
 import sync as S
 import synthetic
 import trainer as T
@@ -44,7 +45,7 @@ def _episodes(path: str, procs: I.Processors, n: int = 2):
     for i, p in enumerate(problems):
         resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
         k = 1 if procs.vision else 0
-        eps.append(R.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), k), resp,
+        eps.append(E.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), k), resp,
                              [0.0] * len(resp), 0.0, {}, 0, True))
         images.append(p.images[:k])
     return eps, images
@@ -143,7 +144,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
     before = {n: p.detach().clone() for n, p in tr.policy.named_parameters()}
-    engine = R.HFEngine(path, torch.float32, procs, CPU)
+    engine = HF.HFEngine(path, torch.float32, procs, CPU)
     first = tr.sender.send(1, sink=engine.load_weights)        # every tensor, once
     for _ in range(2):
         _update(tr, batch, procs.tokens)
@@ -228,12 +229,12 @@ def test_engine_tensors_send_every_sibling_vllm_fuses_with_an_adapted_layer(tiny
 
 
 def test_a_partial_vllm_reload_holds_back_the_expected_warnings_and_refuses_a_part_layer():
-    """vllm_engine.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
+    """vllm_worker.PartialReload (no vLLM needed): the per-layer "got no weights" warnings of a
     partial reload are held back; a layer loaded in part (vLLM's "Delayed processing") stops it,
     except a vocabulary layer (padded rows, one weight: the LoRA output head's later syncs)."""
     import logging
 
-    import vllm_engine as V
+    import vllm_worker as V
     seen: list[str] = []
 
     class Keep(logging.Handler):  # on the loggers themselves: vLLM's own config may not propagate

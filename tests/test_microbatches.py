@@ -14,7 +14,8 @@ import inputs as I
 import loss as L
 import microbatches as MB
 import model as M
-import rollout as R
+import hf_engine as HF
+import episode as E
 import synthetic
 import trainer as T
 import update as U
@@ -45,12 +46,12 @@ def test_padding_is_reduced_by_length_grouping():
 def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
     path = str(F.build_tiny(tmp_path / "tiny"))
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(4, seed=3)
     prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i % 2), 1), p.images)
                for i, p in enumerate(problems)]
-    out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
+    out = engine.generate(prompts, E.Sampling(n=4, max_new_tokens=12), seed=1)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
                      c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = {p.index: p.images for p in problems}
     policy = M.load_model(path)

@@ -10,7 +10,8 @@ import families as F
 import inputs as I
 import model as M
 import synthetic
-import rollout as R
+import hf_engine as HF
+import episode as E
 from tests.util import CheckpointCounter
 
 
@@ -77,14 +78,14 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
     """Left-padded cached generation vs right-padded full forward with mRoPE positions."""
     path, procs = tiny
     tokens = procs.tokens
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=1)
     prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]  # different lengths: padding matters
     for temp in (1.0, 0.7):
-        out = engine.generate(prompts, R.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=0)
+        out = engine.generate(prompts, E.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=0)
         assert [len(c) for c in out] == [3, 3, 3]
-        eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
+        eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
                for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
         for e in eps:
             assert not set(e.response_ids) & set(tokens.suppressed)
@@ -100,11 +101,11 @@ def test_text_only_positions_would_be_caught(tiny):
     """Without mm_token_type_ids transformers uses text-only positions: the parity check sees it."""
     path, procs = tiny
     tokens = procs.tokens
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     p = synthetic.make_synthetic(1, seed=2)[0]
     ids = I.prompt_ids(procs, data.user_text(p), 1)
-    c = engine.generate([(ids, p.images)], R.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
-    e = R.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
+    c = engine.generate([(ids, p.images)], E.Sampling(n=2, max_new_tokens=8), seed=0)[0][0]
+    e = E.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
     batch = I.collate([e], [p.images], procs, torch.device("cpu"))
     with torch.no_grad():
         out = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -147,7 +148,7 @@ def _batch(tiny, n: int = 2):
     eps = []
     for i, p in enumerate(problems):
         resp = [allowed[j] for j in torch.randint(len(allowed), (6 + i,), generator=g)]
-        eps.append(R.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), 1), resp,
+        eps.append(E.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p), 1), resp,
                              [0.0] * len(resp), 0.0, {}, 0, True))
     return I.collate(eps, [p.images for p in problems], procs, torch.device("cpu"))
 
@@ -196,12 +197,12 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     entropies and gradients equal the one-row-per-episode forward (and the engine's)."""
     path, procs = tiny
     tokens = procs.tokens
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     problems = synthetic.make_synthetic(3, seed=5)
     prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i), 1), p.images)
                for i, p in enumerate(problems)]            # prompts of different lengths
-    out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=10), seed=2)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
+    out = engine.generate(prompts, E.Sampling(n=3, max_new_tokens=10), seed=2)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
     packed = I.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})

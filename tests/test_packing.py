@@ -16,7 +16,8 @@ import inputs as I
 import lora
 import microbatches as MB
 import model as M
-import rollout as R
+import hf_engine as HF
+import episode as E
 import synthetic
 import update as U
 from errors import ConfigError
@@ -39,9 +40,9 @@ def _episodes(path: str, vision: bool):
                 else synthetic.make_synthetic_text(4, seed=3))
     prompts = [(I.prompt_ids(procs, data.user_text(p) * (1 + i % 2), len(p.images)), p.images)
                for i, p in enumerate(problems)]
-    engine = R.HFEngine(path, torch.float32, procs, CPU)
-    out = engine.generate(prompts, R.Sampling(n=4, max_new_tokens=12), seed=1)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
+    engine = HF.HFEngine(path, torch.float32, procs, CPU)
+    out = engine.generate(prompts, E.Sampling(n=4, max_new_tokens=12), seed=1)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, float(sum(c.ids) % 5), {}, 0,
                      c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     for i, e in enumerate(eps[1:], 1):                        # a random tiny model never stops
         n = 2 + (7 * i) % 11

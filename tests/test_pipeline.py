@@ -1,16 +1,19 @@
 """pipeline.Producer (engines running ahead, rollout.max_staleness = k) with a stand-in engine
-and scripted trainers, and the hf engine's chunked (partial) generation with a real tiny model:
+and scripted trainers, and the hf engine's partial generation (a check, multiturn.generate's
+loop) with a real tiny model:
 every token records its version, and its logprob is the one that version's weights give."""
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import pytest
 import torch
 
 import pipeline as P
-import rollout as R
+import hf_engine as HF
+import episode as E
 
 PER = 2  # groups per batch
 G = 2    # episodes per group
@@ -18,8 +21,6 @@ G = 2    # episodes per group
 
 class Engine:
     OWN_CHANNEL = False
-    between = None
-    chunk = 0
 
     def __init__(self):
         self.loaded = []
@@ -41,10 +42,8 @@ class Source:
         yield [("w", torch.tensor([float(self.version)]))]
 
 
-def batch(index, version, gate=None):
-    if gate is not None:
-        gate(index)
-    return [R.Episode(index, g, [1], [2, 3], [0.0, 0.0], 0.0, {}, version, False)
+def batch(index, version, check=None):
+    return [E.Episode(index, g, [1], [2, 3], [0.0, 0.0], 0.0, {}, version, False)
             for g in range(PER) for _ in range(G)], {"generate_s": 0.01, "reward_s": 0.0,
                                                       "prompts": PER, "refill_rounds": 0}
 
@@ -118,7 +117,7 @@ def test_position_resumes_inside_a_batch():
 
 
 def test_worker_error_reaches_the_main_thread():
-    def broken(index, version):
+    def broken(index, version, check):
         raise ValueError("reward crashed in batch 0")
     p = P.Producer(Engine(), broken, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=4)
     with pytest.raises(ValueError, match="reward crashed"):
@@ -131,11 +130,11 @@ def test_partial_loads_new_weights_between_chunks_and_pause():
     mid, resume = threading.Event(), threading.Event()
     seen = []
 
-    def chunked(index, version):  # a batch of two chunks with a check point between
+    def chunked(index, version, check):  # a batch whose engine calls `check` once
         if index == 0:
             mid.set()
             assert resume.wait(10)
-        seen.append((index, version, engine.between()))
+        seen.append((index, version, check()))
         return batch(index, version)
 
     p = P.Producer(engine, chunked, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=3, partial=True)
@@ -144,14 +143,39 @@ def test_partial_loads_new_weights_between_chunks_and_pause():
         p.receive_weights(Source(1))  # arrives while batch 0 is in flight
         resume.set()
         p.take(PER, 0, 0)
-        assert seen[0] == (0, 0, 1)  # started with 0, its second chunk sampled with 1
+        assert seen[0] == (0, 0, 1)  # started with 0, its check loaded 1
         settle(p, 2)  # batches 1 and 2 (limit 3)
         p.receive_weights(Source(2))
         with p.paused():  # evaluation: worker idle, newest weights in the engine
             assert p.loaded == 2 and p.idle
     finally:
         p.stop()
-    assert engine.between is None
+
+
+def test_a_pause_ends_a_partial_batch_and_makes_it_again_after():
+    """With partial rollouts a pause (evaluation) ends the batch in flight at its next check
+    (the check raises) and the worker makes that batch again, from its start, after the pause."""
+    engine = Engine()
+    inside, tries = threading.Event(), []
+
+    def make(index, version, check):
+        tries.append(index)
+        while index == 0 and len(tries) == 1:  # the first try of batch 0 decodes until paused
+            inside.set()
+            check()
+            time.sleep(0.01)
+        check()
+        return batch(index, version)
+
+    p = P.Producer(engine, make, P.Bound(1, "wait", 0, 0, True), (0, 0), limit=1, partial=True)
+    try:
+        assert inside.wait(10)
+        with p.paused():
+            assert p.idle and p.queue == deque()
+        eps, _ = p.take(PER, 0, 0)
+        assert tries == [0, 0] and {e.index for e in eps} == {0}
+    finally:
+        p.stop()
 
 
 def test_hold_for_weights_and_settle_pin_the_schedule_on_any_machine(monkeypatch):
@@ -163,12 +187,11 @@ def test_hold_for_weights_and_settle_pin_the_schedule_on_any_machine(monkeypatch
     engine = Engine()
     seen: dict[int, list[int]] = {}
 
-    def make(index, version):
-        v, got = engine.between(), []
-        for _ in range(4):  # four decode steps, the check point's question before each
-            if engine.interrupt():
-                v = engine.between()
+    def make(index, version, check):
+        v, got = check(), []
+        for _ in range(4):  # four decode steps, the engine's check after each
             got.append(v)
+            v = check()
         seen[index] = got
         return batch(index, min(got))
     p = P.Producer(engine, make, P.Bound(4, "wait", 0, 0, True), (0, 0), limit=8, partial=True)
@@ -186,45 +209,41 @@ def test_hold_for_weights_and_settle_pin_the_schedule_on_any_machine(monkeypatch
         p.stop()
 
 
-@pytest.mark.parametrize("how", ["interrupt", "chunk"])
-def test_hf_chunks_record_versions_and_each_tokens_own_logprobs(tiny_dir, how):
-    """Partial rollouts on the hf engine: weights change between generate calls (ended by the
-    interrupt at a decode step, or by a fixed chunk); each token's version is recorded and its
-    engine logprob equals the trainer's recomputation under that version's weights (fp32,
-    1e-4), on the tokens of each version."""
+def test_hf_calls_end_at_a_new_version_and_each_token_keeps_its_own_logprob(tiny_dir):
+    """Partial rollouts on the hf engine: the check handed to it returns a new version after its
+    third decode step, which ends the call; multiturn.generate continues the samples under the
+    new weights. Each token's version is recorded and its engine logprob equals the trainer's
+    recomputation under that version's weights (fp32, 1e-4), on the tokens of each version."""
     import data
     import inputs as I
     import model as M
+    import multiturn
     import synthetic
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    engine = R.HFEngine(path, torch.float32, procs, torch.device("cpu"))
+    engine = HF.HFEngine(path, torch.float32, procs, torch.device("cpu"))
     weights = [{n: t.detach().clone() for n, t in engine.model.named_parameters()}]
     g = torch.Generator().manual_seed(0)
     weights.append({n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in weights[0].items()})
-    calls = []
+    checks, now = [], [None]
 
-    def between():
-        v = min(len(calls), 1)
-        with torch.no_grad():
-            for n, t in engine.model.named_parameters():
-                t.copy_(weights[v][n])
-        calls.append(v)
+    def check():  # version 0, then 1 from the check after the third decode step on
+        checks.append(1)
+        v = int(len(checks) >= 4)
+        if now[0] != v:
+            with torch.no_grad():
+                for n, t in engine.model.named_parameters():
+                    t.copy_(weights[v][n])
+            now[0] = v
         return v
-    steps = []
-    if how == "chunk":
-        engine.between, engine.chunk = between, 3
-    else:  # newer weights "arrive" after the third decode step of the first call
-        engine.between = between
-        engine.interrupt = lambda: (steps.append(1) or len(steps) == 3) and len(calls) == 1
     problems = synthetic.make_synthetic(2, seed=3)
     prompts = [(I.prompt_ids(procs, data.user_text(p), 1), p.images) for p in problems]
-    out = engine.generate(prompts, R.Sampling(n=2, max_new_tokens=8), seed=1)
+    out = multiturn.generate(engine, prompts, E.Sampling(n=2, max_new_tokens=8), seed=1, check=check)
     comps = [c for cs in out for c in cs]
     assert all(len(c.versions) == len(c.ids) for c in comps)
     assert any(set(c.versions) == {0, 1} for c in comps)
     assert all(c.versions[:3] == [0] * min(3, len(c.ids)) for c in comps)
-    eps = [R.Episode(p.index, i, prompts[i][0], c.ids, c.logprobs, 0.0, {}, min(c.versions),
+    eps = [E.Episode(p.index, i, prompts[i][0], c.ids, c.logprobs, 0.0, {}, min(c.versions),
                      c.truncated, "", c.versions) for i, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
     batch_ = I.collate(eps, images, procs, torch.device("cpu"))

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 import rollout as R
+import episode as E
 from loss import zero_variance_groups
 
 F64 = torch.float64
@@ -18,15 +19,16 @@ F64 = torch.float64
 G = 4
 
 
-def _fake_rollout(calls):
-    """rollout() stand-in: problem p's group has reward variance iff p.index % 3 == 0."""
-    def fake(engine, problems, procs, sp, *, version, group_offset, seed, **_):  # by keyword
+def _fake_rollout(calls, version=7):
+    """rollout() stand-in (rollout_refilled's `roll`): problem p's group has reward variance iff
+    p.index % 3 == 0; groups numbered from 0."""
+    def fake(problems, *, seed):
         calls.append(([p.index for p in problems], seed))
         eps = []
         for g, p in enumerate(problems):
-            for k in range(sp.n):
+            for k in range(G):
                 r = float(k % 2) if p.index % 3 == 0 else 0.5
-                eps.append(R.Episode(p.index, group_offset + g, [1], [2], [0.0], r, {}, version, False))
+                eps.append(E.Episode(p.index, g, [1], [2], [0.0], r, {}, version, False))
         return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0}
     return fake
 
@@ -35,14 +37,12 @@ def _problems(indices):
     return [SimpleNamespace(index=i) for i in indices]
 
 
-def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
+def test_refill_keeps_drawing_until_enough_valid_groups():
     calls = []
-    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
     pool = _problems(range(60))
-    sp = R.Sampling(n=G)
     mine = _problems([0, 1, 2, 4])          # only problem 0 has reward variance
-    eps, st = R.rollout_refilled(None, mine, None, sp, "", None, 7, group_offset=8, seed=123,
-                                 refill=R.Refill(pool, rounds=50))
+    eps, st = R.rollout_refilled(_fake_rollout(calls), mine, G, seed=123,
+                                 refill=R.Refill(pool, rounds=50), group_offset=8)
     assert len(eps) == 4 * G
     assert [e.group for e in eps] == [g for g in range(8, 12) for _ in range(G)]   # renumbered
     groups = [eps[i:i + G] for i in range(0, len(eps), G)]
@@ -57,17 +57,15 @@ def test_refill_keeps_drawing_until_enough_valid_groups(monkeypatch):
     assert calls[0] == ([0, 1, 2, 4], 123)
     # deterministic: the same call gives the same episodes
     calls2 = []
-    monkeypatch.setattr(R, "rollout", _fake_rollout(calls2))
-    eps2, _ = R.rollout_refilled(None, _problems([0, 1, 2, 4]), None, sp, "", None, 7, 8, 123,
-                                 R.Refill(pool, 50))
+    eps2, _ = R.rollout_refilled(_fake_rollout(calls2), _problems([0, 1, 2, 4]), G, 123,
+                                 R.Refill(pool, 50), 8)
     assert calls2 == calls and [(e.index, e.group) for e in eps2] == [(e.index, e.group) for e in eps]
 
 
-def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
+def test_refill_stops_at_its_bound_and_fills_with_dropped_groups():
     calls = []
-    monkeypatch.setattr(R, "rollout", _fake_rollout(calls))
     pool = _problems([1, 2, 4, 5, 7, 8])       # no problem of the pool has reward variance
-    eps, st = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+    eps, st = R.rollout_refilled(_fake_rollout(calls, 0), _problems([1, 3]), G,
                                  group_offset=0, seed=5, refill=R.Refill(pool, rounds=2))
     assert st["refill_rounds"] == 2 and len(calls) == 3 and st["prompts"] == 6
     # a full share: the valid group first, then the first dropped one (the trainer masks it)
@@ -76,7 +74,7 @@ def test_refill_stops_at_its_bound_and_fills_with_dropped_groups(monkeypatch):
     assert zero_variance_groups(torch.tensor([e.reward for e in eps], dtype=F64), G).tolist() == [False, True]
     # rounds = 0: exactly rollout()
     calls.clear()
-    eps0, st0 = R.rollout_refilled(None, _problems([1, 3]), None, R.Sampling(n=G), "", None, 0,
+    eps0, st0 = R.rollout_refilled(_fake_rollout(calls, 0), _problems([1, 3]), G,
                                    group_offset=4, seed=5, refill=R.Refill(pool, rounds=0))
     assert len(calls) == 1 and st0["refill_rounds"] == 0 and [e.group for e in eps0] == [4] * G + [5] * G
     assert [e.index for e in eps0] == [1] * G + [3] * G              # order kept, nothing moved

@@ -12,7 +12,8 @@ import data
 import families as F
 import inputs as I
 import model as M
-import rollout as R
+import hf_engine as HF
+import episode as E
 import routing
 import synthetic
 from errors import ConfigError
@@ -26,13 +27,13 @@ CPU = torch.device("cpu")
 def _episodes(path: str, dtype=torch.bfloat16):
     """Two prompts x 3 responses of up to 12 tokens from the HF engine in bf16, with routing."""
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    engine = R.HFEngine(path, dtype, procs, CPU)
+    engine = HF.HFEngine(path, dtype, procs, CPU)
     vl = F.is_vlm(engine.model.config)
     problems = synthetic.make_synthetic(2, seed=5)
     prompts = [(I.prompt_ids(procs, data.user_text(p), len(p.images) if vl else 0),
                 p.images if vl else []) for p in problems]
-    out = engine.generate(prompts, R.Sampling(n=3, max_new_tokens=12), seed=2)
-    eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated,
+    out = engine.generate(prompts, E.Sampling(n=3, max_new_tokens=12), seed=2)
+    eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated,
                      routing=c.routing, prompt_routing=c.prompt_routing)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     return procs, eps, [prompts[e.group][1] for e in eps], engine
@@ -123,7 +124,7 @@ def test_the_engines_prompt_routing_is_what_a_trainer_forward_routes_at_those_po
     """The same weights and dtype (the engine's own model as the trainer): the prefill's routing
     of each row's prompt (left-padded in the engine, prompts of different lengths) is the
     trainer's at the prompt's columns, and r_0's predictor is the prompt's last token; a partial
-    rollout (HFEngine._chunked) keeps chunk 0's prefill."""
+    rollout (multiturn.generate's later calls) keeps call 0's prefill."""
     procs, eps, images, engine = _episodes(tiny_dir(kind), dtype=torch.float32)
     model = engine.model
     assert len({len(e.prompt_routing) for e in eps}) > 1                   # left padding differs
@@ -134,9 +135,13 @@ def test_the_engines_prompt_routing_is_what_a_trainer_forward_routes_at_those_po
     last = at_prompt.reshape(-1)[torch.cumsum(torch.tensor([len(e.prompt_routing) for e in eps]), 0) - 1] + 1
     assert torch.equal(every[last].sort(-1).values,
                        torch.stack([e.routing[0] for e in eps]).long().sort(-1).values)
-    engine.between, engine.chunk = (lambda: 0), 3                          # partial rollouts
+    import itertools
+    import multiturn
+    checks = itertools.count()  # partial rollouts: a new version every few decode steps
     prompts = [(eps[i].prompt_ids, images[i]) for i in (0, 3)]
-    chunked = [c for cs in engine.generate(prompts, R.Sampling(n=3, max_new_tokens=12), seed=2) for c in cs]
+    chunked = [c for cs in multiturn.generate(engine, prompts, E.Sampling(n=3, max_new_tokens=12), seed=2,
+                                              check=lambda: next(checks) // 4) for c in cs]
+    assert any(len(set(c.versions)) > 1 for c in chunked)
     assert all(torch.equal(c.prompt_routing, e.prompt_routing) for c, e in zip(chunked, eps))
 
 

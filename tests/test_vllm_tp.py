@@ -17,7 +17,7 @@ from tests.util import free_port  # noqa: E402
 import channel as CH  # noqa: E402
 import config as C  # noqa: E402
 import model as M  # noqa: E402
-import rollout as R  # noqa: E402
+import episode as E  # noqa: E402
 import sync as S  # noqa: E402
 import vllm_engine as V  # noqa: E402
 
@@ -50,7 +50,7 @@ def test_tp2_workers_join_the_channel_and_load_their_shards(tp_engine, tiny, mon
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # trainer rank 0 has it
     problems = _problems(2, seed=6)
     prompts = _prompts(tiny, problems)
-    sp = R.Sampling(n=2, max_new_tokens=8)
+    sp = E.Sampling(n=2, max_new_tokens=8)
     policy = M.load_model(tiny.path).eval()
     original = M.load_model(tiny.path).eval()
     out = tp_engine.generate(prompts, sp, seed=1)

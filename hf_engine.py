@@ -1,0 +1,149 @@
+"""The transformers engine (episode.LocalEngine): generation on this rank's device with its own
+copy of the weights, loaded from the sync's buckets (the twin of vllm_engine.py)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import device as D
+import families
+import inputs as I
+import model as M
+import routing as R
+import sync as S
+from episode import Check, Completion, Prompt, Sampling, WeightSource
+
+
+class _Changed(StoppingCriteria):
+    """Ends a generate call after the decode step where `check()` returns another version than
+    `version` (the call's): the rows go on elsewhere, under the new weights."""
+
+    def __init__(self, check: Check, version: int):
+        self.check, self.version = check, version
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.check() != self.version, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+class HFEngine:
+    """transformers generation on this rank's device, with its own copy of the weights (an
+    episode.LocalEngine)."""
+    OWN_CHANNEL = False
+
+    def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device):
+        self.model = M.load_model(path, dtype=dtype, device=device).eval()
+        self.procs, self.tokens, self.device = procs, procs.tokens, device
+        # MoE: what each generate call routed is recorded (routing.capture) and kept per token
+        self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
+                        if families.moe_routers(self.model) else 0)
+
+    @classmethod
+    def start_note(cls, rc, config) -> str:
+        return ""  # no prefix cache, nothing decided
+
+    @classmethod
+    def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
+                    device: torch.device, seed: int, max_images: int = 1) -> "HFEngine":
+        return cls(path, M.DTYPES[cfg.model.dtype], procs, device)
+
+    def generate(self, rows: list[Prompt], sp: Sampling, seed: int,
+                 check: Check | None = None) -> list[list[Completion]]:
+        """episode.Engine.generate: one transformers generate call seeded with `seed`; a
+        check ends it at the decode step where its version changes."""
+        version = None if check is None else check()
+        resp, lp, routes, before = self._sample(rows, sp, seed, None if check is None else _Changed(check, version))
+        per_row = 1 if sp.greedy else sp.n
+        result: list[list[Completion]] = [[] for _ in rows]
+        for i, (r, l, x, b) in enumerate(zip(resp, lp, routes, before)):
+            n, stopped = self._cut(r)
+            result[i // per_row].append(Completion(r[:n], l[:n], truncated=not stopped,
+                                                   versions=[] if check is None else [version] * n,
+                                                   routing=None if x is None else x[:n], prompt_routing=b))
+        return result
+
+    def _cut(self, r: list[int]) -> tuple[int, bool]:
+        """Tokens up to the first stop (included), and whether there is one."""
+        stops = self.tokens.stops
+        n = next((j + 1 for j, t in enumerate(r) if t in stops), None)
+        return (len(r), False) if n is None else (n, True)
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int,
+                stop: StoppingCriteria | None) -> tuple[list, list, list, list]:
+        """One transformers generate call: every row's sampled tokens and their logprobs
+        (lists; rows prompt-major, sp.n per prompt, 1 when greedy), up to max_new_tokens, and
+        for a MoE model each row's routing [T, L, k] and its prompt's but the last token's
+        [P - 1, L, k] (routing.generated_routing, routing.prompt_routing; else None); `stop`
+        may end the call at a decode step."""
+        tk = self.tokens
+        images = [im for _, ims in prompts for im in ims]
+        mm, mm_kw = {}, {}
+        counts = iter(())
+        if images:
+            ip = self.procs.image_processor
+            mm = I.image_inputs(ip, images)
+            counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
+        rows = [I.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
+        width = max(map(len, rows))
+        # left padding: generated tokens line up; positions (mRoPE) come from the mask
+        ids = torch.tensor([[tk.pad] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        knobs = (dict(do_sample=False) if sp.greedy else
+                 dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
+        if mm:  # images: their pixels, grids and where their tokens sit (mRoPE)
+            mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
+                         image_grid_thw=mm["image_grid_thw"].to(self.device),
+                         mm_token_type_ids=(ids == tk.image_pad).int())
+        if stop is not None:
+            knobs["stopping_criteria"] = StoppingCriteriaList([stop])
+        with D.fork_rng(self.device), (R.capture(self.model) if self.experts else nullcontext()) as calls:
+            torch.manual_seed(seed)  # fork_rng: the device type explicitly (NPU: not "cuda")
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, **mm_kw,
+                num_return_sequences=1 if sp.greedy else sp.n, max_new_tokens=sp.max_new_tokens,
+                suppress_tokens=list(tk.suppressed), eos_token_id=list(tk.stops), pad_token_id=tk.pad,
+                output_logits=True, return_dict_in_generate=True, **knobs)
+        resp = out.sequences[:, width:]                                   # [P*n, T]
+        logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
+        temp = 1.0 if sp.greedy else sp.temperature
+        lp, _ = M.token_logprobs(logits, resp, tk, temp)
+        if not self.experts:
+            return resp.tolist(), lp.tolist(), [None] * resp.shape[0], [None] * resp.shape[0]
+        routes = list(R.generated_routing(calls, *resp.shape, self.experts).cpu())
+        per = resp.shape[0] // len(rows)                                  # rows prompt-major
+        before = R.prompt_routing(calls, [len(rows[i // per]) for i in range(resp.shape[0])], self.experts)
+        return resp.tolist(), lp.tolist(), routes, before
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], adopt: bool = False) -> None:
+        """Copy `named` (sync.wire_pieces' names) into the model, or with `adopt` make a whole
+        tensor the model's storage (it must outlive the model: sync.Receiver's buffers do)."""
+        if not hasattr(self, "_targets"):
+            params = list(self.model.named_parameters())
+            self._targets = {name: (params[pos][1], index)
+                             for name, _, pos, index in S.wire_pieces(self.model)}
+        for name, t in named:
+            p, index = self._targets[name]
+            if (not index and adopt and t.dtype == p.dtype and t.device == p.device
+                    and t.shape == p.shape):
+                if p.data_ptr() != t.data_ptr():
+                    p.data = t
+            else:
+                (p[index] if index else p).copy_(t)
+
+    def receive_weights(self, source: WeightSource) -> int:
+        """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's
+        buffers live across syncs, so later syncs land in place with no copy)."""
+        version, _ = source.control()
+        for named in source.buckets():
+            self.load_weights(named, adopt=True)
+        return version
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def shutdown(self) -> None:
+        self.model = None
