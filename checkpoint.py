@@ -10,6 +10,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -83,6 +84,8 @@ def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
             (Path(eval_checkpoint) / f).is_file() for f in ("hf/config.json", "config.json")):
         return "config error", (f"--checkpoint: {eval_checkpoint} holds no model (neither "
                                 "hf/config.json nor config.json)")
+    if eval_checkpoint is not None and (problem := _eval_problem(Path(eval_checkpoint))):
+        return "error", problem
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         f = open(out_dir / LOCK, "a+")
@@ -113,6 +116,27 @@ def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
             probe.unlink()
         except OSError as e:
             return "error", _unwritable(d, e)
+    return None
+
+
+def _eval_problem(folder: Path) -> str | None:
+    """What `--eval-only` reads of checkpoint `folder` (`hf/`, `state/meta.pt`), checked before
+    anything is built: against the manifest when there is one, and meta.pt as plain data."""
+    try:
+        listing = (json.loads((folder / MANIFEST).read_text())["files"]
+                   if (folder / MANIFEST).is_file() else {})
+        for name, (size, crc) in sorted(listing.items()):
+            if name.startswith("hf/") or name == "state/meta.pt":
+                if bad := _file_problem(folder, name, size, crc):
+                    return f"checkpoint {folder} is damaged: {bad}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"checkpoint {folder} is damaged: {MANIFEST}: unreadable ({type(e).__name__})"
+    try:
+        eval_step(folder)
+    except Refused as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - a damaged file raises anything
+        return f"checkpoint {folder} is damaged: state/meta.pt: cannot be loaded ({one_line(e)})"
     return None
 
 
@@ -324,8 +348,35 @@ class Resumed(NamedTuple):
     rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
+class Refused(StartError):
+    """A checkpoint whose `state/meta.pt` holds more than plain data: unpickling it would run
+    code. Stops the run (never skipped for an older checkpoint: the run folder is suspect)."""
+
+
 def read_meta(path: Path) -> dict:
-    return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
+    """`state/meta.pt` of checkpoint `path`, loaded as plain data only (`weights_only=True`:
+    tensors, dicts, lists, numbers, strings; no code runs). An object of any other kind raises
+    :class:`Refused`; a damaged file raises what torch raises."""
+    try:
+        meta = torch.load(Path(path) / "state" / "meta.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" not in str(e).lower():
+            raise
+        what = re.search(r"GLOBAL (\S+)|Unsupported operand \S+", str(e))
+        raise Refused(f"checkpoint {path} refused: state/meta.pt holds more than plain data "
+                      f"({what.group(1) or what.group(0) if what else 'an object torch refuses'}), "
+                      "and loading it would run code (docs/checkpoints.md, \"What a checkpoint "
+                      "can run\")") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"a {type(meta).__name__}, not a dict")
+    return meta
+
+
+def eval_step(checkpoint: str | Path) -> int:
+    """The step an `--eval-only` checkpoint was saved at (its `state/meta.pt`, read as plain
+    data), -1 for an HF export without training state."""
+    f = Path(checkpoint) / "state" / "meta.pt"
+    return int(read_meta(Path(checkpoint))["step"]) if f.is_file() else -1
 
 
 def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
@@ -390,7 +441,7 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
     damaged = []
     for c in cands:
         problem = _verify(Path(c), train_group, is_root) if is_trainer else None
-        meta = None
+        meta = refused = None
         if is_root and problem is None:
             try:
                 meta = read_meta(Path(c))
@@ -401,9 +452,13 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
                     meta[key]  # noqa: B018 - a KeyError names what is missing
                 meta["trainers"] = len(meta.pop("rng"))
                 meta.pop("sched")
-            except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+            except Refused as e:
+                refused, meta = str(e), None
+            except Exception as e:  # noqa: BLE001 - a damaged file raises anything
                 problem, meta = f"state/meta.pt: cannot be loaded ({one_line(e)})", None
-        problem, meta = _bcast((problem, meta) if is_root else None, ctrl)
+        problem, meta, refused = _bcast((problem, meta, refused) if is_root else None, ctrl)
+        if refused:
+            raise Refused(refused)
         if problem is None:
             return Path(c), meta
         if named is not None:
@@ -483,21 +538,22 @@ def _verify(path: Path, train_group, is_root: bool) -> str | None:
         return listing
     names = sorted(listing)
     mine = _share(names, train_group)
-    found = None
-    for name in mine:
-        size, crc = listing[name]
-        p = path / name
-        if not p.is_file():
-            found = f"{name}: missing"
-        elif p.stat().st_size != size:
-            found = f"{name}: {p.stat().st_size} bytes, expected {size}"
-        elif _crc(p) != crc:
-            found = f"{name}: contents changed since the save (CRC-32 mismatch)"
-        if found:
-            break
+    found = next((bad for name in mine if (bad := _file_problem(path, name, *listing[name]))), None)
     got: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(got, found, group=train_group)
     return next((g for g in got if g), None)
+
+
+def _file_problem(folder: Path, name: str, size: int, crc: int) -> str | None:
+    """File `name` of `folder` against its manifest entry: "hf/config.json: missing", or None."""
+    p = folder / name
+    if not p.is_file():
+        return f"{name}: missing"
+    if p.stat().st_size != size:
+        return f"{name}: {p.stat().st_size} bytes, expected {size}"
+    if _crc(p) != crc:
+        return f"{name}: contents changed since the save (CRC-32 mismatch)"
+    return None
 
 
 def _legacy_problem(path: Path) -> str | None:
@@ -543,11 +599,11 @@ def _load(path: Path, state: tuple, train_group, is_root: bool,
         problem = f"state/: cannot be loaded ({one_line(e)})"
     if problem is None:
         try:
-            meta = torch.load(path / "state" / "meta.pt", weights_only=False)
+            meta = read_meta(path)
             sched.load_state_dict(meta["sched"])
             for key in ("step", "version", "skipped_in_row", "skipped_total", "rng"):
                 meta[key]  # noqa: B018 - a KeyError names what is missing
-        except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+        except Exception as e:  # noqa: BLE001 - a damaged file raises anything
             problem = f"state/meta.pt: cannot be loaded ({one_line(e)})"
     got: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(got, problem, group=train_group)
