@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Callable
 
+import failures
+
 def _stat(proc: str, pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields after the command name: [0] the state, [1] the parent's pid,
     [19] the start time (field 22, clock ticks since boot); None for no such process."""
@@ -136,7 +138,9 @@ class Watch:
             for p in self.processes:
                 code = p.exitcode
                 if code is not None and not self._stop.is_set():
-                    self.on_death(f"{self.what} process {p.name} (pid {p.pid}) died ({how(code)})")
+                    own = failures.engine_error()  # what it wrote before it died, if anything
+                    self.on_death(f"{self.what} process {p.name} (pid {p.pid}) died ({how(code)})"
+                                  + (f"; the engine's own error: {own}" if own else ""))
                     return
 
     def stop(self) -> None:

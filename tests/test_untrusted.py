@@ -101,3 +101,36 @@ def test_a_planted_meta_pt_stops_resume_and_eval_only_and_an_export_evaluates_al
                   str(export), "--run.eval_size=2"], env=env())
     assert q.returncode == 0, q.stderr[-3000:]
     assert (tmp_path / "ev2" / "eval.jsonl").is_file() and not flag.exists()
+
+
+@pytest.mark.slow
+def test_a_one_node_run_listens_on_the_loopback_only_but_for_torchruns_own_stores(tmp_path):
+    """The 3-rank demo under `torchrun --standalone`: every socket its ranks listen on is on the
+    loopback. torchrun's own agent serves its two stores (the rendezvous and the one MASTER_PORT
+    names) on every interface: torch's TCPStore binds the wildcard address whatever host it is
+    given (torch 2.10-2.13), which docs/gpu-npu.md ("Ports") says."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.util import listeners, torchrun_cmd
+    seen: dict = {}
+    p = subprocess.Popen(torchrun_cmd(3, [*TINY, "--run.steps=3", "--run.keep_last=0",
+                                          f"--run.out_dir={tmp_path}"], warm=False),
+                         cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while p.poll() is None and time.monotonic() < deadline:
+            for addr, pids in listeners(p.pid).items():
+                seen.setdefault(addr, set()).update(pids)
+            time.sleep(0.2)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode == 0
+    ranks = {a: pids - {p.pid} for a, pids in seen.items() if pids - {p.pid}}
+    assert len(ranks) >= 3 and all(a[0].startswith(("127.", "::1")) for a in ranks), seen
+    agent = [a for a, pids in seen.items() if p.pid in pids]
+    assert len(agent) <= 2, seen
