@@ -10,14 +10,12 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
 import socket
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,10 +33,11 @@ import device as D
 import families as F
 import lora
 from errors import ConfigError, StartError, causes, one_line
+from checkpoint_read import (MANIFEST, Refused, crc as _crc, eval_problem as _eval_problem,  # noqa: F401
+                             eval_step, file_problem as _file_problem, read_meta)
 from failures import Fatal, fault_active
 
 _STEP = re.compile(r"^step_(\d+)$")
-MANIFEST = "manifest.json"
 LOCK = "run.lock"
 _HELD: list = []  # the run folder's lock: an open file, held as long as this process lives
 
@@ -116,27 +115,6 @@ def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
             probe.unlink()
         except OSError as e:
             return "error", _unwritable(d, e)
-    return None
-
-
-def _eval_problem(folder: Path) -> str | None:
-    """What `--eval-only` reads of checkpoint `folder` (`hf/`, `state/meta.pt`), checked before
-    anything is built: against the manifest when there is one, and meta.pt as plain data."""
-    try:
-        listing = (json.loads((folder / MANIFEST).read_text())["files"]
-                   if (folder / MANIFEST).is_file() else {})
-        for name, (size, crc) in sorted(listing.items()):
-            if name.startswith("hf/") or name == "state/meta.pt":
-                if bad := _file_problem(folder, name, size, crc):
-                    return f"checkpoint {folder} is damaged: {bad}"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"checkpoint {folder} is damaged: {MANIFEST}: unreadable ({type(e).__name__})"
-    try:
-        eval_step(folder)
-    except Refused as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001 - a damaged file raises anything
-        return f"checkpoint {folder} is damaged: state/meta.pt: cannot be loaded ({one_line(e)})"
     return None
 
 
@@ -348,37 +326,6 @@ class Resumed(NamedTuple):
     rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
-class Refused(StartError):
-    """A checkpoint whose `state/meta.pt` holds more than plain data: unpickling it would run
-    code. Stops the run (never skipped for an older checkpoint: the run folder is suspect)."""
-
-
-def read_meta(path: Path) -> dict:
-    """`state/meta.pt` of checkpoint `path`, loaded as plain data only (`weights_only=True`:
-    tensors, dicts, lists, numbers, strings; no code runs). An object of any other kind raises
-    :class:`Refused`; a damaged file raises what torch raises."""
-    try:
-        meta = torch.load(Path(path) / "state" / "meta.pt", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights only load failed" not in str(e).lower():
-            raise
-        what = re.search(r"GLOBAL (\S+)|Unsupported operand \S+", str(e))
-        raise Refused(f"checkpoint {path} refused: state/meta.pt holds more than plain data "
-                      f"({what.group(1) or what.group(0) if what else 'an object torch refuses'}), "
-                      "and loading it would run code (docs/checkpoints.md, \"What a checkpoint "
-                      "can run\")") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"a {type(meta).__name__}, not a dict")
-    return meta
-
-
-def eval_step(checkpoint: str | Path) -> int:
-    """The step an `--eval-only` checkpoint was saved at (its `state/meta.pt`, read as plain
-    data), -1 for an HF export without training state."""
-    f = Path(checkpoint) / "state" / "meta.pt"
-    return int(read_meta(Path(checkpoint))["step"]) if f.is_file() else -1
-
-
 def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
     """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
     finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
@@ -544,18 +491,6 @@ def _verify(path: Path, train_group, is_root: bool) -> str | None:
     return next((g for g in got if g), None)
 
 
-def _file_problem(folder: Path, name: str, size: int, crc: int) -> str | None:
-    """File `name` of `folder` against its manifest entry: "hf/config.json: missing", or None."""
-    p = folder / name
-    if not p.is_file():
-        return f"{name}: missing"
-    if p.stat().st_size != size:
-        return f"{name}: {p.stat().st_size} bytes, expected {size}"
-    if _crc(p) != crc:
-        return f"{name}: contents changed since the save (CRC-32 mismatch)"
-    return None
-
-
 def _legacy_problem(path: Path) -> str | None:
     """A checkpoint without a manifest: its required files and DCP's listed shards are whole."""
     for name in ("state/.metadata", "state/meta.pt", "hf/model.safetensors", "hf/config.json"):
@@ -623,14 +558,6 @@ def _move_aside(ckpt_root: Path, paths: list[Path]) -> Path:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _crc(path: Path) -> int:
-    c = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            c = zlib.crc32(chunk, c)
-    return c
-
-
 def _share(items: list, group) -> list:
     """This rank's share of `items` (round robin over the group)."""
     return items[dist.get_rank(group):: dist.get_world_size(group)]

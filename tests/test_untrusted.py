@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
+import checkpoint_read
 from tests.util import ROOT, TINY, env, train_py
 
 
@@ -39,14 +39,14 @@ def test_meta_pt_is_read_as_plain_data_and_a_planted_object_is_refused(tmp_path)
     plain, bad, flag = tmp_path / "plain", tmp_path / "bad", tmp_path / "ran"
     _meta(plain, None)
     _meta(bad, flag)
-    assert checkpoint.read_meta(plain)["step"] == 3 and checkpoint.eval_step(plain) == 3
-    assert torch.equal(checkpoint.read_meta(plain)["rng"][0]["cpu"], torch.get_rng_state())
-    with pytest.raises(checkpoint.Refused, match=r"^checkpoint .*bad refused: state/meta.pt holds "
+    assert checkpoint_read.read_meta(plain)["step"] == 3 and checkpoint_read.eval_step(plain) == 3
+    assert torch.equal(checkpoint_read.read_meta(plain)["rng"][0]["cpu"], torch.get_rng_state())
+    with pytest.raises(checkpoint_read.Refused, match=r"^checkpoint .*bad refused: state/meta.pt holds "
                        r"more than plain data \(posix.system\), and loading it would run code"):
-        checkpoint.read_meta(bad)
-    assert "posix.system" in checkpoint._eval_problem(bad)
+        checkpoint_read.read_meta(bad)
+    assert "posix.system" in checkpoint_read.eval_problem(bad)
     assert not flag.exists()
-    assert checkpoint.eval_step(tmp_path) == -1   # an HF export: no training state needed
+    assert checkpoint_read.eval_step(tmp_path) == -1   # an HF export: no training state needed
 
 
 def test_no_pickle_the_project_writes_is_loaded_with_code_execution():
@@ -83,7 +83,7 @@ def test_a_planted_meta_pt_stops_resume_and_eval_only_and_an_export_evaluates_al
     import json
     m = json.loads((ck / "manifest.json").read_text())
     f = ck / "state" / "meta.pt"
-    m["files"]["state/meta.pt"] = [f.stat().st_size, checkpoint._crc(f)]
+    m["files"]["state/meta.pt"] = [f.stat().st_size, checkpoint_read.crc(f)]
     (ck / "manifest.json").write_text(json.dumps(m))
     line = (f"error: checkpoint {ck} refused: state/meta.pt holds more than plain data "
             "(posix.system), and loading it would run code (docs/checkpoints.md, \"What a "
