@@ -4,6 +4,7 @@ export needs no training state; on one node no listener of the project is reacha
 another machine."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -47,6 +48,18 @@ def test_meta_pt_is_read_as_plain_data_and_a_planted_object_is_refused(tmp_path)
     assert "posix.system" in checkpoint_read.eval_problem(bad)
     assert not flag.exists()
     assert checkpoint_read.eval_step(tmp_path) == -1   # an HF export: no training state needed
+    # --eval-only checks what it reads against the manifest: hf/ and meta.pt, not the shards
+    (plain / "hf").mkdir()
+    (plain / "hf" / "config.json").write_text("{}")
+    (plain / "state" / "__0_0.distcp").write_bytes(b"x")
+    files = {n: [(plain / n).stat().st_size, checkpoint_read.crc(plain / n)]
+             for n in ("hf/config.json", "state/meta.pt", "state/__0_0.distcp")}
+    (plain / "manifest.json").write_text(json.dumps({"files": files}))
+    (plain / "state" / "__0_0.distcp").write_bytes(b"y")
+    assert checkpoint_read.eval_problem(plain) is None
+    (plain / "hf" / "config.json").write_text("[]")
+    assert checkpoint_read.eval_problem(plain) == (f"checkpoint {plain} is damaged: hf/config.json: "
+                                                   "contents changed since the save (CRC-32 mismatch)")
 
 
 def test_no_pickle_the_project_writes_is_loaded_with_code_execution():
@@ -80,7 +93,6 @@ def test_a_planted_meta_pt_stops_resume_and_eval_only_and_an_export_evaluates_al
     flag = tmp_path / "ran"
     meta = torch.load(ck / "state" / "meta.pt", weights_only=True)
     torch.save({**meta, "x": Planted(flag)}, ck / "state" / "meta.pt")
-    import json
     m = json.loads((ck / "manifest.json").read_text())
     f = ck / "state" / "meta.pt"
     m["files"]["state/meta.pt"] = [f.stat().st_size, checkpoint_read.crc(f)]
