@@ -32,9 +32,9 @@ import config as C
 import device as D
 import families as F
 import lora
-from errors import ConfigError, StartError, causes, one_line
 from checkpoint_read import (MANIFEST, Refused, crc as _crc, eval_problem as _eval_problem,  # noqa: F401
                              eval_step, file_problem as _file_problem, read_meta)
+from errors import ConfigError, StartError, causes, one_line
 from failures import Fatal, fault_active
 
 _STEP = re.compile(r"^step_(\d+)$")

@@ -25,6 +25,7 @@ from typing import Callable
 
 import failures
 
+
 def _stat(proc: str, pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields after the command name: [0] the state, [1] the parent's pid,
     [19] the start time (field 22, clock ticks since boot); None for no such process."""
