@@ -139,7 +139,10 @@ def test_a_one_node_run_listens_on_the_loopback_only_but_for_torchruns_own_store
                 seen.setdefault(addr, set()).update(pids)
             time.sleep(0.2)
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # it and whatever it left behind
+        except ProcessLookupError:
+            pass
         p.wait()
     assert p.returncode == 0
     ranks = {a: pids - {p.pid} for a, pids in seen.items() if pids - {p.pid}}

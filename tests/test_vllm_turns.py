@@ -49,7 +49,10 @@ def test_a_six_turn_environment_runs_30_steps_on_vllms_cpu_build_listening_on_lo
                     seen.setdefault(addr, {_name(pid) for pid in pids})
                 time.sleep(0.5)
         finally:
-            os.killpg(p.pid, signal.SIGKILL)  # it and whatever it left behind
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # it and whatever it left behind
+            except ProcessLookupError:
+                pass
             p.wait()
         out.seek(0)
         log = out.read()
