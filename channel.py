@@ -19,6 +19,7 @@ import torch.distributed as dist
 import device as D
 from errors import ConfigError
 from sync import TorchChannel, fan_out
+from world import one_node
 
 
 class _StreamWork:
@@ -113,19 +114,23 @@ def open_channel(comm: str, host: str, port: int, rank: int, world_size: int,
     return CommChannel(group, communicator, stream, deadline_s)
 
 
-def listen(port: int) -> socket.socket:
-    """Trainer rank 0's listening socket for the weight channel's rendezvous, on every interface,
-    at `port` (`[sync] channel_port`; 0: any), bound here so no probe-then-bind race exists."""
+def listen(port: int) -> tuple[socket.socket, list]:
+    """Trainer rank 0's listening socket for the weight channel's rendezvous at `port` (`[sync]
+    channel_port`; 0: any), bound here so no probe-then-bind race exists, and the address the
+    members connect to: on the loopback when the job runs on one node (world.one_node), else on
+    every interface, announced as MASTER_ADDR (docs/gpu-npu.md, "Ports")."""
+    local = one_node()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("", port))
+        sock.bind(("127.0.0.1" if local else "", port))
     except OSError as e:
         sock.close()
         raise RuntimeError(f"sync.channel_port={port}: cannot listen on it ({e.strerror}); "
                            "pick a free port or 0") from None
     sock.listen()
-    return sock
+    host = "127.0.0.1" if local else os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return sock, [host, sock.getsockname()[1]]
 
 
 def vllm_log_level(verbose: bool) -> None:
@@ -143,9 +148,7 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
     trainer rank 0's end (None elsewhere). `verbose`: vLLM's INFO lines on trainer rank 0 too."""
     vllm_log_level(verbose)
     size = 1 + len(world.gens) * members_per_engine
-    sock = listen(port) if world.is_root else None
-    addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]] if world.is_root
-            else [None, None])
+    sock, addr = listen(port) if world.is_root else (None, [None, None])
     dist.broadcast_object_list(addr, 0, group=world.ctrl)
     host, port = addr
     if world.size == 1:  # both ends in this process: the engine joins from a thread
@@ -174,9 +177,7 @@ def check_channel(world, dev: D.Device, sc, timeout_s: float | None = None) -> i
     member = world.is_root or world.is_gen
     t0 = time.monotonic()
     if world.own_channel:
-        sock = listen(sc.channel_port) if world.is_root else None
-        addr = ([os.environ.get("MASTER_ADDR", "127.0.0.1"), sock.getsockname()[1]]
-                if world.is_root else [None, None])
+        sock, addr = listen(sc.channel_port) if world.is_root else (None, [None, None])
         dist.broadcast_object_list(addr, 0, group=world.ctrl)
         channel = (open_channel(dev.comm, addr[0], addr[1], 1 + world.gen_index if world.is_gen else 0,
                                 1 + len(world.gens), device, listen_socket=sock, deadline_s=timeout_s)

@@ -16,7 +16,6 @@ import signal
 import socket
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,11 +32,12 @@ import config as C
 import device as D
 import families as F
 import lora
+from checkpoint_read import (MANIFEST, Refused, crc as _crc, eval_problem as _eval_problem,  # noqa: F401
+                             eval_step, file_problem as _file_problem, read_meta)
 from errors import ConfigError, StartError, causes, one_line
 from failures import Fatal, fault_active, together
 
 _STEP = re.compile(r"^step_(\d+)$")
-MANIFEST = "manifest.json"
 LOCK = "run.lock"
 _HELD: list = []  # the run folder's lock: an open file, held as long as this process lives
 
@@ -83,6 +83,8 @@ def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
             (Path(eval_checkpoint) / f).is_file() for f in ("hf/config.json", "config.json")):
         return "config error", (f"--checkpoint: {eval_checkpoint} holds no model (neither "
                                 "hf/config.json nor config.json)")
+    if eval_checkpoint is not None and (problem := _eval_problem(Path(eval_checkpoint))):
+        return "error", problem
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         f = open(out_dir / LOCK, "a+")
@@ -343,10 +345,6 @@ class Resumed(NamedTuple):
     rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
-def read_meta(path: Path) -> dict:
-    return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
-
-
 def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
     """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
     finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
@@ -409,7 +407,7 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
     damaged = []
     for c in cands:
         problem = _verify(Path(c), train_group, is_root) if is_trainer else None
-        meta = None
+        meta = refused = None
         if is_root and problem is None:
             try:
                 meta = read_meta(Path(c))
@@ -420,9 +418,13 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
                     meta[key]  # noqa: B018 - a KeyError names what is missing
                 meta["trainers"] = len(meta.pop("rng"))
                 meta.pop("sched")
-            except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+            except Refused as e:
+                refused, meta = str(e), None
+            except Exception as e:  # noqa: BLE001 - a damaged file raises anything
                 problem, meta = f"state/meta.pt: cannot be loaded ({one_line(e)})", None
-        problem, meta = _bcast((problem, meta) if is_root else None, ctrl)
+        problem, meta, refused = _bcast((problem, meta, refused) if is_root else None, ctrl)
+        if refused:
+            raise Refused(refused)
         if problem is None:
             return Path(c), meta
         if named is not None:
@@ -502,18 +504,7 @@ def _verify(path: Path, train_group, is_root: bool) -> str | None:
         return listing
     names = sorted(listing)
     mine = _share(names, train_group)
-    found = None
-    for name in mine:
-        size, crc = listing[name]
-        p = path / name
-        if not p.is_file():
-            found = f"{name}: missing"
-        elif p.stat().st_size != size:
-            found = f"{name}: {p.stat().st_size} bytes, expected {size}"
-        elif _crc(p) != crc:
-            found = f"{name}: contents changed since the save (CRC-32 mismatch)"
-        if found:
-            break
+    found = next((bad for name in mine if (bad := _file_problem(path, name, *listing[name]))), None)
     got: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(got, found, group=train_group)
     return next((g for g in got if g), None)
@@ -562,11 +553,11 @@ def _load(path: Path, state: tuple, train_group, is_root: bool,
         problem = f"state/: cannot be loaded ({one_line(e)})"
     if problem is None:
         try:
-            meta = torch.load(path / "state" / "meta.pt", weights_only=False)
+            meta = read_meta(path)
             sched.load_state_dict(meta["sched"])
             for key in ("step", "version", "skipped_in_row", "skipped_total", "rng"):
                 meta[key]  # noqa: B018 - a KeyError names what is missing
-        except Exception as e:  # noqa: BLE001 - a garbage pickle raises anything
+        except Exception as e:  # noqa: BLE001 - a damaged file raises anything
             problem = f"state/meta.pt: cannot be loaded ({one_line(e)})"
     got: list = [None] * dist.get_world_size(train_group)
     dist.all_gather_object(got, problem, group=train_group)
@@ -586,14 +577,6 @@ def _move_aside(ckpt_root: Path, paths: list[Path]) -> Path:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _crc(path: Path) -> int:
-    c = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            c = zlib.crc32(chunk, c)
-    return c
-
-
 def _share(items: list, group) -> list:
     """This rank's share of `items` (round robin over the group)."""
     return items[dist.get_rank(group):: dist.get_world_size(group)]

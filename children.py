@@ -4,8 +4,10 @@ helpers): they never outlive the rank, and their death ends the rank at once.
 - :func:`start_reaper`: a small watchdog process of its own session that keeps a list of the
   rank's descendants (read from /proc every half second) and, once the rank is gone however it
   ended (a `kill -9` included, where no cleanup of the rank's runs), kills every one of them
-  still alive (the same pid with the same start time), then exits. Linux's /proc, so the same
-  on CPU, GPU and NPU nodes.
+  still alive (the same pid with the same start time), then exits. The rank too is followed by
+  pid and start time, so a reused pid never makes another job's processes its own, and
+  multiprocessing's resource tracker is left to clean up the shared memory (:func:`spared`).
+  Linux's /proc, so the same on CPU, GPU and NPU nodes.
 - :class:`Watch`: a thread of the rank that polls the engine's processes (the multiprocessing
   children the engine started: vLLM's engine core) and, when one ends while the engine is in
   use, ends the rank with one line naming it, its pid and its exit code or signal
@@ -18,27 +20,35 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable
 
-REAPER = r"""
-import os, signal, sys, time
-rank, me = int(sys.argv[1]), os.getpid()
+import failures
 
-def stat(pid):
+
+def _stat(proc: str, pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name: [0] the state, [1] the parent's pid,
+    [19] the start time (field 22, clock ticks since boot); None for no such process."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"{proc}/{pid}/stat") as f:
             s = f.read()
     except OSError:
         return None
-    return s[s.rindex(")") + 2:].split()   # state, ppid, ..., starttime at [19]
+    return s[s.rindex(")") + 2:].split()
 
-def tree(root):
-    kids = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            f = stat(d)
-            if f:
-                kids.setdefault(int(f[1]), []).append((int(d), f[19]))
+
+def _started(proc: str, pid: int) -> str | None:
+    """The start time of live process `pid` (a zombie counts as gone), None if there is none."""
+    f = _stat(proc, pid)
+    return None if f is None or f[0] in "ZX" else f[19]
+
+
+def _tree(proc: str, root: int, me: int) -> list[tuple[int, str]]:
+    """Every descendant of `root` but `me`, as (pid, start time)."""
+    kids: dict[int, list] = {}
+    for d in os.listdir(proc):
+        if d.isdigit() and (f := _stat(proc, int(d))):
+            kids.setdefault(int(f[1]), []).append((int(d), f[19]))
     out, todo = [], [root]
     while todo:
         for pid, start in kids.get(todo.pop(), []):
@@ -47,26 +57,58 @@ def tree(root):
                 todo.append(pid)
     return out
 
-last = []
-while True:
-    f = stat(rank)
-    if f is None or f[0] in "ZX":
-        break
-    last = tree(rank)
-    time.sleep(0.5)
-for pid, start in last:
-    f = stat(pid)
-    if f is not None and f[19] == start:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-"""
+
+def spared(proc: str, pid: int) -> bool:
+    """Not the engine's to kill: multiprocessing's resource tracker. Once every process holding
+    its pipe is gone it unlinks the shared memory they leaked (vLLM's message queues) and exits;
+    killed, it would leave those segments in /dev/shm."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def reap(rank: int, proc: str = "/proc", interval: float = 0.5, grace: float = 10.0,
+         kill: Callable[[int, int], None] = os.kill, sleep: Callable[[float], None] = time.sleep,
+         clock: Callable[[], float] = time.monotonic) -> list[int]:
+    """The reaper's loop (module docstring): follow `rank` by pid AND start time (its pid reused
+    by another process counts as its end, never as the rank), listing its descendants every
+    `interval` s; once it is gone, SIGKILL each listed one still alive with the same start time,
+    but :func:`spared` ones, which get `grace` s to exit by themselves first. Returns the pids
+    killed. `proc`, `kill`, `sleep`, `clock`: injectable for tests."""
+    me, born, last = os.getpid(), _started(proc, rank), []
+    while born is not None and _started(proc, rank) == born:
+        now = _tree(proc, rank, me)
+        if _started(proc, rank) != born:  # ended (its pid maybe reused) while listing: the older list
+            break
+        last = now
+        sleep(interval)
+    killed, waiting = [], [(p, s) for p, s in last if spared(proc, p)]
+    for pid, start in last:
+        if (pid, start) not in waiting and _started(proc, pid) == start:
+            killed.append(pid)
+            _kill(kill, pid)
+    deadline = clock() + grace
+    while any(_started(proc, p) == s for p, s in waiting) and clock() < deadline:
+        sleep(interval)
+    for pid, start in waiting:  # stuck past its grace: killed after all (its segments leak)
+        if _started(proc, pid) == start:
+            killed.append(pid)
+            _kill(kill, pid)
+    return killed
+
+
+def _kill(kill: Callable[[int, int], None], pid: int) -> None:
+    try:
+        kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def start_reaper() -> subprocess.Popen:
     """The watchdog of this process's descendants (see the module docstring)."""
-    return subprocess.Popen([sys.executable, "-c", REAPER, str(os.getpid())],
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
@@ -97,9 +139,15 @@ class Watch:
             for p in self.processes:
                 code = p.exitcode
                 if code is not None and not self._stop.is_set():
-                    self.on_death(f"{self.what} process {p.name} (pid {p.pid}) died ({how(code)})")
+                    own = failures.engine_error()  # what it wrote before it died, if anything
+                    self.on_death(f"{self.what} process {p.name} (pid {p.pid}) died ({how(code)})"
+                                  + (f"; the engine's own error: {own}" if own else ""))
                     return
 
     def stop(self) -> None:
         """Before the engine's own shutdown ends those processes on purpose."""
         self._stop.set()
+
+
+if __name__ == "__main__":  # the reaper process (start_reaper)
+    reap(int(sys.argv[1]))

@@ -30,6 +30,12 @@ class Device:
     # vLLM returns each token's routed experts (enable_return_routed_experts; routing.py): its CPU
     # build returns all zeros there (its CPU MoE kernel never fills the capture, vLLM 0.23.0+cpu)
     vllm_routed_experts: bool = True
+    # vLLM splits a long prefill over engine steps (chunked prefill): not on its CPU build, where
+    # a seeded request's unfinished prefill rewinds its generator with `set_offset`, which a CPU
+    # generator refuses ("CPU Generator does not use offset", vLLM 0.23.0 gpu_model_runner.py
+    # _bookkeeping_sync): the engine died on long multi-turn batches. Off, each prompt is
+    # scheduled whole (vLLM then raises max_num_batched_tokens to max_model_len at least)
+    vllm_chunked_prefill: bool = True
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
     # train.packing's rows, every sequence of a micro-batch in one row: "segments" = attention.py's
     # kernel (each prompt causally, each response over its prompt and itself: batched SDPA calls,
@@ -66,7 +72,7 @@ class Device:
 TABLE = {
     "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
-                  vllm_routed_experts=False),
+                  vllm_routed_experts=False, vllm_chunked_prefill=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
                    auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
@@ -413,3 +419,17 @@ def set_rng_state(dev: Device, state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     elif dev.kind == "npu" and "npu" in state:
         torch.npu.set_rng_state(state["npu"])
+
+
+def vllm_engine_args(dev: Device) -> dict:
+    """`vllm.LLM` arguments that differ by device (`dev`'s row): chunked prefill off where it
+    crashes (Device.vllm_chunked_prefill); vLLM's own defaults elsewhere."""
+    return {} if dev.vllm_chunked_prefill else {"enable_chunked_prefill": False}
+
+
+def loopback_env() -> dict:
+    """Environment for a job whose ranks all run on one node: gloo's sockets (the world's CPU
+    groups, the CPU weight channel, vLLM's own groups on every kind) on the loopback, not on the
+    interface the host name resolves to. NCCL's and HCCL's bootstrap sockets are left to their
+    own settings (NCCL_SOCKET_IFNAME, HCCL_IF_IP: docs/gpu-npu.md, "Ports"), not measured here."""
+    return {"GLOO_SOCKET_IFNAME": "lo"}

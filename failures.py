@@ -7,6 +7,8 @@ becomes one line and exit code 4), :func:`on_signals`, :func:`exit_bad_input` (e
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import os
 import re
@@ -350,6 +352,74 @@ def world_failed(e: BaseException, timeout_s: float) -> int:
     return 4
 
 
+class EngineLog:
+    """What the processes an engine starts (vLLM's engine core and workers) write, passed on to
+    this rank's stdout and stderr line by line, the last `keep` lines kept: when the engine
+    dies, its own error (the last exception line of the traceback it logged, often 100 lines
+    above this rank's failure line) goes into that line (:func:`engine_error`). Use
+    :meth:`attached` around starting the engine: the processes started inside inherit the pipes
+    (vLLM logs to stdout, Python's tracebacks go to stderr)."""
+    current: "EngineLog | None" = None
+    _LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+    def __init__(self, keep: int = 400):
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        EngineLog.current = self
+
+    @contextlib.contextmanager
+    def attached(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        own = {fd: self._tee(fd) for fd in (1, 2)}
+        try:
+            yield self
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, out in own.items():  # this rank's own streams again; the engine keeps the pipes
+                os.dup2(out, fd)
+
+    def _tee(self, fd: int) -> int:
+        """Point `fd` at a pipe read by a thread that copies it to (a copy of) what `fd` was."""
+        r, w = os.pipe()
+        out = os.dup(fd)
+        os.dup2(w, fd)
+        os.close(w)
+        threading.Thread(target=self._pump, args=(r, out), daemon=True, name="engine-log").start()
+        return out
+
+    def _pump(self, r: int, out: int) -> None:
+        rest = b""
+        while chunk := os.read(r, 65536):
+            os.write(out, chunk)
+            *whole, rest = (rest + chunk).split(b"\n")
+            self.lines.extend(ln.decode(errors="replace") for ln in whole)
+
+    def error(self) -> str | None:
+        """The last exception line the engine's processes wrote ("RuntimeError: CPU Generator
+        does not use offset"), not vLLM's own EngineDeadError, or None."""
+        for line in reversed(list(self.lines)):
+            if re.search(r"\b(WARNING|INFO|DEBUG)\b", line[:80]):  # a logged, survived error
+                continue
+            m = self._LINE.search(line.rstrip())
+            if m and not m.group(1).endswith("EngineDeadError"):
+                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"
+        return None
+
+
+def engine_error(wait_s: float = 1.0) -> str | None:
+    """The engine's own error line (:meth:`EngineLog.error`) of the current :class:`EngineLog`,
+    or None. Waits up to `wait_s` for it: the engine logs its traceback just before it dies,
+    and the pipe may not be read yet."""
+    log = EngineLog.current
+    deadline = time.monotonic() + wait_s
+    while log is not None:
+        if (line := log.error()) or time.monotonic() > deadline:
+            return line
+        time.sleep(0.05)
+    return None
+
+
 def fail_now(why: str) -> None:
     """From any thread: end this rank at once with one line ("error: rank 2 (generation) failed
     at step 2 (rollout): <why>"), tell the other ranks (they stop within a beat), exit 4. Before
@@ -397,8 +467,13 @@ def guarded(live: Liveness, job: Callable[[], int]) -> int:
                 end(5)
             d = live.diagnose() if is_communication_error(e) else Diagnosis()
             tail = f"; {d.line}" if d.line else ""
+            what = one_line(e)
+            own = (engine_error() if any(type(c).__name__ == "EngineDeadError" for c in causes(e))
+                   else None)
+            if own:  # vLLM's own message says only "see the stack trace above"
+                what = f"{type(e).__name__}, the engine's own error: {own}"
             if not (d.dead or d.failed or d.signalled):  # else this error is only a consequence
                 traceback.print_exc()        # first: the culprit line stays the last word
-            say(f"error: rank {rank} ({role}) failed {where}: {one_line(e)}{tail}")
+            say(f"error: rank {rank} ({role}) failed {where}: {what}{tail}")
             live.abort(f"rank {rank} ({role}) failed {where} ({type(e).__name__}){tail}")
             end(4)

@@ -443,7 +443,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
                           eval_set)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
-    step = ckpt.read_meta(Path(checkpoint))["step"] if (Path(checkpoint) / "state").is_dir() else -1
+    step = ckpt.eval_step(checkpoint)  # plain data only, checked at start (ckpt.claim_run_dir)
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                                  seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped, turns=turns)
     if world.is_root:

@@ -312,7 +312,7 @@ class VLLMEngine:
             mm_processor_cache_gb=0))  # its text-only HF call fails on transformers 5.x
         self.reaper = children.start_reaper()  # the engine's processes never outlive this rank
         before = set(multiprocessing.active_children())
-        with _environ_restored():
+        with _environ_restored(), failures.EngineLog().attached():  # its error in our line
             self.llm = LLM(
                 model=path, dtype=mc.dtype, seed=seed,
                 tensor_parallel_size=rc.tensor_parallel_size,
@@ -323,7 +323,7 @@ class VLLMEngine:
                 async_scheduling=False,  # as vLLM's CPU build forces: docs/vllm.md
                 worker_extension_cls="vllm_worker.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
-                disable_log_stats=True, **mm, **(llm_kwargs or {}))
+                disable_log_stats=True, **D.vllm_engine_args(dev), **mm, **(llm_kwargs or {}))
         # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)

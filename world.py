@@ -186,8 +186,11 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
             backend = D.world_backend(dev, uses_device=False)  # gloo alone: no HCCL/NCCL here
         else:
             D.torch_device(dev, mine[0])
+    if one_node():  # nothing of the job needs to be reachable from another machine
+        for k, v in D.loopback_env().items():
+            os.environ.setdefault(k, v)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, **_own_store(size, timeout))
     # Object exchange (episodes, metrics, checksums) always on gloo: CPU objects.
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     train_group = dist.new_group(list(trainers), timeout=timeout) if size > 1 else dist.group.WORLD
@@ -231,6 +234,27 @@ def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind:
         groups["vLLM weight channel (outside torch's world)"] = (
             ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(engine_devices)])
     return plan + [{"groups": groups}]
+
+
+def _own_store(size: int, timeout: datetime.timedelta) -> dict:
+    """A world of one outside torchrun serves its own store: on the loopback, as torch's would
+    not be (its TCPStore binds every interface whatever host it is given; docs/gpu-npu.md,
+    "Ports"). Under torchrun the agent serves it ({}: the env:// rendezvous)."""
+    if size != 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        return {}
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", int(os.environ.get("MASTER_PORT", 0))))
+    sock.listen()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], 1, True, timeout,
+                          master_listen_fd=sock.detach())  # the store owns it from here
+    return {"store": store, "rank": 0, "world_size": 1}
+
+
+def one_node() -> bool:
+    """Every rank of the job runs on this node (torchrun's LOCAL_WORLD_SIZE is the WORLD_SIZE;
+    a plain `python train.py` is a world of one)."""
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") == os.environ.get("WORLD_SIZE", "1")
 
 
 def free_port() -> int:

@@ -85,3 +85,12 @@ class Recheck:
     def step(self, problem, conversation: list[dict]) -> str | None:
         replies = sum(t["role"] == "assistant" for t in conversation)
         return self.message if replies == 1 else None
+
+
+@register("recheck_all")
+class RecheckAll(Recheck):
+    """"Check your answer." after every reply: the episode runs to `rollout.max_turns` (long
+    multi-turn batches; docs/multiturn.md)."""
+
+    def step(self, problem, conversation: list[dict]) -> str | None:
+        return self.message

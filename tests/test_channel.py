@@ -124,19 +124,34 @@ def test_listen_on_a_given_or_any_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
-    sock = CH.listen(port)  # a chosen port: it is the one listening
+    sock, addr = CH.listen(port)  # a chosen port: it is the one listening
     try:
-        assert sock.getsockname()[1] == port
+        assert sock.getsockname()[1] == port and addr == ["127.0.0.1", port]
         with pytest.raises(RuntimeError) as e:  # taken: one line naming the key
             CH.listen(port)
         assert "sync.channel_port=" in str(e.value) and "\n" not in str(e.value)
     finally:
         sock.close()
-    any_port = CH.listen(0)
+    any_port, _ = CH.listen(0)
     try:
         assert any_port.getsockname()[1] > 0
     finally:
         any_port.close()
+
+
+def test_the_channel_listens_on_the_loopback_on_one_node_and_everywhere_across_nodes(monkeypatch):
+    """One node (LOCAL_WORLD_SIZE == WORLD_SIZE, or a plain process): bound to 127.0.0.1 and
+    announced so; several nodes: every interface, announced as MASTER_ADDR."""
+    monkeypatch.setenv("MASTER_ADDR", "node0.example")
+    for local, world, host, bound in (("3", "3", "127.0.0.1", "127.0.0.1"),
+                                      ("3", "6", "node0.example", "0.0.0.0")):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        sock, addr = CH.listen(0)
+        try:
+            assert sock.getsockname()[0] == bound and addr == [host, sock.getsockname()[1]]
+        finally:
+            sock.close()
 
 
 def test_engine_channel_on_a_configured_port_world_of_one(gloo_world, monkeypatch):

@@ -76,6 +76,113 @@ def test_the_reaper_ends_every_descendant_of_a_process_killed_outright():
     assert left == []
 
 
+class FakeProc:
+    """A simulated /proc: `pid -> (parent, start time, cmdline)`; `kill` removes a process and
+    records it; `sleep` runs the next scripted change of the process table."""
+
+    def __init__(self, root: Path, table: dict, script: list):
+        self.root, self.killed, self.script, self.t = root, [], list(script), 0.0
+        self.set(table)
+
+    def set(self, table: dict) -> None:
+        for d in self.root.iterdir():
+            for f in d.iterdir():
+                f.unlink()
+            d.rmdir()
+        for pid, (ppid, start, cmd) in table.items():
+            d = self.root / str(pid)
+            d.mkdir()
+            # the fields after the name: state, ppid, then 17 more, the start time (field 22)
+            (d / "stat").write_text(f"{pid} (py thon) S {ppid} " + "0 " * 17 + f"{start} 0 0\n")
+            (d / "cmdline").write_bytes(cmd.encode().replace(b" ", b"\0"))
+        self.table = dict(table)
+
+    def kill(self, pid: int, sig: int) -> None:
+        self.killed.append(pid)
+        self.set({p: v for p, v in self.table.items() if p != pid})
+
+    def sleep(self, _: float) -> None:
+        self.t += 1.0
+        if self.script:
+            self.set(self.script.pop(0)(self.table))
+
+
+TRACKER = "python -c from multiprocessing.resource_tracker import main;main(7)"
+
+
+def _job(table):
+    """The rank (pid 100) and its engine: core 101, worker 102 (its child), the tracker 103."""
+    return {**table, 100: (1, 500, "python train.py"), 101: (100, 510, "python -c spawn_main"),
+            102: (101, 520, "python -c spawn_main"), 103: (100, 505, TRACKER)}
+
+
+def test_the_reaper_follows_the_rank_by_start_time_and_kills_nothing_of_another_job(tmp_path):
+    """The rank dies and its pid is reused at once by another job's process (start time 900)
+    with children of its own; the worker's pid 102 is reused too. Only the engine core (101, its
+    own start time) is killed; the other job's 100, 102, 104 are not; the resource tracker is
+    spared and exits by itself once the engine is gone (as its pipe's EOF makes it)."""
+    def reuse(t):
+        t = {p: v for p, v in t.items() if p not in (100, 102)}
+        t[101] = (1, 510, t[101][2])                      # orphaned engine core, reparented
+        t[103] = (1, 505, TRACKER)
+        return {**t, 100: (1, 900, "other job"), 102: (100, 901, "other job's child"),
+                104: (100, 902, "other job's child")}
+
+    def tracker_exits_once_engine_gone(t):
+        return {p: v for p, v in t.items() if p != 103} if 101 not in t else t
+
+    fake = FakeProc(tmp_path, _job({1: (0, 1, "init")}),
+                    [lambda t: t, reuse] + [tracker_exits_once_engine_gone] * 3)
+    killed = children.reap(100, proc=str(tmp_path), kill=fake.kill, sleep=fake.sleep,
+                           clock=lambda: fake.t, grace=10)
+    assert killed == [101] and fake.killed == [101]
+    assert {100, 102, 104} <= set(fake.table) and 103 not in fake.table
+
+
+def test_a_resource_tracker_stuck_past_its_grace_is_killed_last(tmp_path):
+    fake = FakeProc(tmp_path, _job({1: (0, 1, "init")}),
+                    [lambda t: t, lambda t: {p: v for p, v in t.items() if p != 100}])
+    killed = children.reap(100, proc=str(tmp_path), kill=fake.kill, sleep=fake.sleep,
+                           clock=lambda: fake.t, grace=3)
+    assert sorted(killed[:2]) == [101, 102] and killed[2:] == [103] and fake.t >= 3
+
+
+SHM_PARENT = r"""
+import multiprocessing, os, signal, sys, time
+from multiprocessing import shared_memory
+sys.path.insert(0, {root!r})
+import children
+children.start_reaper()
+shm = shared_memory.SharedMemory(create=True, size=4096)   # starts the resource tracker
+kid = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))
+kid.start()                                                # holds the tracker's pipe too
+time.sleep(1.5)
+print(shm.name, kid.pid, flush=True)
+sys.stdin.readline()                                       # the test has listed the processes
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_reaper_spares_the_resource_tracker_which_unlinks_the_leaked_shared_memory():
+    """A real rank with shared memory and a spawned child, killed outright: the reaper kills the
+    child, and the resource tracker (spared) unlinks the segment the rank leaked, then exits."""
+    p = subprocess.Popen([sys.executable, "-c", SHM_PARENT.format(root=str(ROOT))],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
+    name, kid = p.stdout.readline().split()
+    tracker = [d for d in _descendants_of(p.pid)
+               if b"resource_tracker" in Path(f"/proc/{d}/cmdline").read_bytes()]
+    p.stdin.write("go\n")
+    p.stdin.close()
+    p.wait(timeout=30)
+    assert len(tracker) == 1
+    left = _wait_gone([int(kid), *tracker], timeout=8)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert not Path(f"/dev/shm/{name.lstrip('/')}").exists()
+
+
 def _die(code):
     os.kill(os.getpid(), code)
 

@@ -376,3 +376,41 @@ def test_start_barrier_is_a_count_in_the_store_with_its_own_deadline():
         failures.start_barrier(late, 0.3, "rollout.start_timeout_s")
     assert 0.3 <= time.monotonic() - t < 2.0
     assert failures.is_communication_error(e.value)  # so the diagnosis names the late rank
+
+
+ENGINE_DIES = r"""
+import sys
+print("(EngineCore pid=9) INFO 12-05 01:18:03 [core.py:99] ready", flush=True)
+print("(Worker pid=7) WARNING 12-05 01:18:03 [x.py:1] ValueError: a warning it survived", flush=True)
+print("(Worker pid=7) ERROR 12-05 01:18:04 [multiproc_executor.py:987] Traceback (most recent call last):", flush=True)
+print("(Worker pid=7) ERROR 12-05 01:18:04 [multiproc_executor.py:987] RuntimeError: CPU Generator does not use offset", flush=True)
+for i in range(100):
+    print(f"(EngineCore pid=9) ERROR 12-05 01:18:04 [core.py:1197]   frame {i}", flush=True)
+sys.stderr.write("Traceback (most recent call last):\n  File x\nvllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+sys.exit(1)
+"""
+
+
+def test_the_engines_own_error_goes_into_the_ranks_one_line(capfd):
+    """The engine's processes (started inside EngineLog.attached) write their output through
+    this rank, which passes it on and keeps the last lines: the engine's own error, ~100 lines
+    above (vLLM's EngineDeadError and survived warnings skipped), is named in the line of the
+    watch that sees the process die."""
+    import multiprocessing
+
+    import children
+    log = failures.EngineLog()
+    with log.attached():
+        p = subprocess.Popen([sys.executable, "-c", ENGINE_DIES])
+        kid = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.3,),
+                                                          name="EngineCore_DP0")
+        kid.start()
+    p.wait(timeout=30)
+    got = []
+    children.Watch([kid], "the vLLM engine's", got.append, interval=0.05).thread.join(timeout=10)
+    assert got == [f"the vLLM engine's process EngineCore_DP0 (pid {kid.pid}) died (exit code 0); "
+                   "the engine's own error: RuntimeError: CPU Generator does not use offset"]
+    out, err = capfd.readouterr()
+    assert "frame 99" in out and "EngineDeadError" in err   # passed on, to the same streams
+    failures.EngineLog.current = None
+    assert failures.engine_error() is None

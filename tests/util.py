@@ -244,3 +244,48 @@ class CheckpointCounter:
 
     def reset(self) -> None:
         self.calls = self.runs = 0
+
+
+def listeners(root: int) -> dict[tuple[str, int], set[int]]:
+    """The TCP sockets listening in process `root` and its descendants: (address, port) -> pids,
+    read from /proc/net/tcp{,6} and each process's fd links ({} where /proc cannot be read)."""
+    import socket as S
+    table = {}
+    for name, family in (("tcp", S.AF_INET), ("tcp6", S.AF_INET6)):
+        try:
+            rows = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] != "0A":  # TCP_LISTEN
+                continue
+            raw, port = bytes.fromhex(f[1].split(":")[0]), int(f[1].split(":")[1], 16)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+            table[f[9]] = (S.inet_ntop(family, raw), port)
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit():
+                s = (d / "stat").read_text()
+                kids.setdefault(int(s[s.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+        except OSError:
+            pass
+    found: dict[tuple[str, int], set[int]] = {}
+    todo, seen = [root], set()
+    while todo:
+        pid = todo.pop()
+        seen.add(pid)
+        todo += [k for k in kids.get(pid, []) if k not in seen]
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:  # closed meanwhile (the listing's own descriptor among them)
+                continue
+            if link.startswith("socket:[") and link[8:-1] in table:
+                found.setdefault(table[link[8:-1]], set()).add(pid)
+    return found
