@@ -200,7 +200,7 @@ class Setup:
     receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
     trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
-    mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
+    mixture: data.Mixture | None = None  # the prompt stream (data.sources: a quota of each per step)
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
 
 
@@ -353,7 +353,7 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int,
              version: int) -> tuple[list[rollout.Episode], dict]:
     """This generation rank's share of `step`'s problems, sampled with weight `version`, scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
-    mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
+    mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: a quota of each per step)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = rollout.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                           top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
