@@ -128,6 +128,9 @@ class ModelConfig:
     # MoE families: the trainer routes each response token's predictor to the experts the engine
     # chose (routing.py, docs/families.md); train/routing_agreement is logged either way
     moe_routing_replay: bool = False
+    # ... and the KL reference's forward too (false: the reference routes its own way, as slime and
+    # verl; true: the engine's experts, this project's behaviour before 2026-12-05; docs/families.md)
+    moe_routing_replay_ref: bool = False
 
 
 @dataclass

@@ -35,6 +35,7 @@ class Trainer:
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
     version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
+    replay_ref: bool = False  # model.moe_routing_replay_ref: the reference's forward replays the engine's routing
 
 
 def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
@@ -80,7 +81,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
-                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
+                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref)
 
 
 def load_checked(world, model_path: str, mc=None):
@@ -111,7 +112,8 @@ def has_reference(tr: Trainer) -> bool:
 def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
-    with torch.no_grad(), R.not_counted(tr.policy):  # routing_agreement: the policy's own
+    model = tr.ref if tr.ref is not None else tr.policy
+    with torch.no_grad(), R.as_reference(model, tr.replay_ref):  # routing_agreement: the policy's own
         if tr.ref is not None:
             return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
         with tr.policy.disable_adapter():
