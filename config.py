@@ -131,6 +131,11 @@ class ModelConfig:
     # ... and the KL reference's forward too (false: the reference routes its own way, as slime and
     # verl; true: the engine's experts, this project's behaviour before 2026-12-05; docs/families.md)
     moe_routing_replay_ref: bool = False
+    # On-policy distillation (loss.distill_coef > 0; docs/loss.md): the teacher's folder or hub id,
+    # any supported family with the policy's tokenizer (a vision-language policy: a vision-language
+    # teacher), frozen and sharded on the trainer ranks like the KL reference; model.path's value
+    # itself: the policy's initial weights. "base" with LoRA: the frozen base (adapters off), no copy.
+    teacher_path: str = ""
 
 
 @dataclass
@@ -260,6 +265,11 @@ class LossConfig:
     correction: str = "none"
     correction_low: float = num(0.0, ">= 0")
     correction_high: float = num(0.0, ">= 0")
+    # On-policy distillation to model.teacher_path (slime's OPD, Thinking Machines' recipe): each
+    # sampled token's advantage becomes A - distill_coef x (log pi_old(y_t) - log pi_teacher(y_t)),
+    # the per-token reverse KL on the sampled token; with reward.functions = [] the teacher alone
+    # trains the policy (train/distill_kl: that KL's mean over the kept tokens)
+    distill_coef: float = num(0.0, ">= 0")
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
     filters: list = field(default_factory=list)  # response filters by name, in order (registry.response_filter)
@@ -447,7 +457,15 @@ def validate(cfg: Config) -> None:
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
     own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
            for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    need((lo.distill_coef > 0) == bool(cfg.model.teacher_path),
+         "loss.distill_coef > 0 and model.teacher_path go together (on-policy distillation: the "
+         f"coefficient and the teacher), got distill_coef={lo.distill_coef}, teacher_path="
+         f"{cfg.model.teacher_path!r}")
+    need(cfg.model.teacher_path != "base" or cfg.model.lora_rank > 0,
+         "model.teacher_path = \"base\" is the frozen base of a LoRA run (model.lora_rank > 0)")
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        if key == "reward.functions" and specs == [] and lo.distill_coef > 0:
+            continue  # reward-free distillation: the teacher's per-token signal alone
         need(isinstance(specs, list) and len(specs) > 0, f"{key}: at least one reward function is needed")
         for i, spec in enumerate(specs):
             need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
@@ -550,6 +568,7 @@ MEANING_KEYS = ("model.path", "data.source", "data.sources", "data.n_synthetic",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
                 "train.ppo_epochs", "reward.functions", "loss.kl_coef", "model.lora_rank",
+                "model.teacher_path", "loss.distill_coef",
                 "model.lora_alpha", "model.lora_target_modules", "model.lora_vision")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
 # schedule (and says so).

@@ -103,6 +103,8 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
+    if cfg.model.teacher_path not in ("", "base", cfg.model.path):
+        families.check_model_path(cfg.model.teacher_path, "model.teacher_path")
     rollout.check(cfg.rollout, cfg.train)  # a known engine (rollout.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
@@ -212,7 +214,9 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
-    full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
+    trainer.check_teacher(cfg, model_path)  # distillation: the policy's tokenizer (ConfigError)
+    full, teacher = trainer.load_checked(world, model_path, cfg.model,  # rank 0: every weight there, or nothing
+                                         trainer.teacher_folder(cfg, model_path))
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
@@ -222,8 +226,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, channel, full) if world.is_trainer else None
-    del full  # the trainers hold their shards now
+    tr = trainer.build(model_path, world, device, cfg, channel, full, teacher) if world.is_trainer else None
+    del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
     scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
