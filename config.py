@@ -131,10 +131,8 @@ class ModelConfig:
     # ... and the KL reference's forward too (false: the reference routes its own way, as slime and
     # verl; true: the engine's experts, this project's behaviour before 2026-12-05; docs/families.md)
     moe_routing_replay_ref: bool = False
-    # On-policy distillation (loss.distill_coef > 0; docs/loss.md): the teacher's folder or hub id,
-    # any supported family with the policy's tokenizer (a vision-language policy: a vision-language
-    # teacher), frozen and sharded on the trainer ranks like the KL reference; model.path's value
-    # itself: the policy's initial weights. "base" with LoRA: the frozen base (adapters off), no copy.
+    # On-policy distillation's teacher (loss.distill_coef; docs/loss.md): a folder or hub id with the
+    # policy's tokenizer; model.path's value: the initial weights; "base" (LoRA): the frozen base
     teacher_path: str = ""
 
 
@@ -265,10 +263,8 @@ class LossConfig:
     correction: str = "none"
     correction_low: float = num(0.0, ">= 0")
     correction_high: float = num(0.0, ">= 0")
-    # On-policy distillation to model.teacher_path (slime's OPD, Thinking Machines' recipe): each
-    # sampled token's advantage becomes A - distill_coef x (log pi_old(y_t) - log pi_teacher(y_t)),
-    # the per-token reverse KL on the sampled token; with reward.functions = [] the teacher alone
-    # trains the policy (train/distill_kl: that KL's mean over the kept tokens)
+    # On-policy distillation to model.teacher_path (slime's OPD): each sampled token's advantage is
+    # A - distill_coef x (log pi_old - log pi_teacher); reward.functions = []: the teacher alone
     distill_coef: float = num(0.0, ">= 0")
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
