@@ -137,6 +137,12 @@ class ModelConfig:
     # MoE families: the trainer routes each response token's predictor to the experts the engine
     # chose (routing.py, docs/families.md); train/routing_agreement is logged either way
     moe_routing_replay: bool = False
+    # ... and the KL reference's forward too (false: the reference routes its own way, as slime and
+    # verl; true: the engine's experts, this project's behaviour before 2026-12-05; docs/families.md)
+    moe_routing_replay_ref: bool = False
+    # On-policy distillation's teacher (loss.distill_coef; docs/loss.md): a folder or hub id with the
+    # policy's tokenizer; model.path's value: the initial weights; "base" (LoRA): the frozen base
+    teacher_path: str = ""
 
 
 @dataclass
@@ -281,6 +287,9 @@ class LossConfig:
     # "group": the advantage of the group step; "batch": then again over every response token of
     # the step (token-weighted mean and std), AReaL's adv_norm at batch level (loss.batch_normalize)
     advantage_norm: str = "group"
+    # On-policy distillation to model.teacher_path (slime's OPD): each sampled token's advantage is
+    # A - distill_coef x (log pi_old - log pi_teacher); reward.functions = []: the teacher alone
+    distill_coef: float = num(0.0, ">= 0")
     drop_zero_variance: bool = False         # DAPO dynamic sampling: drop groups whose rewards are all equal
     exclude_truncated: bool = False          # leave responses cut at max_new_tokens out of the loss
     filters: list = field(default_factory=list)  # response filters by name, in order (registry.response_filter)
@@ -479,7 +488,15 @@ def validate(cfg: Config) -> None:
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
     own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
            for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    need((lo.distill_coef > 0) == bool(cfg.model.teacher_path),
+         "loss.distill_coef > 0 and model.teacher_path go together (on-policy distillation: the "
+         f"coefficient and the teacher), got distill_coef={lo.distill_coef}, teacher_path="
+         f"{cfg.model.teacher_path!r}")
+    need(cfg.model.teacher_path != "base" or cfg.model.lora_rank > 0,
+         "model.teacher_path = \"base\" is the frozen base of a LoRA run (model.lora_rank > 0)")
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        if key == "reward.functions" and specs == [] and lo.distill_coef > 0:
+            continue  # reward-free distillation: the teacher's per-token signal alone
         need(isinstance(specs, list) and len(specs) > 0, f"{key}: at least one reward function is needed")
         for i, spec in enumerate(specs):
             need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
@@ -583,6 +600,7 @@ MEANING_KEYS = ("model.path", "data.source", "data.sources", "data.n_synthetic",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
                 "train.ppo_epochs", "reward.functions", "loss.kl_coef", "model.lora_rank",
+                "model.teacher_path", "loss.distill_coef",
                 "model.lora_alpha", "model.lora_target_modules", "model.lora_vision")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and
 # schedule (and says so).

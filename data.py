@@ -468,10 +468,13 @@ def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], i
 
 class Mixture:
     """The run's prompt stream, `step_problems(step)`: one source's is :func:`step_problems`.
-    With data.sources each prompt's source is drawn by weight, seeded by (seed, step), and a
-    source's prompts are the next ones of its own stream of seeded per-epoch shuffles. Where a
-    source's stream stands at a step is the count of its draws before that step, counted again
-    from the seeds (and kept), so a resumed run continues the same draw with nothing saved."""
+    With data.sources every step holds a quota of each source (:func:`quotas`: its share of the
+    step's prompts by largest remainder, the remainders carried to the next steps, so a source's
+    share is exact over any window and within one prompt of exact in every step), the prompts'
+    order within the step shuffled seeded by (seed, step); a source's prompts are the next ones
+    of its own stream of seeded per-epoch shuffles. Where a source's stream stands at a step is
+    the sum of its quotas before it, counted again (and kept), so a resumed run continues the
+    same stream with nothing saved."""
 
     def __init__(self, problems: list[Problem], dc, per_step: int, seed: int):
         srcs = sources(dc)
@@ -482,11 +485,16 @@ class Mixture:
         self.counts = [[0] * len(srcs)]  # counts[s][k]: source k's prompts before step s
         self.orders: dict[int, tuple[int, list[int]]] = {}  # source -> (epoch, its shuffle)
         self.lock = threading.Lock()     # the engine's worker thread draws too (pipeline.py)
+        self.quotas: list[list[int]] = []  # quotas[s][k]: source k's prompts in step s
+        self._quota_stream = quotas(self.weights, per_step)
 
     def draw(self, step: int) -> list[int]:
         """The source (its position in data.sources) of each prompt of `step`."""
-        return random.Random(f"mix:{self.seed}:{step}").choices(
-            range(len(self.weights)), weights=self.weights, k=self.per_step)
+        while len(self.quotas) <= step:
+            self.quotas.append(next(self._quota_stream))
+        order = [k for k, q in enumerate(self.quotas[step]) for _ in range(q)]
+        random.Random(f"mix:{self.seed}:{step}").shuffle(order)
+        return order
 
     def step_problems(self, step: int) -> list[Problem]:
         """The problems of `step`, in prompt order."""
@@ -530,6 +538,26 @@ def epoch_line(n: int, per_step: int, ranks: int, steps: int) -> str:
     k = epoch_steps(n, per_step, ranks)
     return (f"epochs: {k} steps an epoch of {n} problems at {per_step} a step (AReaL's drop_last count over "
             f"{ranks} trainer rank(s)); run.steps {steps} = {steps / max(k, 1):.2f} such epochs")
+
+
+def quotas(weights: list[float], per_step: int) -> Iterator[list[int]]:
+    """Each step's prompts per source, step after step: the step's ideal shares (per_step x
+    weight / total) plus what earlier steps owe each source, apportioned by largest remainder
+    (ties to the earlier source), never below 0. What a source got is then what it was owed to
+    within one prompt, so over any run of steps its share is exact to one prompt (ROLL's
+    per-step quota rounds down every step instead, so 0.7 / 0.3 of 4 prompts becomes 2 + 2)."""
+    total = sum(weights)
+    owed = [0.0] * len(weights)  # ideal minus given so far; sums to 0 (up to rounding)
+    while True:
+        want = [per_step * w / total + o for w, o in zip(weights, owed)]
+        got = [max(0, math.floor(x)) for x in want]
+        while sum(got) > per_step:  # only where a source owes more than a step's share
+            got[max((k for k in range(len(got)) if got[k]), key=lambda k: got[k] - want[k])] -= 1
+        by_remainder = sorted(range(len(want)), key=lambda k: (got[k] - want[k], k))
+        for k in by_remainder[:per_step - sum(got)]:
+            got[k] += 1
+        owed = [x - g for x, g in zip(want, got)]
+        yield got
 
 
 def step_problems(problems: list, step: int, per_step: int, seed: int) -> list:

@@ -283,21 +283,21 @@ def check_routing_replay(path: str, replay: bool) -> None:
                           f"family (no experts to route); it applies to {', '.join(t for t in FAMILIES if is_moe(t))}")
 
 
-def check_model_path(path: str) -> None:
-    """`model.path` names a family of the table: a tiny one ("tiny-<model_type>"), or a local
-    folder whose config.json says its model_type (a hub id is checked once downloaded);
+def check_model_path(path: str, key: str = "model.path") -> None:
+    """`model.path` (or `key`) names a family of the table: a tiny one ("tiny-<model_type>"), or
+    a local folder whose config.json says its model_type (a hub id is checked once downloaded);
     ConfigError naming the key otherwise."""
     kind = tiny_type(path)
     if kind is not None:
         if kind not in FAMILIES:
-            raise ConfigError(f"model.path={path}: no tiny model of {kind!r} (known: tiny, "
+            raise ConfigError(f"{key}={path}: no tiny model of {kind!r} (known: tiny, "
                               f"{', '.join('tiny-' + t for t in supported())})")
         return
     if path.startswith(("/", ".", "~")) and not Path(path).expanduser().exists():
-        raise ConfigError(f"model.path: no such folder {path}")
+        raise ConfigError(f"{key}: no such folder {path}")
     kind = model_type_of(Path(path).expanduser())
     if kind and kind not in FAMILIES:
-        raise ConfigError(f"model.path={path}: {unsupported(kind)}")
+        raise ConfigError(f"{key}={path}: {unsupported(kind)}")
 
 
 def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):

@@ -14,7 +14,8 @@ logprobs computed once before the first update. ``loss.correction`` corrects eng
 proximal (``behaviour_logprobs`` are the engine's), AReaL's decoupled objective.
 
 Shapes: ``B`` responses of up to ``T`` tokens; ``logprobs``, ``old_logprobs``, ``mask`` are
-``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens).
+``[B, T]``; ``advantages`` is ``[B]`` (one per response, broadcast over its tokens) or ``[B, T]``
+(one per token: on-policy distillation, :func:`distill_advantages`); an objective takes either.
 
 Excluded responses (one convention, every aggregation and objective): a response left out of the
 update (DAPO's zero-variance groups, ``exclude_truncated``, a filter) leaves the loss and every
@@ -130,6 +131,18 @@ def keep_mask(rewards: Tensor, group_size: int, truncated: Tensor | None = None,
     return keep
 
 
+def distill_advantages(advantages: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor,
+                       coef: float) -> Tensor:
+    """On-policy distillation's per-token advantages ``[B, T]``: ``A_i - coef * (log
+    pi_student(y_it) - log pi_teacher(y_it))``, the reverse KL to the teacher estimated on the
+    sampled token subtracted from the response's advantage ``A_i`` ``[B]``, as slime's
+    ``apply_opd_kl_to_advantages`` (slime/backends/megatron_utils/loss.py, after Thinking
+    Machines' tinker-cookbook ``distillation/train_on_policy.py``); `student_logprobs`: the
+    proximal policy's (no gradient), so the objective's ratio and clip act on it as on any
+    advantage. With every reward 0 (reward-free distillation) only the teacher's signal is left."""
+    return advantages.unsqueeze(-1) - coef * (student_logprobs - teacher_logprobs).detach()
+
+
 # --------------------------------------------------------------------------- per-token terms
 def clipped_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                clip_low: float = 0.2, clip_high: float = 0.28,
@@ -148,7 +161,7 @@ def clipped_pg(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     Returns ``(loss [B, T], rho [B, T])``.
     """
     ratio = torch.exp(logprobs - old_logprobs)
-    a = advantages.unsqueeze(-1)                          # [B, 1]
+    a = per_token(advantages)                             # [B, 1] or [B, T]
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = -torch.minimum(ratio * a, clipped * a)
     if clip_dual:
@@ -183,9 +196,15 @@ def _clip_bounds(p) -> tuple[float, float]:
     return p.clip_low, p.clip_high
 
 
+def per_token(advantages: Tensor) -> Tensor:
+    """Advantages against [B, T] tokens: [B] as [B, 1] (one per response, broadcast over its
+    tokens), [B, T] as they are (one per token)."""
+    return advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+
+
 def _signed_clips(ratio: Tensor, advantages: Tensor, clip_low: float,
                   clip_high: float) -> dict[str, Tensor]:
-    a = advantages.unsqueeze(-1)
+    a = per_token(advantages)
     return {"clip_frac_low": (a < 0) & (ratio < 1.0 - clip_low),
             "clip_frac_high": (a > 0) & (ratio > 1.0 + clip_high)}
 
@@ -208,7 +227,7 @@ def ppo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: T
     loss, ratio = clipped_pg(logprobs, old_logprobs, advantages, clip_low, clip_high, c)
     flags = _signed_clips(ratio, advantages, clip_low, clip_high)
     if c:  # dual clip's cap is active (reported only when it is on)
-        a = advantages.unsqueeze(-1)
+        a = per_token(advantages)
         clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
         flags["clip_frac_dual"] = (a < 0) & (-torch.minimum(ratio * a, clipped * a) > -a * c)
     return Term(loss, ratio, flags)
@@ -229,11 +248,20 @@ def gspo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     Clip flags: as PPO's but on ``S_i`` (sign of ``A_i``), broadcast to every token of the
     response: ``train/clip_frac_*`` is the share of response TOKENS under a clipped sequence.
     (TRL, verl, EasyR1: docs/loss.md.)
+
+    Per-token advantages ``A_it`` (``[B, T]``): GSPO-token (the paper's section 4.3), ``s_it =
+    sg(S_i) * pi(y_it) / sg(pi(y_it))``, equal to ``S_i`` in value, each token's gradient its own:
+    ``l_it = -min(s_it A_it, clip(s_it) A_it)`` (with one advantage per response: GSPO's gradient).
     """
     clip_low, clip_high = _clip_bounds(p)
     m = mask.to(logprobs.dtype)
     diff = torch.where(m > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
     seq_ratio = torch.exp(diff.sum(-1) / m.sum(-1).clamp(min=1.0))        # [B]
+    if advantages.dim() == 2:
+        tok = seq_ratio.detach().unsqueeze(-1) * torch.exp(logprobs - logprobs.detach())  # [B, T]
+        clipped = torch.clamp(tok, 1.0 - clip_low, 1.0 + clip_high)
+        loss = -torch.minimum(tok * advantages, clipped * advantages)
+        return Term(loss, tok, _signed_clips(tok, advantages, clip_low, clip_high))
     clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_seq = -torch.minimum(seq_ratio * advantages, clipped * advantages)  # [B]
     ratio = seq_ratio.unsqueeze(-1).expand_as(logprobs)                   # [B, T]
@@ -259,7 +287,7 @@ def cispo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask:
     clip_low, clip_high = _clip_bounds(p)
     ratio = torch.exp(logprobs - old_logprobs)
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    loss = -weight * advantages.unsqueeze(-1) * logprobs
+    loss = -weight * per_token(advantages) * logprobs
     return Term(loss, ratio, {"clip_frac_low": ratio < 1.0 - clip_low,
                               "clip_frac_high": ratio > 1.0 + clip_high})
 
@@ -550,5 +578,6 @@ def _check_shapes(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, ma
     for name, x in named.items():
         if x is not None and x.shape != shape:
             raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(x.shape)}")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages must be [B]={tuple(shape[:1])}, got {tuple(advantages.shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B]={tuple(shape[:1])} or [B, T]={tuple(shape)}, got "
+                         f"{tuple(advantages.shape)}")

@@ -120,15 +120,21 @@ def take_counts(model) -> tuple[int, int]:
 
 
 @contextmanager
-def not_counted(model):
-    """A forward inside (the reference's) leaves the agreement counts as they were."""
+def as_reference(model, replay: bool):
+    """A forward inside is the KL reference's: it leaves the agreement counts as they were, and
+    routes the tokens its own way unless `replay` (`model.moe_routing_replay_ref`). slime and
+    verl route the reference its own way, so the KL is to the reference as it would generate;
+    replaying the engine's experts into it measures the KL between two policies that share the
+    sampled routing instead (a different, smaller number: docs/families.md)."""
     routers = [r for r in families.moe_routers(model) if hasattr(r, "_grpo_counts")]
-    saved = [r._grpo_counts for r in routers]
+    saved = [(r._grpo_counts, r._grpo_apply) for r in routers]
+    for r in routers:
+        r._grpo_apply = r._grpo_apply and replay
     try:
         yield
     finally:
-        for r, c in zip(routers, saved):
-            r._grpo_counts = c
+        for r, (c, a) in zip(routers, saved):
+            r._grpo_counts, r._grpo_apply = c, a
 
 
 @contextmanager

@@ -108,6 +108,8 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
+    if cfg.model.teacher_path not in ("", "base", cfg.model.path):
+        families.check_model_path(cfg.model.teacher_path, "model.teacher_path")
     engines.check(cfg.rollout, cfg.train)  # a known engine (engines.ENGINES), environment and tools (envs/)
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
@@ -205,7 +207,7 @@ class Setup:
     receiver: sync.Receiver | None    # generation ranks of a world > 1: the sync's receiving end
     trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
-    mixture: data.Mixture | None = None  # the prompt stream (data.sources drawn by weight)
+    mixture: data.Mixture | None = None  # the prompt stream (data.sources: a quota of each per step)
     notes: tuple = ()              # what the start decided from the model (train.packing's layout)
     eval_skipped: int = 0          # evaluation rows skipped (eval/skipped_rows)
     turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
@@ -219,7 +221,9 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set, eval_skipped = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)
                               if cfg.run.eval_every or cfg.eval.before_start else (None, 0))
-    full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
+    trainer.check_teacher(cfg, model_path)  # distillation: the policy's tokenizer (ConfigError)
+    full, teacher = trainer.load_checked(world, model_path, cfg.model,  # rank 0: every weight there, or nothing
+                                         trainer.teacher_folder(cfg, model_path))
     notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
     engine, turns = engines.start(cfg, world, dev, device, live, model_path, procs,
@@ -230,8 +234,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, channel, full) if world.is_trainer else None
-    del full  # the trainers hold their shards now
+    tr = trainer.build(model_path, world, device, cfg, channel, full, teacher) if world.is_trainer else None
+    del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
     scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
@@ -350,7 +354,7 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int, version: int
     """This generation rank's share of `step`'s problems, sampled with weight `version` (or as
     `check`, pipeline.Producer's, says), scored."""
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
-    mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: drawn by weight)
+    mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: a quota of each per step)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
     sampling = episode.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
                                 top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import families
 import inputs as I
 import lora
 from microbatches import packing
@@ -37,13 +39,17 @@ class Trainer:
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
     version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
+    replay_ref: bool = False  # model.moe_routing_replay_ref: the reference's forward replays the engine's routing
+    teacher: Any = None      # on-policy distillation's teacher (model.teacher_path), frozen, sharded like ref
+    base_teacher: bool = False  # model.teacher_path = "base" (LoRA): the policy with its adapters off
 
 
 def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
-          full=None) -> Trainer:
-    """The :class:`Trainer` from the run's config; `full`: the model as trainer rank 0 loaded it
-    (CPU, fp32; None elsewhere), scattered to every trainer's shards. With LoRA: adapters from
-    `run.seed` on the skeleton and `full` before FSDP, and no reference copy."""
+          full=None, teacher_full=None) -> Trainer:
+    """The :class:`Trainer` from the run's config; `full` (`teacher_full`): the model (the
+    distillation teacher) as trainer rank 0 loaded it (CPU, fp32; None elsewhere), scattered to
+    every trainer's shards. With LoRA: adapters from `run.seed` on the skeleton and `full` before
+    FSDP, and no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
@@ -75,6 +81,14 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                                  mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
         R.attach(ref, mc.moe_routing_replay)
+    teacher, folder = None, teacher_folder(cfg, model_path)
+    if folder:  # frozen like the reference; routed its own way (no replay hooks on it)
+        if teacher_full is None and world.trainer_index == 0:
+            teacher_full = M.load_model(folder, dtype=torch.float32)
+        skeleton = M.model_from_config(folder, meta=True, device_type=device.type, attention=attention)
+        teacher = M.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
+                                     world.train_group, mixed_precision=mc.mixed_precision or bf16).eval()
+        teacher.requires_grad_(False)
     if not R.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
         raise ModelError(f"model.moe_routing_replay: {model_path} has no MoE router (a dense model)")
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
@@ -85,7 +99,8 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
-                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
+                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref,
+                   teacher=teacher, base_teacher=mc.teacher_path == "base")
 
 
 def params_to(model, dtype: torch.dtype):
@@ -113,24 +128,77 @@ def check_dtype(tc, mc) -> None:
              "adapters train over a frozen base; keep train.master_dtype = \"float32\"")
 
 
-def load_checked(world, model_path: str, mc=None):
-    """Rank 0 loads the model on the CPU (kept for :func:`build`) and checks `mc`'s LoRA targets;
-    collective over `world.ctrl`: every rank raises the same ModelError for a folder without the
-    model's weights or targets matching no linear layer."""
-    full, problem = None, None
+def teacher_folder(cfg, model_path: str) -> str | None:
+    """The distillation teacher's folder: None without one or for LoRA's base (no copy);
+    model.path's own value: `model_path`, the policy's initial weights; a tiny name: that tiny
+    model, built under the run folder like model.path's (model.resolve_path)."""
+    t = cfg.model.teacher_path
+    if not t or t == "base":
+        return None
+    if t == cfg.model.path:
+        return model_path
+    return M.resolve_path(t, Path(cfg.run.out_dir), cfg.run.seed)
+
+
+def check_teacher(cfg, model_path: str) -> None:
+    """model.teacher_path fits the policy (at start, before any model loads): a family in the
+    table, the policy's tokenizer (the same vocabulary: its logprobs are of the same tokens) and,
+    for a vision-language policy, a vision-language teacher (it sees the prompt's images); else
+    a ConfigError naming the key."""
+    folder = teacher_folder(cfg, model_path)
+    if folder is None or folder == model_path:
+        return
+    try:
+        vl = [I.load_tokenizer(p).get_vocab() for p in (model_path, folder)]
+        kinds = [families.is_vlm(M.load_config(p)) for p in (model_path, folder)]
+    except (ModelError, OSError, ValueError) as e:
+        raise ConfigError(f"model.teacher_path={cfg.model.teacher_path}: {e}") from None
+    if vl[0] != vl[1]:
+        raise ConfigError(f"model.teacher_path={cfg.model.teacher_path}: its tokenizer differs from "
+                          f"model.path's ({len(vl[1])} vs {len(vl[0])} tokens); distillation compares "
+                          "the logprobs of the same token ids")
+    if kinds[0] and not kinds[1]:
+        raise ConfigError(f"model.teacher_path={cfg.model.teacher_path}: a text-only teacher for a "
+                          "vision-language policy would not see the prompts' images")
+
+
+def load_checked(world, model_path: str, mc=None, teacher: str | None = None):
+    """Rank 0 loads the model (and the distillation `teacher`'s folder) on the CPU, kept for
+    :func:`build`, and checks `mc`'s LoRA targets; collective over `world.ctrl`: every rank
+    raises the same ModelError for a folder without the model's weights or targets matching no
+    linear layer. Returns (model, teacher), None on the other ranks."""
+    full, teacher_full, problem = None, None, None
     if world.is_root:
         try:
             full = M.load_model(model_path, dtype=torch.float32)
             if mc is not None and mc.lora_rank:
                 import lora
                 lora.lora_targets(full, mc)
+            if teacher:
+                teacher_full = M.load_model(teacher, dtype=torch.float32)
         except ModelError as e:
-            problem = str(e)
+            problem = str(e) if not teacher or full is None or teacher_full is not None else \
+                f"model.teacher_path: {e}"
     box = [problem]
     dist.broadcast_object_list(box, 0, group=world.ctrl)
     if box[0]:
         raise ModelError(box[0])
-    return full
+    return full, teacher_full
+
+
+def has_teacher(tr: Trainer) -> bool:
+    return tr.teacher is not None or tr.base_teacher
+
+
+def teacher_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
+    """The distillation teacher's logprobs of `batch` (no gradient), at the policy's sampling
+    temperature: its own copy, or with LoRA's "base" the policy with its adapters disabled
+    (routed its own way)."""
+    with torch.no_grad():
+        if tr.teacher is not None:
+            return M.sequence_logprobs(tr.teacher, batch, tokens, temperature)[0]
+        with R.as_reference(tr.policy, False), tr.policy.disable_adapter():
+            return M.sequence_logprobs(tr.policy, batch, tokens, temperature)[0]
 
 
 def has_reference(tr: Trainer) -> bool:
@@ -141,7 +209,8 @@ def has_reference(tr: Trainer) -> bool:
 def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
-    with torch.no_grad(), R.not_counted(tr.policy):  # routing_agreement: the policy's own
+    model = tr.ref if tr.ref is not None else tr.policy
+    with torch.no_grad(), R.as_reference(model, tr.replay_ref):  # routing_agreement: the policy's own
         if tr.ref is not None:
             return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
         with tr.policy.disable_adapter():
@@ -154,7 +223,7 @@ def parameter_counts(tr: Trainer) -> dict[str, int]:
     + reference copy), and `optimizer_bytes`: AdamW's two moments per trainable parameter."""
     params = list(tr.policy.parameters())
     trainable = [p for p in params if p.requires_grad]
-    ref = sum(p.numel() for p in tr.ref.parameters()) if tr.ref is not None else 0
+    ref = sum(p.numel() for m in (tr.ref, tr.teacher) if m is not None for p in m.parameters())
     total = sum(p.numel() for p in params)
     return {"total": total, "trainable": sum(p.numel() for p in trainable), "held": total + ref,
             "optimizer_bytes": sum(2 * p.numel() * p.element_size() for p in trainable)}

@@ -43,8 +43,8 @@ import routing as R
 from failures import fault_active
 from multiturn import max_sampled_tokens
 from microbatches import agree_plans, packing, rank_shares, shares_prompt
-from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
-                     reshard)
+from trainer import (Trainer, has_reference, has_teacher, mix_reference, optimizer_step,
+                     reference_logprobs, reshard, teacher_logprobs)
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Update:
     idx: list[int]                  # this rank's episodes of the mini-batch (positions in the step)
     plan: list[list[int]]           # its micro-batches (positions into idx), agreed by every rank
     denom: float = 1.0              # the mini-batch's global loss denominator (every rank's episodes)
-    proximal: list | None = None    # per micro-batch (old [b, L], ref [b, L] | None, mask [b, L])
+    proximal: list | None = None    # per micro-batch (old [b, L], ref [b, L] | None, mask [b, L], teacher [b, L] | None)
 
 
 @dataclass
@@ -106,6 +106,8 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         if tc.ref_update_every and (step + 1) % tc.ref_update_every == 0:
             mix_reference(tr.ref, tr.policy, tc.ref_mix_alpha)
         reshard(tr.ref)  # its root unit stays unsharded after a no-grad forward otherwise
+    if tr.teacher is not None:
+        reshard(tr.teacher)
     return reduce_metrics(s, sums, lp_diff, norms, n_skipped), s.adv.tolist()
 
 
@@ -166,9 +168,9 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
                       images: Mapping[int, Any], *, procs: I.Processors, lc, tc,
                       temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
-    when there is one, and the response mask, one `([b, L], [b, L] | None, [b, L])` triple per
-    micro-batch of `plan` (the same plan the updates use, so the tensors line up with their
-    batches; row r is episode `idx[mb[r]]`). No gradient."""
+    when there is one, the response mask and the distillation teacher's, one `([b, L], [b, L] |
+    None, [b, L], [b, L] | None)` tuple per micro-batch of `plan` (the same plan the updates
+    use, so the tensors line up with their batches; row r is episode `idx[mb[r]]`). No gradient."""
     tk = procs.tokens
     out = []
     for mb in plan:
@@ -178,7 +180,8 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
                           packing=packing(tc, tr.device))
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
-        out.append((lp, ref, batch["response_mask"]))
+        teacher = teacher_logprobs(tr, batch, tk, temperature) if has_teacher(tr) else None
+        out.append((lp, ref, batch["response_mask"], teacher))
     return out
 
 
@@ -188,7 +191,7 @@ def reference_kl(updates: list[Update], n: int, lc, train_group) -> tuple[torch.
     rank computes its share, one all-reduce)."""
     sums = torch.zeros(2, n, dtype=torch.float64)
     for u in updates:
-        for (old, ref, mask), mb in zip(u.proximal, u.plan):
+        for (old, ref, mask, _), mb in zip(u.proximal, u.plan):
             kl, count = L.sequence_kl(old, ref, mask, lc.kl_estimator, lc.kl_clamp)   # [b]
             rows = torch.tensor([u.idx[j] for j in mb])
             sums[0, rows] = kl.double().cpu()
@@ -228,7 +231,7 @@ def responses(s: Step) -> SimpleNamespace:
         return r
     mine = {}
     for u in s.updates:
-        for (old, ref, mask), mb in zip(u.proximal, u.plan):
+        for (old, ref, mask, _), mb in zip(u.proximal, u.plan):
             for row, j in enumerate(mb):
                 m = mask[row].bool()
                 mine[u.idx[j]] = (old[row][m].cpu(), None if ref is None else ref[row][m].cpu())
@@ -310,14 +313,20 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
         if u.proximal is None:
-            old, ref_lp = lp.detach(), None
+            old, ref_lp, teacher = lp.detach(), None, None
             if has_reference(tr):
                 ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature)
+            if has_teacher(tr):
+                teacher = teacher_logprobs(tr, batch, tk, s.rc.temperature)
         else:
-            old, ref_lp, _ = u.proximal[k]
+            old, ref_lp, _, teacher = u.proximal[k]
+        adv = s.adv[chunk].to(lp.device)                                              # [b]
+        if teacher is not None:  # on-policy distillation: one advantage per token [b, L]
+            adv = L.distill_advantages(adv, old, teacher, lc.distill_coef)
+            sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(((old - teacher) * mask).sum())
         behaviour = batch["engine_logprobs"]                                          # [b, L]
         loss, m = L.policy_loss(
-            lp, old, s.adv[chunk].to(lp.device), mask, lc, ref_logprobs=ref_lp,
+            lp, old, adv, mask, lc, ref_logprobs=ref_lp,
             behaviour_logprobs=behaviour,
             entropy=ent if entropy_grad else None, loss_denominator=float(u.denom),
             max_response_len=max_sampled_tokens(s.rc), kl_coef=kl_coef)
@@ -385,6 +394,8 @@ def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[
     out |= {L.log_name(k[5:]): tot[k] / kept for k in keys if k.startswith("mean:")}
     if has_reference(s.tr):
         out["train/kl_coef"] = s.kl_coef
+    if "distill_kl" in tot:  # log pi_old - log pi_teacher on the sampled tokens, per kept token
+        out["train/distill_kl"] = tot["distill_kl"] / kept
     if "routing_pairs" in tot:  # top-k sets equal, over the token-layer pairs the engine routed
         out["train/routing_agreement"] = tot["routing_same"] / max(1.0, tot["routing_pairs"])
     out |= s.metrics

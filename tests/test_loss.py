@@ -856,7 +856,9 @@ def test_argument_errors(kw, msg):
 def test_shape_errors():
     logp, old, adv, mask = loss_inputs()
     with pytest.raises(ValueError, match="advantages"):
-        policy_loss(logp, old, adv[:, None].expand(2, 3), mask)
+        policy_loss(logp, old, adv[:1], mask)
+    with pytest.raises(ValueError, match="advantages"):  # [B, T] is one per token; [B, T'] is not
+        policy_loss(logp, old, adv[:, None].expand(2, logp.shape[1] + 1), mask)
     with pytest.raises(ValueError, match="mask"):
         policy_loss(logp, old, adv, mask[:, :2])
     with pytest.raises(ValueError, match="ref_logprobs"):
@@ -875,3 +877,46 @@ def test_adaptive_kl_multiplier_is_clipped_so_the_coefficient_stays_positive():
     for _ in range(20):
         value = L.adaptive_kl_coef(value, 0.0, 0.05, 1, 512)
         assert value > 0
+
+
+# ----------------------------------------------------------------------------- on-policy distillation
+def _slime_apply_opd_kl_to_advantages(opd_kl_coef, teacher_log_probs, advantages, student_log_probs):
+    """slime's rule on the same tensors, written from THUDM/slime
+    slime/backends/megatron_utils/loss.py:663-701 (apply_opd_kl_to_advantages, commit 624b824a8):
+    per sample, reverse_kl = student_log_probs[i] - teacher_log_probs[i];
+    advantages[i] = adv - opd_kl_coef * reverse_kl (slime's per-sample advantages are the GRPO
+    return broadcast over the response's tokens)."""
+    out = []
+    for i, adv in enumerate(advantages):
+        reverse_kl = student_log_probs[i] - teacher_log_probs[i]
+        out.append(adv - opd_kl_coef * reverse_kl)
+    return out
+
+
+def test_distill_advantages_are_slimes_on_the_same_tensors():
+    g = torch.Generator().manual_seed(0)
+    B, T, coef = 5, 7, 0.7
+    adv = torch.randn(B, generator=g)
+    student, teacher = -torch.rand(B, T, generator=g) * 3, -torch.rand(B, T, generator=g) * 3
+    ours = L.distill_advantages(adv, student, teacher, coef)                  # [B, T]
+    theirs = _slime_apply_opd_kl_to_advantages(coef, list(teacher), [a.expand(T) for a in adv], list(student))
+    torch.testing.assert_close(ours, torch.stack(theirs), rtol=0, atol=1e-6)
+    assert torch.equal(L.distill_advantages(adv, student, student, coef), adv[:, None].expand(B, T))
+
+
+@pytest.mark.parametrize("objective", ["ppo", "gspo", "cispo"])
+def test_per_token_advantages_equal_to_the_responses_give_its_loss_and_gradient(objective):
+    """An objective fed [B, T] advantages that repeat each response's A over its tokens is the
+    [B] objective exactly (value and gradient; GSPO's token form included), off-policy ratios too."""
+    logp, old, adv, mask = loss_inputs()
+    old = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for a in (adv, adv[:, None].expand_as(logp).clone()):
+        x = logp.detach().clone().requires_grad_(True)
+        loss, m = policy_loss(x, old, a, mask, objective=objective)
+        loss.backward()
+        grads.append((loss.detach(), x.grad, m))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-6)
+    assert grads[0][1] is not None and grads[0][1].abs().sum() > 0
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-6)
+    assert grads[0][2] == pytest.approx(grads[1][2])

@@ -132,9 +132,9 @@ def test_the_draw_keeps_the_weights_over_40_steps_and_each_source_its_stream(tmp
     steps = [mix.step_problems(s) for s in range(40)]
     drawn = [p for ps in steps for p in ps]
     assert len(drawn) == 160
-    share = sum(p.source == "geo" for p in drawn) / len(drawn)
-    assert abs(share - 0.75) <= 0.1 and abs((1 - share) - 0.25) <= 0.1, share
-    assert 0 < sum(p.source == "geo" for p in steps[0] + steps[1]) < 8  # drawn per prompt, not per step
+    # a quota every step: 0.75 / 0.25 of 4 prompts is 3 + 1 in each, in a seeded order
+    assert all(sorted(p.source for p in ps) == ["geo"] * 3 + ["txt"] for ps in steps)
+    assert len({tuple(p.source for p in ps) for ps in steps}) > 1
     for name in ("geo", "txt"):  # each source goes through its whole pool before repeating one
         mine = [p.index for p in drawn if p.source == name]
         assert len(set(mine[:12])) == min(12, len(mine)), mine[:12]
@@ -144,6 +144,20 @@ def test_the_draw_keeps_the_weights_over_40_steps_and_each_source_its_stream(tmp
     _, again = mixture(tmp_path)
     assert [[p.index for p in again.step_problems(s)] for s in range(40)] == \
         [[p.index for p in ps] for ps in steps]
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (7, 3), (0.2, 0.5, 0.3)])
+def test_quotas_are_exact_over_any_window_and_within_one_prompt_every_step(weights):
+    total, q = sum(weights), data.quotas(list(weights), 4)
+    steps = [next(q) for _ in range(100)]
+    assert all(sum(s) == 4 and min(s) >= 0 for s in steps)
+    for k, w in enumerate(weights):
+        assert sum(s[k] for s in steps) == round(400 * w / total)  # 0.7 / 0.3: 280 + 120 exactly
+        for n in range(1, 101):  # every prefix within one prompt of the ideal
+            assert abs(sum(s[k] for s in steps[:n]) - 4 * n * w / total) < 1
+    if weights == (0.7, 0.3):  # largest remainder with the remainders carried, not rounded down
+        assert steps[:4] == [[3, 1], [3, 1], [2, 2], [3, 1]]
+    assert data.quotas([0.75, 0.25], 4).__next__() == [3, 1]
 
 
 def test_a_resumed_draw_continues_exactly_with_nothing_saved(tmp_path):

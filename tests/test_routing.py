@@ -119,6 +119,30 @@ def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
     assert routing.take_counts(trainer)[1] == total
 
 
+@pytest.mark.parametrize("replay_ref", [False, True])
+def test_the_references_routing_follows_its_switch(moe, replay_ref):
+    """model.moe_routing_replay_ref: the KL reference's forward (trainer.reference_logprobs, inside
+    routing.as_reference) routes its own way unless the switch replays the engine's experts into
+    it too; the policy's replay and the agreement counts are as before either way."""
+    path, procs, eps, images, trainer = moe
+    batch = I.collate(eps, images, procs, CPU)
+    routing.attach(trainer, replay=False)
+    own = torch.stack(_routed(trainer, batch, procs), 1)
+    routing.take_counts(trainer)
+    routing.attach(trainer, replay=True)
+    try:
+        replayed = torch.stack(_routed(trainer, batch, procs), 1)
+        counts = routing.take_counts(trainer)
+        with routing.as_reference(trainer, replay_ref):
+            ref = torch.stack(_routed(trainer, batch, procs), 1)
+        assert routing.take_counts(trainer) == (0, 0)    # the reference's forward is not counted
+        again = torch.stack(_routed(trainer, batch, procs), 1)  # the switch is back after it
+    finally:
+        routing.attach(trainer, replay=False)
+    assert not torch.equal(own, replayed) and torch.equal(again, replayed) and counts[1] > 0
+    assert torch.equal(ref, replayed if replay_ref else own)
+
+
 @pytest.mark.parametrize("kind", MOE)
 def test_the_engines_prompt_routing_is_what_a_trainer_forward_routes_at_those_positions(tiny_dir, kind):
     """The same weights and dtype (the engine's own model as the trainer): the prefill's routing
@@ -207,6 +231,19 @@ def test_a_world_of_one_logs_the_agreement_and_replay_brings_the_logprobs_no_fur
         assert worst[kind, "true"] <= worst[kind, "false"], worst
         helped.append(worst[kind, "true"] < worst[kind, "false"])
     assert any(helped), worst  # measured: 0.42 -> 0.025 and 0.50 -> 0.023 over 6 steps
+
+
+@pytest.mark.slow
+def test_the_kl_references_routing_follows_model_moe_routing_replay_ref(tmp_path):
+    """Replay with a KL term, step 1 (policy = reference weights): replayed into the reference
+    too, the KL is exactly 0; routed its own way (the default, as slime and verl), the reference
+    differs from the replayed policy where the engine's experts differ from its own."""
+    runs = {ref: tmp_path / f"ref-{ref}" for ref in ("false", "true")}
+    run_inline([[*TINY_TEXT, "--model.path=tiny-qwen3_moe", "--model.dtype=bfloat16", "--run.steps=1",
+                 "--model.moe_routing_replay=true", f"--model.moe_routing_replay_ref={ref}",
+                 "--loss.kl_coef=0.1", f"--run.out_dir={run}"] for ref, run in runs.items()])
+    kl = {ref: metrics(run)[0]["kl"] for ref, run in runs.items()}
+    assert kl["true"] == 0.0 and kl["false"] > 0.0, kl
 
 
 def test_vllms_routing_rows_are_the_predicting_positions_and_a_zero_capture_is_refused():
