@@ -463,7 +463,9 @@ def validate(cfg: Config) -> None:
                     ("train.ref_update_every", cfg.train.ref_update_every > 0)):
         need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
              "with 0 there is no reference policy)")
-    _check_rollout(cfg, need)
+    need(cfg.rollout.stale in STALE, f"rollout.stale must be one of {STALE}, got {cfg.rollout.stale!r}")
+    need(cfg.rollout.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
+         f"{cfg.rollout.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0")
     need(cfg.cluster.layout in ("by_node", "per_node"),
@@ -504,38 +506,6 @@ def validate(cfg: Config) -> None:
             w = spec.get("weight", 1.0)  # a nan or inf weight would make every reward non-finite
             need(type(w) in (int, float) and math.isfinite(w),
                  f"{key}[{i}].weight must be a finite number, got {w!r}")
-
-
-def _check_rollout(cfg: Config, need) -> None:
-    """validate's rules for the engines and their sampling."""
-    ro, lo = cfg.rollout, cfg.loss
-    need(not ro.max_staleness or lo.tis_cap > 0 or lo.correction != "none",
-         f"rollout.max_staleness={ro.max_staleness} needs a loss.correction (or loss.tis_cap > 0) "
-         f"between the trainers' and the engines' logprobs for the stale samples")
-    need(ro.stale in STALE, f"rollout.stale must be one of {STALE}, got {ro.stale!r}")
-    need(not ro.partial or ro.max_staleness >= 1, "rollout.partial needs rollout.max_staleness >= 1 "
-         "(synchronous engines never hold a batch across a weight update)")
-    need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
-         "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
-         "its own check points, not at the sync")
-    need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
-         "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
-         "one device)")
-    if ro.engine == "vllm":
-        need(ro.top_p == 1.0 and ro.top_k == 0,
-             "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
-             "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
-        need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
-             "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
-        need(not cfg.model.moe_routing_replay or (ro.max_staleness <= 1 and not ro.partial and ro.stale == "wait"),
-             "model.moe_routing_replay with vLLM running ahead (max_staleness > 1, partial or drop): its "
-             "stepped path returns no routing yet; use rollout.engine = 'hf' or k <= 1")
-        need(not (ro.env or ro.tools) or 0 < ro.max_episode_tokens <= ro.max_model_len - cfg.data.max_prompt_len,
-             f"multi-turn with vLLM: rollout.max_episode_tokens ({ro.max_episode_tokens}) must be > 0 and at "
-             f"most rollout.max_model_len - data.max_prompt_len ({ro.max_model_len - cfg.data.max_prompt_len}): "
-             "a continued conversation is a prompt vLLM must hold")
-    need(ro.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
-         f"{ro.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
 
 
 def check_lora(mc: ModelConfig) -> None:

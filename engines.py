@@ -21,14 +21,52 @@ def engine_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def check(rc, tc) -> None:
-    """`[rollout]`'s names: a known engine, environment and tools; an environment that shows
-    images needs one row per episode (`[train]` tc); ConfigError naming the key."""
-    engine_class(rc.engine)
-    envs.check(rc.env, rc.tools)
-    if envs.extra_images(rc.env) and (tc.share_prompt or tc.packing not in (False, "auto")):
-        raise ConfigError(f"rollout.env={rc.env} shows images in its turns: they need one row per "
-                          "episode (train.share_prompt = false, train.packing = false)")
+def check(cfg) -> None:
+    """The engines' rules over the run's config, at load: a known engine, environment and tools;
+    an environment that shows images needs one row per episode; what running ahead, tensor
+    parallelism and vLLM need of the other sections. ConfigError naming the key."""
+    ro, tc, lo = cfg.rollout, cfg.train, cfg.loss
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+    engine_class(ro.engine)
+    envs.check(ro.env, ro.tools)
+    need(not envs.extra_images(ro.env) or not (tc.share_prompt or tc.packing not in (False, "auto")),
+         f"rollout.env={ro.env} shows images in its turns: they need one row per episode "
+         "(train.share_prompt = false, train.packing = false)")
+    need(not ro.max_staleness or lo.tis_cap > 0 or lo.correction != "none",
+         f"rollout.max_staleness={ro.max_staleness} needs a loss.correction (or loss.tis_cap > 0) "
+         f"between the trainers' and the engines' logprobs for the stale samples")
+    need(not ro.partial or ro.max_staleness >= 1, "rollout.partial needs rollout.max_staleness >= 1 "
+         "(synchronous engines never hold a batch across a weight update)")
+    need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
+         "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
+         "its own check points, not at the sync")
+    need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
+         "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
+         "one device)")
+    if ro.engine == "vllm":
+        _check_vllm(cfg, need)
+
+
+def _check_vllm(cfg, need) -> None:
+    """:func:`check`'s rules for the vLLM engine."""
+    ro = cfg.rollout
+    need(ro.top_p == 1.0 and ro.top_k == 0,
+         "rollout.top_p/top_k: the vllm engine reports logprobs after top-p/top-k truncation, "
+         "which the trainer does not reproduce; keep top_p = 1 and top_k = 0")
+    need(not cfg.sync.verify, "sync.verify compares weights bitwise and needs rollout.engine = "
+         "'hf' (vLLM repacks weights); logprob_diff/max checks the vLLM path every step")
+    need(not cfg.model.moe_routing_replay or (ro.max_staleness <= 1 and not ro.partial and ro.stale == "wait"),
+         "model.moe_routing_replay with vLLM running ahead (max_staleness > 1, partial or drop): its "
+         "stepped path returns no routing yet; use rollout.engine = 'hf' or k <= 1")
+    room = ro.max_model_len - cfg.data.max_prompt_len
+    need(not (ro.env or ro.tools) or multiturn.episode_budget(ro) <= room,
+         f"multi-turn with vLLM: the episode's token budget ({multiturn.episode_budget(ro)}: "
+         f"rollout.max_episode_tokens, or derived from rollout.max_turns when 0) must be at most "
+         f"rollout.max_model_len - data.max_prompt_len ({room}): a continued conversation is a "
+         "prompt vLLM must hold")
 
 
 def build_engine(cfg, path: str, procs, *, dev, device, seed: int, max_images: int = 1):

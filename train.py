@@ -110,7 +110,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
     if cfg.model.teacher_path not in ("", "base", cfg.model.path):
         families.check_model_path(cfg.model.teacher_path, "model.teacher_path")
-    engines.check(cfg.rollout, cfg.train)  # a known engine (engines.ENGINES), environment and tools (envs/)
+    engines.check(cfg)  # a known engine, environment and tools (envs/); what the engines need of the rest
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
 
