@@ -213,7 +213,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
-    notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
+    layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None
@@ -222,7 +222,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, channel, full) if world.is_trainer else None
+    tr = trainer.build(model_path, world, device, cfg, channel, full, layout) if world.is_trainer else None
     del full  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 import inputs as I
 import lora
-from microbatches import packing
 import model as M
 import routing as R
 import sync as S
@@ -35,13 +34,15 @@ class Trainer:
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
     version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
+    layout: M.RowLayout = M.RowLayout()  # its micro-batches' rows, decided at start (microbatches.resolve_layout)
 
 
 def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
-          full=None) -> Trainer:
+          full=None, layout: M.RowLayout = M.RowLayout()) -> Trainer:
     """The :class:`Trainer` from the run's config; `full`: the model as trainer rank 0 loaded it
-    (CPU, fp32; None elsewhere), scattered to every trainer's shards. With LoRA: adapters from
-    `run.seed` on the skeleton and `full` before FSDP, and no reference copy."""
+    (CPU, fp32; None elsewhere), scattered to every trainer's shards; `layout`: its micro-batches'
+    rows (microbatches.resolve_layout). With LoRA: adapters from `run.seed` on the skeleton and
+    `full` before FSDP, and no reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
@@ -50,9 +51,9 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
-    # train.packing: one row per micro-batch, for attention.py's kernel ("segments") or
+    # packed rows: one row per micro-batch, for attention.py's kernel ("segments") or
     # flash_attention_2's varlen path ("varlen")
-    attention = M.attention_for(packing(tc, device))
+    attention = M.attention_for(layout.packed)
     policy = M.model_from_config(model_path, meta=True, device_type=device.type,
                                  attention=attention)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
@@ -80,7 +81,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device,
-                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
+                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, layout=layout)
 
 
 def load_checked(world, model_path: str, mc=None):
@@ -108,7 +109,8 @@ def has_reference(tr: Trainer) -> bool:
     return tr.ref is not None or tr.base_ref
 
 
-def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
+def reference_logprobs(tr: Trainer, batch: M.MicroBatch, tokens: I.Tokens,
+                       temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
     with torch.no_grad(), R.not_counted(tr.policy):  # routing_agreement: the policy's own

@@ -42,7 +42,7 @@ import registry
 import routing as R
 from failures import fault_active
 from multiturn import max_sampled_tokens
-from microbatches import agree_plans, packing, rank_shares, shares_prompt
+from microbatches import agree_plans, rank_shares
 from trainer import (Trainer, has_reference, mix_reference, optimizer_step, reference_logprobs,
                      reshard)
 
@@ -127,10 +127,10 @@ def plan(s: Step) -> None:
                          exclude_truncated=lc.exclude_truncated)                      # [N]
     s.metrics["train/dropped_groups"] = float(
         L.zero_variance_groups(s.scores, rc.group_size).sum() if lc.drop_zero_variance else 0)
-    every, imbalance = rank_shares(eps, s.images, s.procs, s.tc, len(world.trainers))
+    every, imbalance = rank_shares(eps, s.images, s.procs, s.tc, s.tr.layout, len(world.trainers))
     s.metrics["train/rank_token_imbalance"] = imbalance
     shares = [sh[world.trainer_index] for sh in every]          # this rank's, per mini-batch
-    plans = agree_plans(shares, eps, s.images, s.procs, s.tc, world.train_group)
+    plans = agree_plans(shares, eps, s.images, s.procs, s.tc, s.tr.layout, world.train_group)
     s.updates = [Update(sh, p) for sh, p in zip(shares, plans)]
     s.kl_coef = s.tr.kl_coef if lc.kl_target > 0 and s.tr.kl_coef is not None else lc.kl_coef
 
@@ -143,7 +143,7 @@ def proximal_pass(s: Step) -> None:
     lc = s.lc
     for u in s.updates:
         u.proximal = proximal_logprobs(s.tr, s.episodes, u.idx, u.plan, s.images, procs=s.procs,
-                                       lc=lc, tc=s.tc, temperature=s.rc.temperature)
+                                       temperature=s.rc.temperature)
     if not (has_reference(s.tr) and (lc.kl_in_reward or lc.kl_target > 0)):
         return
     kl_sum, kl_count = reference_kl(s.updates, len(s.episodes), lc, s.world.train_group)  # [N]
@@ -159,7 +159,7 @@ def proximal_pass(s: Step) -> None:
 
 @torch.no_grad()
 def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
-                      images: Mapping[int, Any], *, procs: I.Processors, lc, tc,
+                      images: Mapping[int, Any], *, procs: I.Processors,
                       temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
     when there is one, and the response mask, one `([b, L], [b, L] | None, [b, L])` triple per
@@ -170,11 +170,10 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
         batch = I.collate(eps, [I.episode_images(images, e) for e in eps], procs, tr.device,
-                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels,
-                          packing=packing(tc, tr.device))
+                          tr.layout, tr.pixels)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
-        out.append((lp, ref, batch["response_mask"]))
+        out.append((lp, ref, batch.response_mask))
     return out
 
 
@@ -294,9 +293,8 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         chunk = [u.idx[j] for j in mb]
         eps = [s.episodes[i] for i in chunk]
         batch = I.collate(eps, [I.episode_images(s.images, e) for e in eps], s.procs, tr.device,
-                          share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels,
-                          packing=packing(s.tc, tr.device))
-        mask = batch["response_mask"].float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
+                          tr.layout, tr.pixels)
+        mask = batch.response_mask.float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
         if u.proximal is None:
@@ -305,7 +303,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
                 ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature)
         else:
             old, ref_lp, _ = u.proximal[k]
-        behaviour = batch["engine_logprobs"]                                          # [b, L]
+        behaviour = batch.engine_logprobs                                             # [b, L]
         loss, m = L.policy_loss(
             lp, old, s.adv[chunk].to(lp.device), mask, lc, ref_logprobs=ref_lp,
             behaviour_logprobs=behaviour,
@@ -322,13 +320,13 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     return sums
 
 
-def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.Tensor,
+def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: M.MicroBatch, ent: torch.Tensor,
               old: torch.Tensor, version: int) -> float:
     """One micro-batch's share of the metric sums (`ent`: each kept token's entropy, 0 elsewhere);
     returns its largest engine/proximal gap over the tokens sampled with the policy's own
     `version` (all of them when nothing is stale)."""
-    rmask = batch["response_mask"].bool()                                             # [b, L]
-    fresh = rmask & (batch["token_versions"] == version)
+    rmask = batch.response_mask.bool()                                                # [b, L]
+    fresh = rmask & (batch.token_versions == version)
     sums["fresh_tokens"] += float(fresh.sum())
     sums["loss"] += float(loss.detach())
     for key, v in m.items():  # policy_loss's means are over the kept tokens: weight by them
@@ -336,15 +334,15 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
             sums[f"mean:{key}"] = sums.get(f"mean:{key}", 0.0) + float(v) * m["tokens"]
     sums["kept_tokens"] += m["tokens"]
     sums["entropy"] += float(ent.detach().sum())  # `ent`: masked to the kept tokens
-    sums["tokens"] += float(batch["attention_mask"].sum())
-    sums["episode_tokens"] += float(batch["episode_tokens"])
-    sums["slots"] += float(batch["attention_mask"].numel())
-    sums["pairs"] += float(batch["attention_pairs"])
-    sums["episode_pairs"] += float(batch["episode_pairs"])
+    sums["tokens"] += float(batch.attention_mask.sum())
+    sums["episode_tokens"] += float(batch.episode_tokens)
+    sums["slots"] += float(batch.attention_mask.numel())
+    sums["pairs"] += float(batch.attention_pairs)
+    sums["episode_pairs"] += float(batch.episode_pairs)
     sums["resp_tokens"] += float(rmask.sum())
     if not fresh.any():
         return 0.0
-    return float((old - batch["engine_logprobs"])[fresh].abs().max())  # engine vs proximal
+    return float((old - batch.engine_logprobs)[fresh].abs().max())  # engine vs proximal
 
 
 def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[float],

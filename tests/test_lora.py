@@ -53,7 +53,7 @@ def _episodes(path: str, procs: I.Processors, n: int = 2):
 def _update(tr: T.Trainer, batch: dict, tokens: I.Tokens, kl: bool = True) -> None:
     """One optimizer step on a loss that moves the policy away from the reference."""
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
-    mask = batch["response_mask"].float()
+    mask = batch.response_mask.float()
     loss = -(lp * mask).sum()
     if kl:
         loss = loss + ((lp - T.reference_logprobs(tr, batch, tokens, 1.0)) ** 2 * mask).sum()
@@ -167,7 +167,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
     assert S.verify(one_rank_world, tr.policy, engine, "float32")
     with torch.no_grad():
         lp_engine, _ = M.sequence_logprobs(engine.model, batch, procs.tokens, 1.0)
-    m = batch["response_mask"].bool()
+    m = batch.response_mask.bool()
     assert float((lp_engine - lp)[m].abs().max()) <= 1e-4
     assert float((lp_engine - lp_base)[m].abs().max()) > 1e-2  # it is the adapted policy
 
@@ -191,7 +191,7 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, 
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
     lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
-    (lp * batch["response_mask"]).sum().backward()
+    (lp * batch.response_mask).sum().backward()
     assert (count.calls, count.recomputes) == (4, 4)
     for n, p in tr.policy.named_parameters():
         assert p.dtype == torch.float32 and (p.grad is not None) == (".lora_" in n), n

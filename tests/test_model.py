@@ -92,8 +92,8 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
         batch = I.collate(eps, [problems[e.group].images for e in eps], procs, torch.device("cpu"))
         with torch.no_grad():
             lp, _ = M.sequence_logprobs(engine.model, batch, tokens, temp)
-        m = batch["response_mask"].bool()
-        assert (lp[m] - batch["engine_logprobs"][m]).abs().max() < 1e-4
+        m = batch.response_mask.bool()
+        assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
 
 
 def test_text_only_positions_would_be_caught(tiny):
@@ -107,11 +107,11 @@ def test_text_only_positions_would_be_caught(tiny):
     e = R.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
     batch = I.collate([e], [p.images], procs, torch.device("cpu"))
     with torch.no_grad():
-        out = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
-    lp, _ = M.token_logprobs(out.logits[:, :-1], batch["input_ids"][:, 1:], tokens, 1.0)
-    m = batch["response_mask"][:, 1:].bool()
-    assert (lp[m] - batch["engine_logprobs"][:, 1:][m]).abs().max() > 1e-3
+        out = engine.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw)
+    lp, _ = M.token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:], tokens, 1.0)
+    m = batch.response_mask[:, 1:].bool()
+    assert (lp[m] - batch.engine_logprobs[:, 1:][m]).abs().max() > 1e-3
 
 
 def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny, monkeypatch):
@@ -133,7 +133,7 @@ def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny,
     finally:
         hook.remove()
     assert torch.equal(before, after)
-    n = int(batch["response_mask"][:, 1:].sum())
+    n = int(batch.response_mask[:, 1:].sum())
     assert rows == [torch.Size([n, procs.tokens.vocab_size])]
 
 
@@ -169,7 +169,7 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
     layers = 4 if checkpointing else 0
     assert (count.calls, count.recomputes) == (layers, 0)
-    (lp * batch["response_mask"]).sum().backward()
+    (lp * batch.response_mask).sum().backward()
     assert (count.calls, count.recomputes) == (layers, layers)
     assert all(p.grad is not None for p in tr.policy.parameters() if p.requires_grad)
     tr.policy.eval()
@@ -204,12 +204,12 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     eps = [R.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
-    packed = I.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})
+    packed = I.collate(eps, images, procs, torch.device("cpu"), M.RowLayout(share_prompt=True), {})
     flat = I.collate(eps, images, procs, torch.device("cpu"))
-    assert packed["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 9
-    assert int(packed["episode_tokens"]) == int(flat["attention_mask"].sum())
+    assert packed.input_ids.shape[0] == 3 and flat.input_ids.shape[0] == 9
+    assert int(packed.episode_tokens) == int(flat.attention_mask.sum())
     # the mask: response 2 of row 0 sees the prompt and itself, not response 1
-    m, plen = packed["attention_mask_4d"][0, 0], int(packed["prompt_len"][0])
+    m, plen = packed.packed.mask_4d[0, 0], int(packed.packed.prompt_len[0])
     s1, n1 = plen, len(eps[0].response_ids)
     s2 = s1 + n1
     assert m[s2, :plen].all() and not m[s2, s1:s2].any() and m[s2, s2] and not m[s2, s2 + 1]
@@ -217,17 +217,17 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     # positions: a response continues from the prompt, as in its own row
     model = M.load_model(path).train()
     pos = M.packed_positions(model, packed, tokens)
-    own, _ = model.model.get_rope_index(flat["input_ids"][1:2], (flat["input_ids"][1:2] == tokens.image_pad).int(),
-                                        image_grid_thw=flat["image_grid_thw"][1:2],
-                                        attention_mask=flat["attention_mask"][1:2])
+    own, _ = model.model.get_rope_index(flat.input_ids[1:2], (flat.input_ids[1:2] == tokens.image_pad).int(),
+                                        image_grid_thw=flat.image_grid_thw[1:2],
+                                        attention_mask=flat.attention_mask[1:2])
     n2 = len(eps[1].response_ids)
     assert torch.equal(pos[:, 0, s2:s2 + n2], own[:, 0, plen:plen + n2])
     lp, ent = M.sequence_logprobs(model, packed, tokens, 1.0)
     flp, fent = M.sequence_logprobs(model, flat, tokens, 1.0)
-    pm, fm = packed["response_mask"].bool(), flat["response_mask"].bool()
+    pm, fm = packed.response_mask.bool(), flat.response_mask.bool()
     torch.testing.assert_close(lp[pm], flp[fm], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent[pm], fent[fm], atol=1e-5, rtol=0)
-    assert float((lp[pm] - packed["engine_logprobs"][pm]).abs().max()) <= 1e-4
+    assert float((lp[pm] - packed.engine_logprobs[pm]).abs().max()) <= 1e-4
     g1 = torch.autograd.grad(lp[pm].sum(), list(model.parameters()))
     g2 = torch.autograd.grad(flp[fm].sum(), list(model.parameters()))
     for a, b in zip(g1, g2):
