@@ -4,6 +4,7 @@ per image token, as transformers does) and the trainer's batches (`collate`).
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -11,10 +12,10 @@ from typing import Any
 
 import torch
 
-import attention as A
+import attention
 import families as F
 import routing
-from config import PACKED_LAYOUTS
+from config import PACKED_LAYOUTS, DataConfig, ModelConfig, RolloutConfig
 from errors import ModelError, one_line
 from model import MicroBatch, Packed, RowLayout, load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
@@ -125,7 +126,7 @@ def template_source(path: str, tokenizer) -> str:
                  if (Path(path) / f).is_file()), "tokenizer_config.json")
 
 
-def processors(path: str, mc, dc, rc=None) -> Processors:
+def processors(path: str, mc: ModelConfig, dc: DataConfig, rc: RolloutConfig | None = None) -> Processors:
     """:func:`load_processors` with the run's pixel bounds (`[model]` mc) and prompt settings
     (`[data]` dc; `[rollout]` rc: the schemas of its tools); whether the dataset fits the model
     is data.refuse_images."""
@@ -317,7 +318,8 @@ def token_versions(e) -> list[int]:
 
 
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
-            layout: RowLayout = RowLayout(), pixels: dict | None = None) -> MicroBatch:
+            layout: RowLayout = RowLayout(), pixels: dict | None = None,
+            vision: bool = False) -> MicroBatch:
     """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
     for model.sequence_logprobs, laid out as `layout` says (model.MicroBatch: what every layout
     has, `packed` what packed rows add):
@@ -333,9 +335,28 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
       for attention.py's kernel (its plan built here: no mask); "varlen": every episode (its
       prompt copied: a varlen kernel cannot share one), no mask.
     `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
+    `vision`: another trainer rank's micro-batch may show an image (the step's episodes do): one
+    without an image of its own carries a blank one (`blank_image`) for the vision tower to run
+    on, its output counting zero (model.sequence_logprobs), so that every rank makes the tower's
+    FSDP collectives.
     """
-    if layout.share_prompt or layout.packed:
-        return pack(episodes, images, procs, device, layout, pixels)
+    batch = (pack(episodes, images, procs, device, layout, pixels) if layout.share_prompt or layout.packed
+             else _padded(episodes, images, procs, pixels))
+    if vision and procs.vision and batch.pixel_values is None:
+        batch = replace(batch, blank_image=_vision_inputs(procs, [_blank()], pixels)[0])
+    return batch.to(device)
+
+
+@functools.cache
+def _blank():
+    """A black image, processed at the smallest size the processor makes (model.min_pixels); one
+    object, so `pixels` processes it once."""
+    from PIL import Image
+    return Image.new("RGB", (28, 28))
+
+
+def _padded(episodes, images: list[list], procs: Processors, pixels: dict | None) -> MicroBatch:
+    """One row per episode, right-padded (:func:`collate`)."""
     tokens = procs.tokens
     mm, counts = _vision_inputs(procs, [im for ims in images for im in ims], pixels)
     it = iter(counts)
@@ -364,7 +385,7 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     routed = _routing(ids.shape, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
                       pred, [(e, i, 0, len(p)) for i, (e, p) in enumerate(zip(episodes, prompts))])
     return MicroBatch(ids, attn, resp, engine_lp, versions, torch.tensor(B * width * width),
-                      attn.sum(), (attn.sum(-1) ** 2).sum(), *mm, *routed).to(device)
+                      attn.sum(), (attn.sum(-1) ** 2).sum(), *mm, *routed)
 
 
 def _expanded_index(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
@@ -422,7 +443,7 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     then padding. model.Packed says where everything sits; without `packed` its `mask_4d` [rows,
     1, W, W] (bool: a prompt token sees its prompt causally; a response token its prompt and itself
     causally; padding sees itself), with "segments" the kernel's `plan` (attention.plan over
-    :func:`_segments`' layout, on `device`)."""
+    :func:`_segments`' layout, on `device`; the rest on the host)."""
     packing = layout.packed
     if packing is not None and packing not in PACKED_LAYOUTS:
         raise ValueError(f"packing: {packing!r} is not a layout (None, {PACKED_LAYOUTS})")
@@ -447,16 +468,17 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     lengths = [built[k][0] + len(episodes[i].response_ids) for k, u in enumerate(seqs) for i in u]
     pairs = torch.tensor(len(rows) * W * W)  # a dense kernel: every pair of every row
     if packing == "segments":  # the calls the kernel will make on `device` (model._packed_logprobs)
-        p = replace(p, plan=A.plan(A.layout(_segments(p)), W, device))
-        pairs = torch.tensor(A.pairs(p.plan))
+        p = replace(p, plan=attention.plan(attention.layout(_segments(p)), W, device))
+        pairs = torch.tensor(attention.pairs(p.plan))
     elif packing is None:
         p = replace(p, mask_4d=_block_mask(p, len(rows), W))
-    routed = _routing(ids.shape, [(getattr(episodes[i], "routing", None), range(len(episodes[i].response_ids)))
-                                  for u in seqs for i in u], (p.pred_row, p.pred_col),
+    routed = _routing(ids.shape, [(getattr(episodes[i], "routing", None),
+                                   range(len(episodes[i].response_ids))) for u in seqs for i in u],
+                      (p.pred_row, p.pred_col),
                       [(episodes[u[0]], seq_row[k], seq_col[k], built[k][0])  # a shared prompt: the first's
                        for k, u in enumerate(seqs)])
     return MicroBatch(ids, attn, resp, engine_lp, versions, pairs, torch.tensor(sum(lengths)),
-                      torch.tensor(sum(n * n for n in lengths)), *mm, *routed, packed=p).to(device)
+                      torch.tensor(sum(n * n for n in lengths)), *mm, *routed, packed=p)
 
 
 def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: str | None,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-import attention as A
+import attention
 import device as D
 import families as F
-import routing as R
+import routing
 from errors import ModelError, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,7 +61,7 @@ class Packed:
     target_col: torch.Tensor
     offset: torch.Tensor
     mask_4d: torch.Tensor | None = None  # [rows, 1, W, W] bool: one row per prompt (no packing)
-    plan: A.Plan | None = None           # "segments": the kernel's calls, built once (inputs.pack)
+    plan: attention.Plan | None = None           # "segments": the kernel's calls, built once (inputs.pack)
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class MicroBatch:
     routing: torch.Tensor | None = None          # MoE replay [rows, W, L, k] (routing.batch_routing)
     routing_counted: torch.Tensor | None = None  # [rows, W] bool
     packed: Packed | None = None
+    # (pixel_values, image_grid_thw) of a blank image, for a micro-batch without images whose
+    # peers' may show some: the vision tower runs on it, its output counting 0 (_blank_vision)
+    blank_image: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         return _to(self, device)
@@ -185,9 +188,8 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     mask = batch.response_mask[:, 1:].bool()                     # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[:, :-1] = mask
-    logits = _logits_at(model, keep, batch.routing, batch.routing_counted, input_ids=ids,
-                        attention_mask=batch.attention_mask, use_cache=False,
-                        **_model_inputs(batch, tokens))
+    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=batch.attention_mask,
+                        use_cache=False, **_model_inputs(batch, tokens))
     rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
     lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
@@ -206,13 +208,13 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     # varlen kernel finds the sequences from the restarting positions ("varlen")
     layout = {}
     if p.plan is not None:
-        if (got := text_config(model.config)._attn_implementation) != A.NAME:
+        if (got := text_config(model.config)._attn_implementation) != attention.NAME:
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
-                             f"{A.NAME!r} (trainer.build), not {got!r}")
+                             f"{attention.NAME!r} (trainer.build), not {got!r}")
         layout = {"grpo_segments": p.plan}  # the calls every layer makes, built once (inputs.pack)
-    logits = _logits_at(model, keep, batch.routing, batch.routing_counted, input_ids=ids,
-                        attention_mask=p.mask_4d, position_ids=packed_positions(model, batch, tokens),
-                        use_cache=False, **_model_inputs(batch, tokens), **layout)
+    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=p.mask_4d,
+                        position_ids=packed_positions(model, batch, tokens), use_cache=False,
+                        **_model_inputs(batch, tokens), **layout)
     where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
     where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
     lp_sel, ent_sel = token_logprobs(logits[where[p.pred_row, p.pred_col]],
@@ -280,23 +282,54 @@ def packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None,
-               counted: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+def _logits_at(model, keep: torch.Tensor, batch: MicroBatch, **inputs) -> torch.Tensor:
     """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
     pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
-    [rows, W, vocab] tensor exists whatever the transformers version. `routing`: the batch's
-    MoE routing to replay, `counted`: the entries its agreement counts (routing.replaying)."""
+    [rows, W, vocab] tensor exists whatever the transformers version. The batch's MoE routing is
+    replayed (routing.replaying), its blank image run (:func:`_blank_vision`)."""
     head = model.get_output_embeddings()
 
     def select(_module, args):
         return (args[0][keep],) + tuple(args[1:])
 
-    handle = head.register_forward_pre_hook(select)
+    handles = [head.register_forward_pre_hook(select)]
+    if batch.blank_image is not None:
+        handles.append(model.get_input_embeddings().register_forward_hook(
+            _blank_vision(model, *batch.blank_image)))
     try:
-        with R.replaying(model, routing, counted):               # MoE: the engine's experts
+        with routing.replaying(model, batch.routing, batch.routing_counted):  # MoE: the engine's experts
             return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+
+
+def _blank_vision(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """A forward hook on the input embeddings for a micro-batch without images whose peers'
+    (other trainer ranks') show some: the vision tower runs once on a blank image and its output,
+    times 0, joins the embeddings (verl's and EasyR1's way). Every rank then all-gathers the
+    tower's FSDP shards in the forward and reduces its gradients after the backward, as the peers
+    do (a rank that skipped them would hang or break the collectives), while every value and
+    gradient stays what it was without it (the tower's: exact zeros)."""
+    ran = []
+
+    def hook(_module, _args, out):
+        if ran:  # one tower call per forward, as a peer's
+            return None
+        ran.append(True)
+        features = model.get_image_features(pixel_values, image_grid_thw=grid_thw)
+        zero = 0.0 * sum(t.float().sum() for t in _tensors(features))  # every output: every weight
+        return out + zero.to(out.dtype)
+    return hook
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output (a tensor, a ModelOutput, nested tuples)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):  # transformers' ModelOutput is one
+        out = list(out.values())
+    return [t for x in out for t in _tensors(x)] if isinstance(out, (tuple, list)) else []
 
 
 # ----------------------------------------------------------------------------- loading
@@ -338,7 +371,7 @@ def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool 
 def attention_for(packed: str | None) -> str:
     """transformers' attn_implementation for the trainer's models under a RowLayout's `packed`
     (device.Device.packed_attention; None: not packing)."""
-    return {"varlen": "flash_attention_2", "segments": A.NAME}.get(packed, "sdpa")
+    return {"varlen": "flash_attention_2", "segments": attention.NAME}.get(packed, "sdpa")
 
 
 def _kernels(device_type: str) -> dict:

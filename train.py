@@ -213,7 +213,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     eval_set = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)[0]
                 if cfg.run.eval_every or cfg.eval.before_start else None)
     full = trainer.load_checked(world, model_path, cfg.model)  # rank 0: every weight there, or nothing
-    layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
+    # the trainer's row layout (train.packing's "auto" decided); refused: ConfigError
+    layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)
     engine = start_engine(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
     channel = None

@@ -17,8 +17,9 @@ import torch.distributed as dist
 import inputs as I
 import lora
 import model as M
-import routing as R
+import routing
 import sync as S
+from config import Config, ModelConfig, TrainConfig
 from errors import ModelError
 
 
@@ -34,10 +35,10 @@ class Trainer:
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
     version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
-    layout: M.RowLayout = M.RowLayout()  # its micro-batches' rows, decided at start (microbatches.resolve_layout)
+    layout: M.RowLayout = M.RowLayout()  # its micro-batches' rows (microbatches.resolve_layout)
 
 
-def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
+def build(model_path: str, world, device: torch.device, cfg: Config, channel: S.CommChannel | None = None,
           full=None, layout: M.RowLayout = M.RowLayout()) -> Trainer:
     """The :class:`Trainer` from the run's config; `full`: the model as trainer rank 0 loaded it
     (CPU, fp32; None elsewhere), scattered to every trainer's shards; `layout`: its micro-batches'
@@ -70,8 +71,8 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                                  full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision).eval()
         ref.requires_grad_(False)
-        R.attach(ref, mc.moe_routing_replay)
-    if not R.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
+        routing.attach(ref, mc.moe_routing_replay)
+    if not routing.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
         raise ModelError(f"model.moe_routing_replay: {model_path} has no MoE router (a dense model)")
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
     # foreach: one kernel per group of tensors (on CPU bitwise the per-tensor result, ~15% faster)
@@ -84,7 +85,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, layout=layout)
 
 
-def load_checked(world, model_path: str, mc=None):
+def load_checked(world, model_path: str, mc: ModelConfig | None = None):
     """Rank 0 loads the model on the CPU (kept for :func:`build`) and checks `mc`'s LoRA targets;
     collective over `world.ctrl`: every rank raises the same ModelError for a folder without the
     model's weights or targets matching no linear layer."""
@@ -113,7 +114,7 @@ def reference_logprobs(tr: Trainer, batch: M.MicroBatch, tokens: I.Tokens,
                        temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
-    with torch.no_grad(), R.not_counted(tr.policy):  # routing_agreement: the policy's own
+    with torch.no_grad(), routing.not_counted(tr.policy):  # routing_agreement: the policy's own
         if tr.ref is not None:
             return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
         with tr.policy.disable_adapter():
@@ -140,7 +141,7 @@ def quiet_view_warning() -> None:
                             category=UserWarning)
 
 
-def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
+def too_many_skipped(tc: TrainConfig, world, skipped_in_row: int) -> bool:
     """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row
     (`[train]` tc; collective over the world)."""
     stop = torch.tensor([skipped_in_row >= tc.max_skipped_steps], dtype=torch.int64)
@@ -151,7 +152,7 @@ def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
     return bool(stop.item())
 
 
-def lr_factor(step: int, tc, total_steps: int) -> float:
+def lr_factor(step: int, tc: TrainConfig, total_steps: int) -> float:
     """The LR multiplier at rollout step `step` (0-based): linear warm-up, then `tc.lr_schedule`
     from 1 to `min_lr_ratio` over the steps after the warm-up, as transformers' schedules do. A
     pure function of (step, config): a resumed run continues it exactly."""
@@ -167,7 +168,7 @@ def lr_factor(step: int, tc, total_steps: int) -> float:
     return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
-def apply_optimizer_config(tr: Trainer, tc, total_steps: int) -> dict[str, tuple]:
+def apply_optimizer_config(tr: Trainer, tc: TrainConfig, total_steps: int) -> dict[str, tuple]:
     """After a resume: make the restored optimizer and schedule follow `[train]` as configured
     now (lr, betas, weight decay, schedule, warm-up; grad_clip is read every step anyway). The
     schedule keeps its position. Returns {key: (restored, now)} for what changed."""
@@ -220,7 +221,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def optimizer_step(tr: Trainer, tc) -> tuple[float, bool]:
+def optimizer_step(tr: Trainer, tc: TrainConfig) -> tuple[float, bool]:
     """Clip, then step unless the global gradient norm is non-finite; gradients cleared.
     Returns (norm before clipping, skipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), tc.grad_clip)

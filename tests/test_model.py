@@ -13,6 +13,8 @@ import synthetic
 import rollout as R
 from tests.util import CheckpointCounter
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
@@ -232,3 +234,46 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     g2 = torch.autograd.grad(flp[fm].sum(), list(model.parameters()))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------- images and text mixed
+@pytest.mark.parametrize("layout", [M.RowLayout(), M.RowLayout(share_prompt=True),
+                                    M.RowLayout("segments", True)])
+def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_changes_nothing(tiny, layout):
+    """A micro-batch without images whose peers' may show some (inputs.collate's `vision`): the
+    vision tower runs once on a blank image, in every layout, so its rank makes the tower's FSDP
+    collectives as a peer with images does; the logprobs and every gradient are bit for bit those
+    without it, the tower's weights getting exact zeros (a gradient, which FSDP reduces, where
+    they had none)."""
+    path, procs = tiny
+    allowed = [i for i in range(procs.tokens.vocab_size) if i not in procs.tokens.suppressed]
+    g = torch.Generator().manual_seed(1)
+    eps = [R.Episode(i, i // 2, I.prompt_ids(procs, f"What is {i // 2} + 2?", 0),
+                     [allowed[j] for j in torch.randint(len(allowed), (5 + i,), generator=g)],
+                     [0.0] * (5 + i), 0.0, {}, 0, False) for i in range(4)]
+    model = M.load_model(path)
+    model.set_attn_implementation(M.attention_for(layout.packed))
+    calls = []
+    for unit in M.fsdp_units(model):  # decoder layers and vision blocks
+        unit.register_forward_hook(lambda m, a, o: calls.append(m))
+    runs = {}
+    for vision in (False, True):
+        batch = I.collate(eps, [[]] * len(eps), procs, CPU, layout, vision=vision)
+        assert batch.pixel_values is None and (batch.blank_image is not None) is vision
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        lp, ent = M.sequence_logprobs(model, batch, procs.tokens, 1.0, entropy_grad=True)
+        (lp.sum() + ent.sum()).backward()
+        runs[vision] = (len(calls), lp.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (n_plain, lp_plain, plain), (n_blank, lp_blank, blank) = runs[False], runs[True]
+    tower = {n for n, grad in plain.items() if grad is None}
+    assert tower and n_plain < n_blank == len(M.fsdp_units(model))  # once each: the tower ran
+    assert torch.equal(lp_blank, lp_plain)
+    for n, grad in blank.items():
+        assert grad is not None, n  # every weight joins the backward: FSDP reduces every one
+        assert torch.equal(grad, torch.zeros_like(grad) if n in tower else plain[n]), n
+    # a micro-batch with an image of its own carries none
+    problem = synthetic.make_synthetic(1, seed=5)[0]
+    e = R.Episode(problem.index, 0, I.prompt_ids(procs, data.user_text(problem), 1), [allowed[0]] * 3,
+                  [0.0] * 3, 0.0, {}, 0, False)
+    assert I.collate([e], [problem.images], procs, CPU, layout, vision=True).blank_image is None
