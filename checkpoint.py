@@ -150,7 +150,7 @@ def fingerprint(model_path: str) -> str:
     return f"{h.hexdigest()}-{len(parts)}" if parts else ""
 
 
-def check_base(cfg, world, model_path: str, progress: Progress, resumed: str | None) -> None:
+def check_base(cfg: C.Config, world, model_path: str, progress: Progress, resumed: str | None) -> None:
     """Collective over the world: rank 0 fingerprints `model_path`; a resume whose checkpoint
     records another base stops every rank with one line naming both, unless
     `run.allow_new_base`. Then `progress.base` is the base this run trains on."""
@@ -191,7 +191,7 @@ class Export(NamedTuple):  # what the HF export (export_hf) is made of besides t
     dtype: torch.dtype
 
 
-def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
+def save_progress(cfg: C.Config, world, tr, procs, source: str, dev, out_dir: Path,
                   progress: Progress) -> None:
     """The loop's save, every `run.save_every` steps and at the end: trainer `tr` at `progress`
     (collective over the trainer ranks, a no-op elsewhere); `source`: the starting model folder."""
@@ -328,7 +328,7 @@ def read_meta(path: Path) -> dict:
     return torch.load(Path(path) / "state" / "meta.pt", weights_only=False)
 
 
-def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
+def resume_plan(cfg: C.Config, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
     """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
     finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
     unless `run.allow_config_change`), "optimizer_changes" (config.OPTIMIZER_KEYS, and run.steps
@@ -363,7 +363,7 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
                          "to resume anyway, or use another run.out_dir")
     return plan
 
-def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
+def plan(cfg: C.Config, world, out_dir: Path, named: str | None) -> dict:
     """Collective over the world, before anything is built: :func:`pick`, then
     :func:`resume_plan` on rank 0, on every rank with its :class:`Progress` under "progress"; a
     refused resume is a ConfigError on every rank."""

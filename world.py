@@ -210,7 +210,7 @@ def launched_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def validate_world(cfg, world_size: int, device: str | None = None,
+def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
                    dry_run: bool = False) -> None:
     """ConfigError for rules that depend on the launch: the rank split, and the device kind
     (`device`: "cpu", "cuda", "npu", "cuda|npu" for a dry run without GRPO_DEVICE; None: not
@@ -255,7 +255,7 @@ def validate_world(cfg, world_size: int, device: str | None = None,
                           f"({n} % ({n_train} x {mb}) != 0)")
 
 
-def dry_run(cfg, own_channel: bool) -> int:
+def dry_run(cfg: C.Config, own_channel: bool) -> int:
     """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
     group's members (`own_channel`: the engine's, rollout.Engine.OWN_CHANNEL); nothing is
     initialised."""
