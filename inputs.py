@@ -15,7 +15,7 @@ import torch
 import attention
 import families as F
 import routing
-from config import PACKED_LAYOUTS, DataConfig, ModelConfig, RolloutConfig
+from config import DataConfig, ModelConfig, RolloutConfig
 from errors import ModelError, one_line
 from model import MicroBatch, Packed, RowLayout, load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
@@ -445,8 +445,6 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
     causally; padding sees itself), with "segments" the kernel's `plan` (attention.plan over
     :func:`_segments`' layout, on `device`; the rest on the host)."""
     packing = layout.packed
-    if packing is not None and packing not in PACKED_LAYOUTS:
-        raise ValueError(f"packing: {packing!r} is not a layout (None, {PACKED_LAYOUTS})")
     if any(getattr(e, "images", None) for e in episodes):
         raise ValueError("an episode whose inserted turns show images needs one row per episode "
                          "(train.share_prompt = false, train.packing = false)")

@@ -190,13 +190,9 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     keep[:, :-1] = mask
     logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=batch.attention_mask,
                         use_cache=False, **_model_inputs(batch, tokens))
-    rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
-    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
-    lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
-    ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    shifted = (rows[0], rows[1] + 1)                             # column t holds token t
-    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
-    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel)
+    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][mask], tokens, temperature)  # row-major
+    resp = batch.response_mask.bool()                            # column t holds token t
+    return _spread(lp_sel, ent_sel, resp, resp, entropy_grad)
 
 
 def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
@@ -219,12 +215,17 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
     lp_sel, ent_sel = token_logprobs(logits[where[p.pred_row, p.pred_col]],
                                      ids[p.pred_row, p.target_col], tokens, temperature)
-    slots = p.response_slots.bool()                              # [B, T], episode-major as pred_row
-    keep = batch.response_mask.bool()                            # multi-turn: without inserted tokens
-    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device)
-    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
-    lp, ent = lp.masked_scatter(slots, lp_sel), ent.masked_scatter(slots, ent_sel)
+    # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
+    return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
+
+
+def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] logprobs and entropies: the computed ones at `slots` (row-major), 0 outside `keep`;
+    the entropies detached unless `entropy_grad`."""
+    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device).masked_scatter(slots, lp_sel)
+    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(
+        slots, ent_sel if entropy_grad else ent_sel.detach())
     return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
