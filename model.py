@@ -2,8 +2,9 @@
 
 Everything that touches the model's structure lives here; what differs between families is in
 families.py, the rest is asked of the config or the model (docs/families.md).
-`sequence_logprobs` is the trainer's forward over an inputs.collate batch (`tokens`, here and
-below: the run's inputs.Tokens); `apply_fsdp` / `shard_from_rank0` shard it over the
+`sequence_logprobs` is the trainer's forward over a :class:`MicroBatch` (inputs.collate makes it,
+laid out as the trainer's :class:`RowLayout` says; `tokens`, here and below: the run's
+inputs.Tokens); `apply_fsdp` / `shard_from_rank0` shard it over the
 trainer-only mesh. The logprob convention, shared with the engines: docs/loss.md.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Packed:
     target_col: torch.Tensor
     offset: torch.Tensor
     mask_4d: torch.Tensor | None = None  # [rows, 1, W, W] bool: one row per prompt (no packing)
-    plan: attention.Plan | None = None           # "segments": the kernel's calls, built once (inputs.pack)
+    plan: attention.Plan | None = None   # "segments": the kernel's calls, built once (inputs.pack)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,8 @@ def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[li
     return out
 
 
-def reference_kl(updates: list[Update], n: int, lc: LossConfig, train_group) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_kl(updates: list[Update], n: int, lc: LossConfig,
+                 train_group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every episode's summed KL of the proximal policy to the reference and its response token
     count (`[loss] kl_estimator` / `kl_clamp`), `[n]` each, the same on every trainer rank (each
     rank computes its share, one all-reduce)."""
