@@ -223,7 +223,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, channel, full, layout) if world.is_trainer else None
+    tr = trainer.build(model_path, world, device, cfg, layout, channel, full) if world.is_trainer else None
     del full  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone

@@ -31,15 +31,15 @@ class Trainer:
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
+    layout: M.RowLayout      # its micro-batches' rows, decided at start (microbatches.resolve_layout)
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
     version: int = 0         # the weight version the policy holds (logprob_diff/max compares its tokens)
-    layout: M.RowLayout = M.RowLayout()  # its micro-batches' rows (microbatches.resolve_layout)
 
 
-def build(model_path: str, world, device: torch.device, cfg: Config, channel: S.CommChannel | None = None,
-          full=None, layout: M.RowLayout = M.RowLayout()) -> Trainer:
+def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.RowLayout,
+          channel: S.CommChannel | None = None, full=None) -> Trainer:
     """The :class:`Trainer` from the run's config; `full`: the model as trainer rank 0 loaded it
     (CPU, fp32; None elsewhere), scattered to every trainer's shards; `layout`: its micro-batches'
     rows (microbatches.resolve_layout). With LoRA: adapters from `run.seed` on the skeleton and
@@ -81,8 +81,8 @@ def build(model_path: str, world, device: torch.device, cfg: Config, channel: S.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
-    return Trainer(policy, ref, opt, sched, sender, device,
-                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, layout=layout)
+    return Trainer(policy, ref, opt, sched, sender, device, layout,
+                   base_ref=bool(mc.lora_rank) and lc.kl_coef > 0)
 
 
 def load_checked(world, model_path: str, mc: ModelConfig | None = None):

@@ -130,7 +130,8 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, one_rank_world, CPU, C.Config(model=_mc(lora_target_modules=targets),
-                                            train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)))
+                                            train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)),
+                 M.RowLayout())
     # no reference copy: the parameters held are the policy's (base + adapters)
     counts = T.parameter_counts(tr)
     n_base = sum(p.numel() for p in M.load_model(path).parameters())
@@ -174,7 +175,7 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
 
 def test_without_lora_the_kl_reference_is_a_second_copy(one_rank_world, tiny_dir):
     path = tiny_dir("qwen3")
-    tr = T.build(path, one_rank_world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)), M.RowLayout())
     counts = T.parameter_counts(tr)
     assert tr.ref is not None and counts["held"] == 2 * counts["total"]
     assert counts["trainable"] == counts["total"] and len(tr.sender.plans) == 1
@@ -186,7 +187,7 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, 
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, one_rank_world, CPU,
-                 C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)))
+                 C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)), M.RowLayout())
     count = CheckpointCounter(tr.policy)
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
@@ -201,14 +202,14 @@ def test_startup_summary_says_trainable_total_and_optimizer_state(one_rank_world
     import tracking
     path = tiny_dir("qwen3")
     cfg = C.load(None, ["--model.lora_rank=8", "--model.lora_alpha=32"])
-    tr = T.build(path, one_rank_world, CPU, cfg)
+    tr = T.build(path, one_rank_world, CPU, cfg, M.RowLayout())
     counts = T.parameter_counts(tr)
     plan = {"progress": SimpleNamespace(step=0, version=0), "path": None}
     text = tracking.startup_summary(cfg, ["trainer"], "cpu", counts, 8, 0, 0, plan, "defaults")
     want = (f"({counts['total'] / 1e6:.2f}M parameters, {counts['trainable'] / 1e6:.3g}M trainable "
             f"(LoRA rank 8, alpha 32), AdamW state {counts['optimizer_bytes'] / 2**20:.3g} MiB;")
     assert want in text and counts["optimizer_bytes"] == 8 * counts["trainable"]
-    full = T.build(path, one_rank_world, CPU, C.Config())
+    full = T.build(path, one_rank_world, CPU, C.Config(), M.RowLayout())
     text = tracking.startup_summary(C.load(None), ["trainer"], "cpu", T.parameter_counts(full),
                                     8, 0, 0, plan, "defaults")
     assert "M parameters, all trainable, AdamW state" in text
@@ -279,7 +280,8 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
-    tr = T.build(path, one_rank_world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)),
+                 M.RowLayout())
     eps, images = _episodes(path, procs)
     _update(tr, I.collate(eps, images, procs, CPU), procs.tokens, kl=False)
     folder = _save(tr, procs, path, tmp_path / "checkpoints")
@@ -330,7 +332,7 @@ def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(one_ra
     def trainer(seed):
         cfg = C.Config(run=C.RunConfig(seed=seed), model=_mc(), train=C.TrainConfig(lr=1e-2),
                        loss=C.LossConfig(kl_coef=0.1))
-        return T.build(path, one_rank_world, CPU, cfg)
+        return T.build(path, one_rank_world, CPU, cfg, M.RowLayout())
     a = trainer(0)
     _update(a, batch, procs.tokens)
     a.sched.step()

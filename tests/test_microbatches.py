@@ -56,7 +56,7 @@ def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
     images = {p.index: p.images for p in problems}
     policy = M.load_model(path)
     M.apply_fsdp(policy, DeviceMesh.from_group(gloo_world, "cpu"))
-    tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
+    tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"), M.RowLayout())
     adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
     keep = torch.ones(len(eps), dtype=torch.bool)
     denom = sum(len(e.response_ids) for e in eps)

@@ -164,7 +164,7 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     path, procs = tiny
     tokens = procs.tokens
     mc = C.ModelConfig(activation_checkpointing=checkpointing)
-    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc))
+    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
     assert tr.policy.training
     count = CheckpointCounter(tr.policy)
     batch = _batch(tiny)

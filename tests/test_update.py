@@ -19,7 +19,7 @@ import model as M
 import registry
 import trainer as T
 import update as U
-from tests.util import make_trainer, run_step, step_config
+from tests.util import layout_of, make_trainer, run_step, step_config
 from train import load_config
 
 CPU = torch.device("cpu")
@@ -50,7 +50,7 @@ def test_train_step_several_updates_in_one_process(tiny_step):
         M.apply_fsdp(policy, tiny_step.mesh)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        tr = T.Trainer(policy, None, opt, sched, None, CPU)
+        tr = T.Trainer(policy, None, opt, sched, None, CPU, layout_of(cfg.train, procs))
         return tr, cfg, U.train_step(tr, eps, images, world=tiny_step.world, procs=procs,
                                      tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=0)[0]
 

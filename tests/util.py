@@ -211,8 +211,7 @@ def make_trainer(s, cfg, ref_noise: float | None = None):
                 p.add_(ref_noise * torch.randn(p.shape, generator=g))
         ref = M.apply_fsdp(ref.eval(), s.mesh)
         ref.requires_grad_(False)
-    return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"),
-                     layout=layout_of(cfg.train, s.procs))
+    return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"), layout_of(cfg.train, s.procs))
 
 
 def run_step(s, tr, cfg, eps=None, k: int = 0):
