@@ -12,9 +12,9 @@ once per micro-batch (:func:`plan`) and serve every layer. So a micro-batch is o
 sequences, as wide as `train.micro_batch_tokens`, with no padding and no [W, W] mask.
 
 It is registered with transformers under :data:`NAME` (the trainer's models are built with it,
-trainer.build); the plan rides in the forward's keyword `grpo_segments` (through activation
-checkpointing's recomputation too), built by model._packed_logprobs from inputs.pack's
-layout. transformers builds no mask for an attention name its mask registry lacks
+trainer.build); the plan, built once per micro-batch by inputs.pack (model.Packed.plan), rides
+in the forward's keyword `grpo_segments` (through activation checkpointing's recomputation too).
+transformers builds no mask for an attention name its mask registry lacks
 (masking_utils: checked in 5.5.4, 5.17 and 5.24). Any other call (the vision tower, a batch
 without the keyword) is plain SDPA.
 """

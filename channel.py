@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import device as D
+from config import SyncConfig
 from errors import ConfigError
 from sync import TorchChannel, fan_out
 from world import one_node
@@ -165,7 +166,7 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
                          deadline_s=timeout_s) if world.is_root else None)
 
 
-def check_channel(world, dev: D.Device, sc, timeout_s: float | None = None) -> int:
+def check_channel(world, dev: D.Device, sc: SyncConfig, timeout_s: float | None = None) -> int:
     """`train.py --check-channel` (docs/gpu-npu.md): one bucket of `bucket_mb` (`[sync]` sc) from
     trainer rank 0 to every generation rank, twice, over the run's channel (with
     `world.own_channel`, opened by each generation rank on its engine's first device); rank 0

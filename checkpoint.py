@@ -152,7 +152,7 @@ def fingerprint(model_path: str) -> str:
     return f"{h.hexdigest()}-{len(parts)}" if parts else ""
 
 
-def check_base(cfg, world, model_path: str, progress: Progress, resumed: str | None) -> None:
+def check_base(cfg: C.Config, world, model_path: str, progress: Progress, resumed: str | None) -> None:
     """Collective over the world: rank 0 fingerprints `model_path`; a resume whose checkpoint
     records another base stops every rank with one line naming both, unless
     `run.allow_new_base`. Then `progress.base` is the base this run trains on."""
@@ -194,7 +194,7 @@ class Export(NamedTuple):  # what the HF export (export_hf) is made of besides t
     keep_every: int = 0  # run.export_every: which exports outlive their checkpoints' rotation
 
 
-def save_progress(cfg, world, tr, procs, source: str, dev, out_dir: Path,
+def save_progress(cfg: C.Config, world, tr, procs, source: str, dev, out_dir: Path,
                   progress: Progress) -> None:
     """The loop's save, every `run.save_every` steps and at the end: trainer `tr` at `progress`
     (collective over the trainer ranks, a no-op elsewhere); `source`: the starting model folder."""
@@ -345,7 +345,7 @@ class Resumed(NamedTuple):
     rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
-def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
+def resume_plan(cfg: C.Config, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
     """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
     finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
     unless `run.allow_config_change`), "optimizer_changes" (config.OPTIMIZER_KEYS, and run.steps
@@ -380,7 +380,7 @@ def resume_plan(cfg, picked: tuple[Path, dict] | None, world_size: int, n_traine
                          "to resume anyway, or use another run.out_dir")
     return plan
 
-def plan(cfg, world, out_dir: Path, named: str | None) -> dict:
+def plan(cfg: C.Config, world, out_dir: Path, named: str | None) -> dict:
     """Collective over the world, before anything is built: :func:`pick`, then
     :func:`resume_plan` on rank 0, on every rank with its :class:`Progress` under "progress"; a
     refused resume is a ConfigError on every rank."""

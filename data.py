@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 from PIL import Image
 
 # the record and the split names live in synthetic.py, the lower module (data -> synthetic)
-from config import DEFAULT_TEMPLATE
+from config import DEFAULT_TEMPLATE, DataConfig
 from errors import ConfigError, ModelError
 from synthetic import IMAGE_MARKER, SPLITS, SYNTHETIC, Problem, _pyarrow, synthetic_split
 
@@ -286,7 +286,7 @@ def source_problem(source: str) -> str | None:
     return None
 
 
-def refuse_images(vision: bool, model_path: str, dc) -> None:
+def refuse_images(vision: bool, model_path: str, dc: DataConfig) -> None:
     """A dataset with images (any source of `[data]` dc) for a text-only model (not `vision`):
     ModelError naming the source's keys."""
     for src in sources(dc):
@@ -372,7 +372,7 @@ class Source(NamedTuple):
     splits: dict | None = None  # a split's name in the run (eval.split) -> its name in this dataset
 
 
-def sources(dc) -> list[Source]:
+def sources(dc: DataConfig) -> list[Source]:
     """The sources of `[data]` (dc): data.sources' entries (their column keys defaulting to
     `[data]`'s), else data.source alone."""
     base = {"problem": dc.problem_column, "answer": dc.answer_column, "images": dc.images_column}
@@ -384,13 +384,13 @@ def sources(dc) -> list[Source]:
             for i, e in enumerate(dc.sources)]
 
 
-def own_functions(dc) -> dict[str, list]:
+def own_functions(dc: DataConfig) -> dict[str, list]:
     """Source name -> its own reward functions, for the sources that have them (the `sources`
     of rewards.RewardRunner: their episodes are graded by these alone)."""
     return {s.name: s.functions for s in sources(dc) if s.functions is not None}
 
 
-def check_sources(dc, check_functions: Callable[[str, list], None] | None = None) -> None:
+def check_sources(dc: DataConfig, check_functions: Callable[[str, list], None] | None = None) -> None:
     """data.source, or every data.sources entry (its keys, a unique name, a weight > 0, column
     names), names a dataset that can be read (:func:`source_problem`); else a one-line
     ConfigError naming the key. An entry's reward_functions (their form: config.validate) go to
@@ -442,7 +442,7 @@ def _check_entry(key: str, e: dict, seen: dict[str, int]) -> None:
          f"\"test\"}}), got {splits!r}")
 
 
-def load_sources(dc, split: str, *, seed: int, prompt_len: Callable[[Problem], int],
+def load_sources(dc: DataConfig, split: str, *, seed: int, prompt_len: Callable[[Problem], int],
                  limit: int | None = None) -> tuple[list[Problem], int]:
     """(problems, skipped count) of `split` of every source of `[data]` (dc), in their order
     (:func:`load_problems` each; `limit`: the first `limit` of each). With data.sources every
@@ -476,7 +476,7 @@ class Mixture:
     the sum of its quotas before it, counted again (and kept), so a resumed run continues the
     same stream with nothing saved."""
 
-    def __init__(self, problems: list[Problem], dc, per_step: int, seed: int):
+    def __init__(self, problems: list[Problem], dc: DataConfig, per_step: int, seed: int):
         srcs = sources(dc)
         self.names = [s.name for s in srcs if s.name]  # [] for data.source alone
         self.problems, self.per_step, self.seed = problems, per_step, seed

@@ -7,11 +7,13 @@ import torch.distributed as dist
 
 import inputs as I
 import rollout as R
+from config import Config, EvalConfig, RolloutConfig
 from episode import Engine, Episode, Sampling
 
 
 def evaluate(world, engine: Engine | None, scorer, problems: list, procs: I.Processors,
-             cfg, version: int, seed: int, skipped: int = 0, turns=None) -> tuple[dict[str, float], list[Episode]]:
+             cfg: Config, version: int, seed: int, skipped: int = 0,
+             turns=None) -> tuple[dict[str, float], list[Episode]]:
     """The evaluation problems on the generation ranks, graded by `[eval] functions` (a
     data.sources problem: by its source's own reward_functions, where it has them): greedy
     when eval.n = 1 (Geometry3K-style), else n samples at eval.temperature. Metrics: each part's
@@ -62,7 +64,7 @@ def metrics(eps: list[Episode], n: int, prefix: str) -> dict[str, float]:
     return out
 
 
-def sampling(ev, ro) -> Sampling:
+def sampling(ev: EvalConfig, ro: RolloutConfig) -> Sampling:
     """Evaluation's decoding from `[eval]` (ev) over `[rollout]` (ro): greedy when eval.n = 1,
     else eval.n samples at eval.temperature; eval.max_new_tokens / eval.top_p when set (> 0),
     else the rollout's; top_k is the rollout's."""
@@ -73,7 +75,7 @@ def sampling(ev, ro) -> Sampling:
                       top_k=ro.top_k, max_new_tokens=limit)
 
 
-def settings(ev, ro) -> dict:
+def settings(ev: EvalConfig, ro: RolloutConfig) -> dict:
     """What an eval.jsonl row records about how it was made: the split, samples per problem and
     the decoding used (greedy is written as temperature 0.0, top_p 1.0)."""
     sp = sampling(ev, ro)

@@ -4,6 +4,7 @@ per image token, as transformers does) and the trainer's batches (`collate`).
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -11,13 +12,12 @@ from typing import Any
 
 import torch
 
-import attention as A
-import device as D
+import attention
 import families as F
 import routing
-from config import PACKED_LAYOUTS
+from config import DataConfig, ModelConfig, RolloutConfig
 from errors import ModelError, one_line
-from model import load_config, packs_exactly, text_config
+from model import MicroBatch, Packed, RowLayout, load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
 
 
@@ -126,7 +126,7 @@ def template_source(path: str, tokenizer) -> str:
                  if (Path(path) / f).is_file()), "tokenizer_config.json")
 
 
-def processors(path: str, mc, dc, rc=None) -> Processors:
+def processors(path: str, mc: ModelConfig, dc: DataConfig, rc: RolloutConfig | None = None) -> Processors:
     """:func:`load_processors` with the run's pixel bounds (`[model]` mc) and prompt settings
     (`[data]` dc; `[rollout]` rc: the schemas of its tools); whether the dataset fits the model
     is data.refuse_images."""
@@ -281,12 +281,14 @@ def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int
     return out
 
 
-def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tuple[dict, list[int]]:
-    """(pixel_values / image_grid_thw, each image's token count) of `images` ({} and [] for none)."""
+def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tuple[tuple, list[int]]:
+    """((pixel_values, image_grid_thw), each image's token count) of `images` ((None, None) and []
+    for none)."""
     if not images:
-        return {}, []
+        return (None, None), []
     mm = image_inputs(procs.image_processor, images, pixels)
-    return mm, n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size)
+    return ((mm["pixel_values"], mm["image_grid_thw"]),
+            n_image_tokens(mm["image_grid_thw"], procs.image_processor.merge_size))
 
 
 def episode_images(images, e) -> list:
@@ -316,34 +318,45 @@ def token_versions(e) -> list[int]:
 
 
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
-            share_prompt: bool = False, pixels: dict | None = None,
-            packing: str | None = None) -> dict[str, torch.Tensor]:
+            layout: RowLayout = RowLayout(), pixels: dict | None = None,
+            vision: bool = False) -> MicroBatch:
     """Trainer batch of `episodes` (`images[i]`: episode i's images, in prompt order, maybe none),
-    for model.sequence_logprobs.
-
-    Both layouts give `response_mask`, `engine_logprobs` and `token_versions` [B, T] in episode
-    order (1 on the response tokens the engine sampled, 0 on inserted turns' and elsewhere; the engine's logprob of each; the weight version it was sampled
-    with, -1 elsewhere), aligned with what model.sequence_logprobs returns,
-    plus input_ids, attention_mask [rows, W] (1 on real tokens), pixel_values and image_grid_thw
-    (when there are images), episode_tokens (prompt + response tokens of every episode, however
-    laid out) and episode_pairs (the query-key pairs of one unpadded row per episode).
-    - one row per episode (`share_prompt=False`): prompt + response, right-padded; T = W.
-    - one row per prompt (`share_prompt=True`, :func:`pack`): consecutive episodes with the same
+    for model.sequence_logprobs, laid out as `layout` says (model.MicroBatch: what every layout
+    has, `packed` what packed rows add):
+    - one row per episode (the default): prompt + response, right-padded; T = W.
+    - one row per prompt (`layout.share_prompt`, :func:`pack`): consecutive episodes with the same
       prompt share one copy of it, followed by each response; an attention mask lets every
       response see the prompt and itself only, so the result equals one row per episode while the
       prompt (and its images) is encoded once per group instead of G times. T = longest response.
       Only for models whose layers all take the mask (model.packs_exactly).
-    - packed rows (`packing`, :func:`pack`; device.Device.packed_attention): every sequence of
-      the micro-batch in one row, each attending only within itself, positions restarted;
+    - packed rows (`layout.packed`, :func:`pack`; device.Device.packed_attention): every sequence
+      of the micro-batch in one row, each attending only within itself, positions restarted;
       "segments": the units (a prompt run, or one episode each without `share_prompt`), laid out
-      for attention.py's kernel (`segments`: no mask); "varlen": every episode (its prompt
-      copied: a varlen kernel cannot share one), no mask.
-    Every layout also gives `attention_pairs`, the query-key pairs its kernel computes.
+      for attention.py's kernel (its plan built here: no mask); "varlen": every episode (its
+      prompt copied: a varlen kernel cannot share one), no mask.
     `pixels`: a cache of processed images by `id(image)` (the trainer keeps one per run).
+    `vision`: another trainer rank's micro-batch may show an image (the step's episodes do): one
+    without an image of its own carries a blank one (`blank_image`) for the vision tower to run
+    on, its output counting zero (model.sequence_logprobs), so that every rank makes the tower's
+    FSDP collectives.
     """
-    if share_prompt or packing:
-        return pack(episodes, images, procs, device, pixels, share_prompt=share_prompt,
-                    packing=packing)
+    batch = (pack(episodes, images, procs, device, layout, pixels) if layout.share_prompt or layout.packed
+             else _padded(episodes, images, procs, pixels))
+    if vision and procs.vision and batch.pixel_values is None:
+        batch = replace(batch, blank_image=_vision_inputs(procs, [_blank()], pixels)[0])
+    return batch.to(device)
+
+
+@functools.cache
+def _blank():
+    """A black image, processed at the smallest size the processor makes (model.min_pixels); one
+    object, so `pixels` processes it once."""
+    from PIL import Image
+    return Image.new("RGB", (28, 28))
+
+
+def _padded(episodes, images: list[list], procs: Processors, pixels: dict | None) -> MicroBatch:
+    """One row per episode, right-padded (:func:`collate`)."""
     tokens = procs.tokens
     mm, counts = _vision_inputs(procs, [im for ims in images for im in ims], pixels)
     it = iter(counts)
@@ -368,13 +381,11 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
         resp[i, n:n + r] = torch.tensor(loss_mask(e))[w]
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)[w]
         versions[i, n:n + r] = torch.tensor(token_versions(e))[w]
-    out = dict(input_ids=ids, attention_mask=attn, response_mask=resp, engine_logprobs=engine_lp,
-               token_versions=versions, attention_pairs=torch.tensor(B * width * width),
-               episode_tokens=attn.sum(), episode_pairs=(attn.sum(-1) ** 2).sum(), **mm)
     pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major; column t - 1 predicts t
-    _add_routing(out, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)], pred,
-                 [(e, i, 0, len(p)) for i, (e, p) in enumerate(zip(episodes, prompts))])
-    return {k: v.to(device) for k, v in out.items()}
+    routed = _routing(ids.shape, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
+                      pred, [(e, i, 0, len(p)) for i, (e, p) in enumerate(zip(episodes, prompts))])
+    return MicroBatch(ids, attn, resp, engine_lp, versions, torch.tensor(B * width * width),
+                      attn.sum(), (attn.sum(-1) ** 2).sum(), *mm, *routed)
 
 
 def _expanded_index(ids: list[int], counts: list[int], image_pad: int) -> list[int]:
@@ -384,15 +395,13 @@ def _expanded_index(ids: list[int], counts: list[int], image_pad: int) -> list[i
     return [j for j, t in enumerate(ids) for _ in range(next(it) if t == image_pad and counts else 1)]
 
 
-def _add_routing(out: dict, parts: list, pred: tuple, prompts: list) -> None:
+def _routing(shape, parts: list, pred: tuple, prompts: list) -> tuple:
     """MoE episodes carrying the engine's routing (`parts`: each episode's routing or None, and
     its expanded index, predicted at `pred` (rows, cols); `prompts`: each prompt copy's episode
-    (its prompt_routing), row, first column, length): `routing` [rows, W, L, k] and
-    `routing_counted` [rows, W] (routing.batch_routing)."""
+    (its prompt_routing), row, first column, length): (`routing` [rows, W, L, k],
+    `routing_counted` [rows, W]) (routing.batch_routing), or (None, None)."""
     prompts = [(getattr(e, "prompt_routing", None), r, c, n) for e, r, c, n in prompts]
-    got = routing.batch_routing(tuple(out["input_ids"].shape), *pred, parts, prompts)
-    if got is not None:
-        out["routing"], out["routing_counted"] = got
+    return routing.batch_routing(tuple(shape), *pred, parts, prompts) or (None, None)
 
 
 def _same_images(a: list, b: list) -> bool:
@@ -428,33 +437,24 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack(episodes, images: list[list], procs: Processors, device: torch.device,
-         pixels: dict | None = None, share_prompt: bool = True,
-         packing: str | None = None) -> dict[str, torch.Tensor]:
+         layout: RowLayout = RowLayout(share_prompt=True), pixels: dict | None = None) -> MicroBatch:
     """Packed rows (see :func:`collate`): each row holds whole sequences ([prompt | response 1 |
-    response 2 | ...], :func:`units`), one per row unless `packing` (then all in one row), then
-    padding.
-
-    Extra keys: `attention_mask_4d` [rows, 1, W, W] (without `packing`; bool: a prompt token sees
-    its prompt causally; a response token its prompt and itself causally; padding sees itself),
-    `segments` ("segments": one row per response, (row, prompt's column, prompt length, the
-    response's column, its length): attention.layout's input), per sequence its row, first column and prompt length
-    (`seq_row`, `seq_col`, `prompt_len` [S]), and for every response token (episode-major) its
-    sequence, the column whose hidden state predicts it, its own column and its index in its
-    response: `pred_seq`, `pred_col`, `target_col`, `offset` [N] (`pred_row`: its row).
-    """
-    if packing is not None and packing not in PACKED_LAYOUTS:
-        raise ValueError(f"packing: {packing!r} is not a layout (None, {PACKED_LAYOUTS})")
-    varlen = packing == "varlen"
+    response 2 | ...], :func:`units`), one per row unless `layout.packed` (then all in one row),
+    then padding. model.Packed says where everything sits; without `packed` its `mask_4d` [rows,
+    1, W, W] (bool: a prompt token sees its prompt causally; a response token its prompt and itself
+    causally; padding sees itself), with "segments" the kernel's `plan` (attention.plan over
+    :func:`_segments`' layout, on `device`; the rest on the host)."""
+    packing = layout.packed
     if any(getattr(e, "images", None) for e in episodes):
         raise ValueError("an episode whose inserted turns show images needs one row per episode "
                          "(train.share_prompt = false, train.packing = false)")
-    seqs = units(episodes, images, share_prompt and not varlen)
-    layout, built, mm = _place(episodes, images, procs, seqs, packing, pixels)
-    W = max(sum(len(built[k][1]) for k in row) for row in layout)
-    ids = torch.full((len(layout), W), procs.tokens.pad, dtype=torch.long)     # [R, W]
-    attn = torch.zeros(len(layout), W, dtype=torch.long)
+    seqs = units(episodes, images, layout.share_prompt and packing != "varlen")
+    rows, built, mm = _place(episodes, images, procs, seqs, packing, pixels)
+    W = max(sum(len(built[k][1]) for k in row) for row in rows)
+    ids = torch.full((len(rows), W), procs.tokens.pad, dtype=torch.long)     # [R, W]
+    attn = torch.zeros(len(rows), W, dtype=torch.long)
     seq_row, seq_col = [0] * len(seqs), [0] * len(seqs)
-    for r, row in enumerate(layout):
+    for r, row in enumerate(rows):
         col = 0
         for k in row:
             toks = built[k][1]
@@ -462,37 +462,30 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
             ids[r, col:col + len(toks)] = torch.tensor(toks)
             attn[r, col:col + len(toks)] = 1
             col += len(toks)
-    out = _response_index(episodes, seqs, built, seq_row, seq_col)
-    out |= dict(input_ids=ids, attention_mask=attn, seq_col=torch.tensor(seq_col),
-                prompt_len=torch.tensor([built[k][0] for k in range(len(seqs))]),
-                episode_tokens=torch.tensor(sum(built[k][0] + len(episodes[i].response_ids)
-                                                for k, u in enumerate(seqs) for i in u)),
-                episode_pairs=torch.tensor(sum((built[k][0] + len(episodes[i].response_ids)) ** 2
-                                               for k, u in enumerate(seqs) for i in u)), **mm)
-    if packing == "segments":
-        out["segments"] = _segments(out)
-        # the calls the kernel will make on `device` (model._packed_logprobs), counted here
-        counted = A.plan(A.layout(out["segments"]), W, torch.device("cpu"),
-                         D.TABLE[device.type].bucket_ratio)
-        out["attention_pairs"] = torch.tensor(A.pairs(counted))
+    resp, engine_lp, versions, p = _response_index(episodes, seqs, built, seq_row, seq_col)
+    lengths = [built[k][0] + len(episodes[i].response_ids) for k, u in enumerate(seqs) for i in u]
+    pairs = torch.tensor(len(rows) * W * W)  # a dense kernel: every pair of every row
+    if packing == "segments":  # the calls the kernel will make on `device` (model._packed_logprobs)
+        p = replace(p, plan=attention.plan(attention.layout(_segments(p)), W, device))
+        pairs = torch.tensor(attention.pairs(p.plan))
     elif packing is None:
-        out["attention_mask_4d"] = _block_mask(out, W)
-    if "attention_pairs" not in out:  # a dense kernel: every pair of every row
-        out["attention_pairs"] = torch.tensor(len(layout) * W * W)
-    _add_routing(out, [(getattr(episodes[i], "routing", None), range(len(episodes[i].response_ids)))
-                       for u in seqs for i in u], (out["pred_row"], out["pred_col"]),
-                 [(episodes[u[0]], seq_row[k], seq_col[k], built[k][0])  # a shared prompt: the first's
-                  for k, u in enumerate(seqs)])
-    return {k: v.to(device) for k, v in out.items()}
+        p = replace(p, mask_4d=_block_mask(p, len(rows), W))
+    routed = _routing(ids.shape, [(getattr(episodes[i], "routing", None),
+                                   range(len(episodes[i].response_ids))) for u in seqs for i in u],
+                      (p.pred_row, p.pred_col),
+                      [(episodes[u[0]], seq_row[k], seq_col[k], built[k][0])  # a shared prompt: the first's
+                       for k, u in enumerate(seqs)])
+    return MicroBatch(ids, attn, resp, engine_lp, versions, pairs, torch.tensor(sum(lengths)),
+                      torch.tensor(sum(n * n for n in lengths)), *mm, *routed, packed=p)
 
 
 def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: str | None,
-           pixels: dict | None) -> tuple[list[list[int]], dict, dict]:
+           pixels: dict | None) -> tuple[list[list[int]], dict, tuple]:
     """Which sequences share a row (all of them with `packing`, else one each), every
     sequence's (prompt length, tokens), and the image inputs in row-major order (the order the
     model meets the image tokens in)."""
-    layout = [list(range(len(seqs)))] if packing else [[k] for k in range(len(seqs))]
-    order = [k for row in layout for k in row]
+    rows = [list(range(len(seqs)))] if packing else [[k] for k in range(len(seqs))]
+    order = [k for row in rows for k in row]
     mm, counts = _vision_inputs(procs, [im for k in order for im in images[seqs[k][0]]], pixels)
     it = iter(counts)
     built = {}
@@ -501,12 +494,12 @@ def _place(episodes, images, procs: Processors, seqs: list[list[int]], packing: 
         row = expand_images(episodes[u[0]].prompt_ids, [next(it) for _ in images[u[0]]],
                             procs.tokens.image_pad)
         built[k] = (len(row), row + [t for i in u for t in episodes[i].response_ids])
-    return layout, built, mm
+    return rows, built, mm
 
 
-def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.Tensor]:
-    """Per response token (episode-major): its sequence, predicting column, own column, offset;
-    the episode-major response mask and engine logprobs [B, T]."""
+def _response_index(episodes, seqs, built, seq_row, seq_col) -> tuple:
+    """The episode-major response mask, engine logprobs and versions [B, T], and model.Packed:
+    per response token (episode-major) its sequence, predicting column, own column, offset."""
     B, T = len(episodes), max(len(e.response_ids) for e in episodes)
     resp = torch.zeros(B, T, dtype=torch.long)
     slots = torch.zeros(B, T, dtype=torch.long)                 # every response token, inserted too
@@ -527,36 +520,33 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> dict[str, torch.
             offset += list(range(n))
             s += n
     seq_row_t, pred_seq_t = torch.tensor(seq_row), torch.tensor(pred_seq)
-    return dict(response_mask=resp, response_slots=slots, engine_logprobs=engine_lp,
-                token_versions=versions, seq_row=seq_row_t,
-                pred_seq=pred_seq_t, pred_row=seq_row_t[pred_seq_t], pred_col=torch.tensor(pred_col),
-                target_col=torch.tensor(target_col), offset=torch.tensor(offset))
+    return resp, engine_lp, versions, Packed(
+        slots, seq_row_t, torch.tensor(seq_col), torch.tensor([built[k][0] for k in range(len(seqs))]),
+        pred_seq_t, seq_row_t[pred_seq_t], torch.tensor(pred_col), torch.tensor(target_col),
+        torch.tensor(offset))
 
 
-def _segments(b: dict) -> torch.Tensor:
+def _segments(p: Packed) -> torch.Tensor:
     """[responses, 5]: each response's row, its prompt's column and length, its own column and
     length, in row-major order (attention.layout's input)."""
-    first = (b["offset"] == 0).nonzero().flatten()                     # each response's first token
-    lengths = torch.diff(torch.cat([first, torch.tensor([len(b["offset"])])]))
-    k = b["pred_seq"][first]
-    rows = torch.stack([b["seq_row"][k], b["seq_col"][k], b["prompt_len"][k], b["target_col"][first],
-                        lengths], 1)
+    first = (p.offset == 0).nonzero().flatten()                     # each response's first token
+    lengths = torch.diff(torch.cat([first, torch.tensor([len(p.offset)])]))
+    k = p.pred_seq[first]
+    rows = torch.stack([p.seq_row[k], p.seq_col[k], p.prompt_len[k], p.target_col[first], lengths], 1)
     return rows[torch.argsort(rows[:, 0] * (rows[:, 3].max() + 1) + rows[:, 3])]
 
 
-def _block_mask(b: dict, W: int) -> torch.Tensor:
+def _block_mask(p: Packed, R: int, W: int) -> torch.Tensor:
     """[rows, 1, W, W] bool: each prompt causally to itself, each response to its prompt and
     itself causally, nothing across sequences; padding sees itself (no empty row)."""
-    R = b["input_ids"].shape[0]
     mask = torch.zeros(R, 1, W, W, dtype=torch.bool)
     mask[:, 0, range(W), range(W)] = True
     causal = torch.ones(W, W, dtype=torch.bool).tril()
-    for k, (r, c, plen) in enumerate(zip(b["seq_row"].tolist(), b["seq_col"].tolist(),
-                                         b["prompt_len"].tolist())):
-        end = c + plen + int((b["pred_seq"] == k).sum())               # the sequence's last column + 1
+    for k, (r, c, plen) in enumerate(zip(p.seq_row.tolist(), p.seq_col.tolist(), p.prompt_len.tolist())):
+        end = c + plen + int((p.pred_seq == k).sum())               # the sequence's last column + 1
         mask[r, 0, c:end, c:c + plen] = causal[:end - c, :plen]
-    cols, rows = b["target_col"], b["pred_row"]
-    bounds = (b["offset"] == 0).nonzero().flatten().tolist() + [len(cols)]  # responses' first tokens
+    cols, rows = p.target_col, p.pred_row
+    bounds = (p.offset == 0).nonzero().flatten().tolist() + [len(cols)]  # responses' first tokens
     for a, z in zip(bounds, bounds[1:]):
         r, s, n = int(rows[a]), int(cols[a]), z - a
         mask[r, 0, s:s + n, s:s + n] = causal[:n, :n]

@@ -13,6 +13,7 @@ import torch
 
 import device as D
 
+from config import ModelConfig
 from errors import ConfigError
 from families import is_vlm
 
@@ -31,7 +32,7 @@ def linear_layers(model) -> dict[str, str]:
             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def lora_targets(model, mc) -> list[str]:
+def lora_targets(model, mc: ModelConfig) -> list[str]:
     """The full names of the linear layers `[model]` (mc) puts adapters on (the rules of
     docs/lora.md, "What gets adapters"). ConfigError naming the key for a target that matches
     no linear layer (listing them), a tied output head, and `lora_vision` on a text-only model."""
@@ -81,7 +82,7 @@ def _linear_names(layers: dict[str, str], vision: bool) -> str:
     return text
 
 
-def add_lora(model, mc, seed: int = 0):
+def add_lora(model, mc: ModelConfig, seed: int = 0):
     """`model` with LoRA adapters (peft) on :func:`lora_targets`, as a peft model: the base
     weights frozen, adapters of rank `mc.lora_rank` scaled by `lora_alpha / lora_rank`, no
     dropout, peft's initialisation (A Kaiming-uniform from `seed`, B zero: the adapted model

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import device as D
 import envs
 import inputs as I
-from config import PACKED_LAYOUTS as LAYOUTS
+import model as M
+from config import PACKED_LAYOUTS, TrainConfig
 from errors import ConfigError
 
 
@@ -44,48 +45,43 @@ def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]
     return mbs
 
 
-def packs(tc) -> bool:
-    """Packed rows: `train.packing = true` or a layout's name, or "auto" once
-    :func:`resolve_layout` decided it so (undecided, as in a script that never starts a run, it
-    counts as off)."""
-    return tc.packing is True or tc.packing in LAYOUTS
-
-
-def resolve_layout(tc, procs: I.Processors, model_path: str, device: torch.device,
-                   env: str = "") -> list[str]:
-    """At start: `train.packing = "auto"` decided (tc.packing set to true or false: on where the
-    device's packed layout was measured faster for this kind of micro-batch (:func:`_auto`), the
-    model packs exactly and the environment `env` (rollout.env) shows no images in its turns) and
-    said; `true` or a layout's name refused (ConfigError) for a model whose layers take no 4-D
-    mask (linear attention: its
-    recurrent state would run from one packed sequence into the next); the note that
-    `train.share_prompt` falls back to one row per episode for such a model. Returns the lines
-    to print."""
-    row, notes, one_row_per_episode = D.TABLE[device.type], [], envs.extra_images(env) > 0
-    if tc.packing == "auto":
+def resolve_layout(tc: TrainConfig, procs: I.Processors, model_path: str, device: torch.device,
+                   env: str = "") -> tuple[M.RowLayout, list[str]]:
+    """At start, the trainer's row layout (model.RowLayout; the config is left as written):
+    `train.packing = "auto"` decided (on where the device's packed layout was measured faster for
+    this kind of micro-batch (:func:`_auto`), the model packs exactly and the environment `env`
+    (rollout.env) shows no images in its turns) and said; `true` or a layout's name refused
+    (ConfigError) for a model whose layers take no 4-D mask (linear attention: its recurrent
+    state would run from one packed sequence into the next); the note that `train.share_prompt`
+    falls back to one row per episode for such a model. Returns the layout and the lines to
+    print."""
+    row, notes, packing = D.TABLE[device.type], [], tc.packing
+    if packing == "auto":
         on, why = _auto(row, tc)
         if not procs.packs_exactly:
             on, why = False, "the model has linear-attention layers"
-        elif one_row_per_episode:
+        elif envs.extra_images(env) > 0:
             on, why = False, "the environment's turns show images: one row per episode"
-        tc.packing = on
+        packing = on
         notes.append(f"train.packing {'on' if on else 'off'} (auto: {why})")
-    if packing(tc, device) == "varlen" and row.varlen_package and not find_spec(row.varlen_package):
+    packed = None if not packing else packing if packing in PACKED_LAYOUTS else row.packed_attention
+    if packed == "varlen" and row.varlen_package and not find_spec(row.varlen_package):
         raise ConfigError(f"train.packing: the varlen layout runs under flash_attention_2, which "
                           f"needs the {row.varlen_package} package on {device.type} (not installed); "
                           "train.packing = \"segments\" packs without it")
+    layout = M.RowLayout(packed, tc.share_prompt and procs.packs_exactly)
     if procs.packs_exactly:
-        return notes
-    if packs(tc):
+        return layout, notes
+    if packed:
         raise ConfigError(f"train.packing: {model_path} has linear-attention layers, whose state "
                           "would cross packed sequences; use train.packing = false")
     if tc.share_prompt:
         notes.append(f"note: {model_path} has layers that take no 4D mask (linear attention): "
                      "train.share_prompt falls back to one row per episode")
-    return notes
+    return layout, notes
 
 
-def _auto(row: D.Device, tc) -> tuple[bool, str]:
+def _auto(row: D.Device, tc: TrainConfig) -> tuple[bool, str]:
     """What "auto" picks on the device `row` for `[train]` tc (device.Device.auto_packing), and
     why, as bench/packing.py measured it (docs/benchmarks.md)."""
     layout = f"{row.kind}'s {row.packed_attention} layout"
@@ -97,20 +93,6 @@ def _auto(row: D.Device, tc) -> tuple[bool, str]:
         return False, (f"{layout} measured slower than length-sorted micro-batches of "
                        "train.micro_batch_tokens; train.packing = true uses it")
     return False, f"{layout} has not run on hardware yet; train.packing = true uses it"
-
-
-def packing(tc, device: torch.device) -> str | None:
-    """How `train.packing` lays rows out on `device`: the layout it names, for `true` the
-    device's (device.Device.packed_attention), or None."""
-    if not packs(tc):
-        return None
-    return tc.packing if tc.packing in LAYOUTS else D.TABLE[device.type].packed_attention
-
-
-def shares_prompt(tc, procs: I.Processors) -> bool:
-    """One packed row per prompt: `train.share_prompt`, where the model's layers allow it
-    exactly (model.packs_exactly; else one row per episode, said at start)."""
-    return tc.share_prompt and procs.packs_exactly
 
 
 def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
@@ -130,14 +112,14 @@ def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.P
 
 
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
-               tc, count: int | None = None) -> list[list[int]]:
-    """This rank's micro-batches over its episodes `idx` (positions into `idx`). With
-    `train.packing` the sequences (:func:`_units`) first-fit into micro-batches of
+               tc: TrainConfig, layout: M.RowLayout, count: int | None = None) -> list[list[int]]:
+    """This rank's micro-batches over its episodes `idx` (positions into `idx`). Packed rows
+    (`layout.packed`): the sequences (:func:`_units`) first-fit into micro-batches of
     `micro_batch_tokens` (0: `micro_batch_size` x the longest; one longer sequence alone), each
     one packed row; with `share_prompt` and a token budget the units are a prompt's runs (what
     is really computed); else each episode, fixed-size in order."""
-    share = shares_prompt(tc, procs)
-    if packs(tc):
+    share = layout.share_prompt
+    if layout.packed:
         units, lengths = _units(episodes, idx, images, procs, share)
         budget = tc.micro_batch_tokens or tc.micro_batch_size * max(lengths)
         rows = I.first_fit(lengths, max(budget, max(lengths)))
@@ -152,22 +134,23 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
     return _split_to(mbs, count, len(idx))
 
 
-def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc,
-                n_trainers: int) -> tuple[list[list[list[int]]], float, int]:
+def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc: TrainConfig,
+                layout: M.RowLayout, n_trainers: int) -> tuple[list[list[list[int]]], float, int]:
     """Every mini-batch's episodes per trainer rank (`shares[j][r]`, positions in the step), the
     step's `train/rank_token_imbalance` (max over ranks / mean of their tokens) and
-    `train/oversized_sequences` (sequences, an episode or with `share_prompt` a prompt's row,
-    longer than `micro_batch_tokens` > 0: each alone in a micro-batch over the budget; nothing
-    splits a sequence). Contiguous equal slices; with `train.packing` balanced by tokens:
-    longest sequence first to the rank with the fewest tokens that has room, every rank the same
-    number of sequences (verl's and AReaL's balanced partitions). A prompt's G responses stay together where they divide evenly."""
+    `train/oversized_sequences` (sequences, an episode or with `layout.share_prompt` a prompt's
+    row, longer than `micro_batch_tokens` > 0: each alone in a micro-batch over the budget;
+    nothing splits a sequence). Contiguous equal slices; with packed rows (`layout.packed`)
+    balanced by tokens: longest sequence first to the rank with the fewest tokens that has room,
+    every rank the same number of sequences (verl's and AReaL's balanced partitions). A prompt's
+    G responses stay together where they divide evenly."""
     size = len(episodes) // tc.mini_batches
     per = size // n_trainers
     shares, tokens, oversized = [], [0] * n_trainers, 0
     for j in range(tc.mini_batches):
         mb = list(range(j * size, (j + 1) * size))
-        if packs(tc):
-            units, lengths = _units(episodes, mb, images, procs, shares_prompt(tc, procs))
+        if layout.packed:
+            units, lengths = _units(episodes, mb, images, procs, layout.share_prompt)
             if len(units) % n_trainers:  # prompt groups that do not divide evenly: episodes
                 units, lengths = _units(episodes, mb, images, procs, False)
             part = _balance(lengths, n_trainers)
@@ -176,7 +159,7 @@ def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, 
             part = [list(range(r * per, (r + 1) * per)) for r in range(n_trainers)]
         shares.append([sorted(mb[k] for u in p for k in units[u]) for p in part])
         if tc.micro_batch_tokens:  # over the sequences plan_share lays out (a shared prompt's: one)
-            sizes = _units(episodes, mb, images, procs, shares_prompt(tc, procs))[1]
+            sizes = _units(episodes, mb, images, procs, layout.share_prompt)[1]
             oversized += sum(n > tc.micro_batch_tokens for n in sizes)
         for r, p in enumerate(part):
             tokens[r] += sum(lengths[u] for u in p)
@@ -194,12 +177,13 @@ def _balance(lengths: list[int], n: int) -> list[list[int]]:
 
 
 def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, Any],
-                procs: I.Processors, tc, train_group) -> list[list[list[int]]]:
+                procs: I.Processors, tc: TrainConfig, layout: M.RowLayout,
+                train_group) -> list[list[list[int]]]:
     """The micro-batch plan of each mini-batch share (`shares[j]`: this rank's episodes of
     mini-batch j), with the same number of micro-batches per mini-batch on every trainer rank
     (FSDP collectives); one all-reduce for all of them."""
-    plans = [plan_share(episodes, sh, images, procs, tc) for sh in shares]
+    plans = [plan_share(episodes, sh, images, procs, tc, layout) for sh in shares]
     n = torch.tensor([len(p) for p in plans])
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=train_group)
-    return [plan_share(episodes, sh, images, procs, tc, count=int(c))
+    return [plan_share(episodes, sh, images, procs, tc, layout, count=int(c))
             for sh, c in zip(shares, n.tolist())]

@@ -2,23 +2,93 @@
 
 Everything that touches the model's structure lives here; what differs between families is in
 families.py, the rest is asked of the config or the model (docs/families.md).
-`sequence_logprobs` is the trainer's forward over an inputs.collate batch (`tokens`, here and
-below: the run's inputs.Tokens); `apply_fsdp` / `shard_from_rank0` shard it over the
+`sequence_logprobs` is the trainer's forward over a :class:`MicroBatch` (inputs.collate makes it,
+laid out as the trainer's :class:`RowLayout` says; `tokens`, here and below: the run's
+inputs.Tokens); `apply_fsdp` / `shard_from_rank0` shard it over the
 trainer-only mesh. The logprob convention, shared with the engines: docs/loss.md.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-import attention as A
+import attention
 import device as D
 import families as F
-import routing as R
+import routing
 from errors import ModelError, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- the micro-batch
+@dataclass(frozen=True)
+class RowLayout:
+    """How the trainer lays out a micro-batch's rows, decided once at start
+    (microbatches.resolve_layout; the trainer holds it): `packed`, the layout packing every
+    sequence of a micro-batch into one row ("segments" / "varlen", device.Device.packed_attention)
+    or None; `share_prompt`, one sequence per prompt's run (train.share_prompt, where the model
+    packs exactly)."""
+    packed: str | None = None
+    share_prompt: bool = False
+
+
+def _to(record, device: torch.device):
+    """`record` (a dataclass) with its tensors, and those of its records and tuples, on `device`."""
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, tuple):
+            return tuple(move(x) for x in v)
+        return _to(v, device) if isinstance(v, Packed) else v
+    return replace(record, **{f.name: move(getattr(record, f.name)) for f in fields(record)})
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The part of a micro-batch whose rows hold whole sequences (inputs.pack): per sequence its
+    row, first column and prompt length [S]; per response token (episode-major) its sequence,
+    row, the column whose hidden state predicts it, its own column and its index in its response
+    [N]."""
+    response_slots: torch.Tensor        # [B, T] 1 on every response token (inserted turns' too)
+    seq_row: torch.Tensor
+    seq_col: torch.Tensor
+    prompt_len: torch.Tensor
+    pred_seq: torch.Tensor
+    pred_row: torch.Tensor
+    pred_col: torch.Tensor
+    target_col: torch.Tensor
+    offset: torch.Tensor
+    mask_4d: torch.Tensor | None = None  # [rows, 1, W, W] bool: one row per prompt (no packing)
+    plan: attention.Plan | None = None   # "segments": the kernel's calls, built once (inputs.pack)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One trainer forward/backward's input (inputs.collate), what :func:`sequence_logprobs`
+    takes. Every layout has these; `packed` is the part of packed rows (None: one row per
+    episode, right-padded, T = W)."""
+    input_ids: torch.Tensor             # [rows, W]
+    attention_mask: torch.Tensor        # [rows, W] 1 on real tokens
+    response_mask: torch.Tensor         # [B, T] episode order: 1 on the tokens the engine sampled
+    engine_logprobs: torch.Tensor       # [B, T] the engine's logprob of each
+    token_versions: torch.Tensor        # [B, T] the weight version each was sampled with, -1 elsewhere
+    attention_pairs: torch.Tensor       # [] the query-key pairs the layout's kernel computes
+    episode_tokens: torch.Tensor        # [] prompt + response tokens of every episode, however laid out
+    episode_pairs: torch.Tensor         # [] the query-key pairs of one unpadded row per episode
+    pixel_values: torch.Tensor | None = None    # the images, in the order their tokens come
+    image_grid_thw: torch.Tensor | None = None
+    routing: torch.Tensor | None = None          # MoE replay [rows, W, L, k] (routing.batch_routing)
+    routing_counted: torch.Tensor | None = None  # [rows, W] bool
+    packed: Packed | None = None
+    # (pixel_values, image_grid_thw) of a blank image, for a micro-batch without images whose
+    # peers' may show some: the vision tower runs on it, its output counting 0 (_blank_vision)
+    blank_image: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return _to(self, device)
 
 
 def resolve_path(path: str, run_dir: Path, seed: int) -> str:
@@ -97,70 +167,66 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens,
     return picked, entropy
 
 
-def _model_inputs(batch: dict[str, torch.Tensor], tokens) -> dict:
+def _model_inputs(batch: MicroBatch, tokens) -> dict:
     """The images of a batch as the model takes them ({} without images). mm_token_type_ids
     marks the image tokens; without it transformers silently falls back to text-only positions
     and the logprobs no longer match generation (mRoPE)."""
-    if "pixel_values" not in batch:
+    if batch.pixel_values is None:
         return {}
-    return dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                mm_token_type_ids=(batch["input_ids"] == tokens.image_pad).int())
+    return dict(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
+                mm_token_type_ids=(batch.input_ids == tokens.image_pad).int())
 
 
-def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
-                      temperature: float,
+def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer forward: logprobs and entropies of the response tokens of an inputs.collate batch,
     aligned with its `response_mask` (zero elsewhere). The entropies are detached unless
     `entropy_grad` (the entropy bonus). Only the positions that predict a response token go
     through the LM head."""
-    if "pred_seq" in batch:  # packed rows (inputs.pack)
+    if batch.packed is not None:  # packed rows (inputs.pack)
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
-    ids = batch["input_ids"]
-    mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
+    ids = batch.input_ids
+    mask = batch.response_mask[:, 1:].bool()                     # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[:, :-1] = mask
-    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
-                        attention_mask=batch["attention_mask"], use_cache=False,
-                        **_model_inputs(batch, tokens))
-    rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
-    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
-    lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
-    ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    shifted = (rows[0], rows[1] + 1)                             # column t holds token t
-    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
-    return lp.index_put(shifted, lp_sel), ent.index_put(shifted, ent_sel)
+    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=batch.attention_mask,
+                        use_cache=False, **_model_inputs(batch, tokens))
+    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][mask], tokens, temperature)  # row-major
+    resp = batch.response_mask.bool()                            # column t holds token t
+    return _spread(lp_sel, ent_sel, resp, resp, entropy_grad)
 
 
-def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
-                     temperature: float,
+def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
+    p, ids = batch.packed, batch.input_ids
     keep = torch.zeros_like(ids, dtype=torch.bool)
-    keep[pr, pc] = True
-    # no 4-D mask for packed rows: attention.py's kernel takes the layout ("segments"), or the
+    keep[p.pred_row, p.pred_col] = True
+    # no 4-D mask for packed rows: attention.py's kernel takes the plan ("segments"), or the
     # varlen kernel finds the sequences from the restarting positions ("varlen")
     layout = {}
-    if "segments" in batch:
-        if (got := text_config(model.config)._attn_implementation) != A.NAME:
+    if p.plan is not None:
+        if (got := text_config(model.config)._attn_implementation) != attention.NAME:
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
-                             f"{A.NAME!r} (trainer.build), not {got!r}")
-        # the calls every layer makes, built once for the micro-batch
-        layout = {"grpo_segments": A.plan(A.layout(batch["segments"].cpu()), ids.shape[1], ids.device)}
-    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
-                        attention_mask=batch.get("attention_mask_4d"),
+                             f"{attention.NAME!r} (trainer.build), not {got!r}")
+        layout = {"grpo_segments": p.plan}  # the calls every layer makes, built once (inputs.pack)
+    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=p.mask_4d,
                         position_ids=packed_positions(model, batch, tokens), use_cache=False,
                         **_model_inputs(batch, tokens), **layout)
     where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
     where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
-    lp_sel, ent_sel = token_logprobs(logits[where[pr, pc]], ids[pr, batch["target_col"]], tokens,
-                                     temperature)
-    slots = batch["response_slots"].bool()                       # [B, T], episode-major as pr
-    keep = batch["response_mask"].bool()                         # multi-turn: without inserted tokens
-    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device)
-    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device)
-    ent_sel = ent_sel if entropy_grad else ent_sel.detach()
-    lp, ent = lp.masked_scatter(slots, lp_sel), ent.masked_scatter(slots, ent_sel)
+    lp_sel, ent_sel = token_logprobs(logits[where[p.pred_row, p.pred_col]],
+                                     ids[p.pred_row, p.target_col], tokens, temperature)
+    # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
+    return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
+
+
+def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] logprobs and entropies: the computed ones at `slots` (row-major), 0 outside `keep`;
+    the entropies detached unless `entropy_grad`."""
+    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device).masked_scatter(slots, lp_sel)
+    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(
+        slots, ent_sel if entropy_grad else ent_sel.detach())
     return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
@@ -180,13 +246,13 @@ def rope_index_fn(model):
     return None
 
 
-def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Tensor:
+def packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     """Position ids of a packed batch (inputs.pack): each sequence's prompt as the model computes
     it alone (mRoPE [3, rows, W] with its images' 3D grids, where the model has its own rope
     index; else 1-D [rows, W]), then every response of it continues from the prompt's largest
     position + 1, as generation does. Padding gets 0."""
-    ids, plen = batch["input_ids"], batch["prompt_len"]
-    row, col = batch["seq_row"], batch["seq_col"]
+    p, ids = batch.packed, batch.input_ids
+    plen, row, col = p.prompt_len, p.seq_row, p.seq_col
     order = sorted(range(len(plen)), key=lambda k: (int(row[k]), int(col[k])))  # as the images
     S, P, dev = len(order), int(plen.max()), ids.device
     lens = plen[order].to(dev)
@@ -198,44 +264,74 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
         pos = (torch.arange(P, device=dev)[None, :] * am)[None]                 # [1, S, P]
     else:
         pos, _ = rope_index(prompt, (prompt == tokens.image_pad).int(),
-                            image_grid_thw=batch.get("image_grid_thw"), attention_mask=am.long())
+                            image_grid_thw=batch.image_grid_thw, attention_mask=am.long())
     out = torch.zeros(pos.shape[0], ids.shape[0], ids.shape[1], dtype=torch.long, device=dev)
     r_idx = row[order].to(dev)[:, None].expand(-1, P)[am]
     out[:, r_idx, cols[am]] = pos[:, am]
     nxt = torch.zeros(S, dtype=torch.long, device=dev)
     nxt[torch.tensor(order, device=dev)] = pos.amax(dim=(0, 2)) + 1
-    pr, tc = batch["pred_row"], batch["target_col"]
     # a response token j tokens into its response, of sequence k: position nxt[k] + j
-    out[:, pr, tc] = (nxt[batch["pred_seq"]] + batch["offset"]).expand(pos.shape[0], -1)
+    out[:, p.pred_row, p.target_col] = (nxt[p.pred_seq] + p.offset).expand(pos.shape[0], -1)
     if rope_index is None:
         return out[0]
-    if "attention_mask_4d" in batch or "segments" in batch:
+    if p.mask_4d is not None or p.plan is not None:
         return out
     # varlen: a first row of text positions restarting per sequence, which is where transformers'
     # VL models find packed sequences ([4, rows, W]: text + the 3 mRoPE rows)
     text = torch.zeros(1, *ids.shape, dtype=torch.long, device=dev)
     text[0, r_idx, cols[am]] = torch.arange(P, device=dev)[None, :].expand(S, P)[am]
-    text[0, pr, tc] = plen.to(dev)[batch["pred_seq"]] + batch["offset"]
+    text[0, p.pred_row, p.target_col] = plen.to(dev)[p.pred_seq] + p.offset
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None,
-               counted: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+def _logits_at(model, keep: torch.Tensor, batch: MicroBatch, **inputs) -> torch.Tensor:
     """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
     pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
-    [rows, W, vocab] tensor exists whatever the transformers version. `routing`: the batch's
-    MoE routing to replay, `counted`: the entries its agreement counts (routing.replaying)."""
+    [rows, W, vocab] tensor exists whatever the transformers version. The batch's MoE routing is
+    replayed (routing.replaying), its blank image run (:func:`_blank_vision`)."""
     head = model.get_output_embeddings()
 
     def select(_module, args):
         return (args[0][keep],) + tuple(args[1:])
 
-    handle = head.register_forward_pre_hook(select)
+    handles = [head.register_forward_pre_hook(select)]
+    if batch.blank_image is not None:
+        handles.append(model.get_input_embeddings().register_forward_hook(
+            _blank_vision(model, *batch.blank_image)))
     try:
-        with R.replaying(model, routing, counted):               # MoE: the engine's experts
+        with routing.replaying(model, batch.routing, batch.routing_counted):  # MoE: the engine's experts
             return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+
+
+def _blank_vision(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+    """A forward hook on the input embeddings for a micro-batch without images whose peers'
+    (other trainer ranks') show some: the vision tower runs once on a blank image and its output,
+    times 0, joins the embeddings (verl's and EasyR1's way). Every rank then all-gathers the
+    tower's FSDP shards in the forward and reduces its gradients after the backward, as the peers
+    do (a rank that skipped them would hang or break the collectives), while every value and
+    gradient stays what it was without it (the tower's: exact zeros)."""
+    ran = []
+
+    def hook(_module, _args, out):
+        if ran:  # one tower call per forward, as a peer's
+            return None
+        ran.append(True)
+        features = model.get_image_features(pixel_values, image_grid_thw=grid_thw)
+        zero = 0.0 * sum(t.float().sum() for t in _tensors(features))  # every output: every weight
+        return out + zero.to(out.dtype)
+    return hook
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The floating-point tensors of a model output (a tensor, a ModelOutput, nested tuples)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):  # transformers' ModelOutput is one
+        out = list(out.values())
+    return [t for x in out for t in _tensors(x)] if isinstance(out, (tuple, list)) else []
 
 
 # ----------------------------------------------------------------------------- loading
@@ -277,10 +373,10 @@ def model_from_config(path: str, dtype: torch.dtype = torch.float32, meta: bool 
     return model
 
 
-def attention_for(layout: str | None) -> str:
-    """transformers' attn_implementation for the trainer's models under `train.packing`'s row
-    layout (device.Device.packed_attention; None: not packing)."""
-    return {"varlen": "flash_attention_2", "segments": A.NAME}.get(layout, "sdpa")
+def attention_for(packed: str | None) -> str:
+    """transformers' attn_implementation for the trainer's models under a RowLayout's `packed`
+    (device.Device.packed_attention; None: not packing)."""
+    return {"varlen": "flash_attention_2", "segments": attention.NAME}.get(packed, "sdpa")
 
 
 def _kernels(device_type: str) -> dict:

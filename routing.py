@@ -30,7 +30,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 import families
 from errors import ModelError
@@ -57,7 +56,7 @@ def _hook(layer: int):
             return None
         idx = torch.where(has[:, None], want, own)
         h = args[0].reshape(-1, module.weight.shape[-1])
-        probs = F.softmax(F.linear(h, module.weight), dtype=torch.float, dim=-1)
+        probs = torch.softmax(torch.nn.functional.linear(h, module.weight), dim=-1, dtype=torch.float)
         scores = probs.gather(1, idx)
         if families.router_normalizes(module):
             scores = scores / scores.sum(dim=-1, keepdim=True)

@@ -120,7 +120,7 @@ class Recorder:
         self.said: set[str] = set()  # the ONCE keys already said
 
     @classmethod
-    def open(cls, cfg, out_dir: Path, start: int) -> "Recorder":
+    def open(cls, cfg: C.Config, out_dir: Path, start: int) -> "Recorder":
         """Rank 0, once the run is known to start: config.toml (what runs now), the trackers (one
         that cannot start stops the run here, before anything is built), the run's files."""
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +229,7 @@ def dropped_note(m: dict, n_groups: int) -> str:
                                           "(loss 0, gradient norm 0)" if d >= n_groups else ""))
 
 
-def startup_summary(cfg, roles: list[str], device: str, n_params: int | dict, n_problems: int,
+def startup_summary(cfg: C.Config, roles: list[str], device: str, n_params: int | dict, n_problems: int,
                     n_skipped: int, n_eval: int, plan: dict, sources: str) -> str:
     """Who does what, on what, with which data and config, and where the run starts. `n_params`:
     trainer.parameter_counts (total, trainable, optimizer-state bytes), or a plain count."""
@@ -287,7 +287,7 @@ def _mixture(entries: list[dict]) -> str:
     return " + ".join(f"{e['name']} ({e['source']}) {e['weight'] / total:.2g}" for e in entries)
 
 
-def _params_text(mc, n: int | dict) -> str:
+def _params_text(mc: C.ModelConfig, n: int | dict) -> str:
     """"0.71M parameters, 0.03M trainable (LoRA rank 8, alpha 16), AdamW state 0.2 MiB"."""
     if not isinstance(n, dict):
         return f"{n / 1e6:.2f}M parameters"

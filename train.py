@@ -224,7 +224,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     trainer.check_teacher(cfg, model_path)  # distillation: the policy's tokenizer (ConfigError)
     full, teacher = trainer.load_checked(world, model_path, cfg.model,  # rank 0: every weight there, or nothing
                                          trainer.teacher_folder(cfg, model_path))
-    notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)  # refused: ConfigError
+    # the trainer's row layout (train.packing's "auto" decided); refused: ConfigError
+    layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)
     notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
     engine, turns = engines.start(cfg, world, dev, device, live, model_path, procs,
                           problems + (eval_set or []))
@@ -234,7 +235,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, channel, full, teacher) if world.is_trainer else None
+    tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import families
 import inputs as I
 import lora
-from microbatches import packing
 import model as M
-import routing as R
+import routing
 import sync as S
+from config import Config, ModelConfig, TrainConfig
 from errors import ConfigError, ModelError
 
 MASTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.master_dtype
@@ -35,6 +35,7 @@ class Trainer:
     sched: Any               # LR schedule, stepped once per rollout step
     sender: S.Sender         # weight sync to the engines
     device: torch.device
+    layout: M.RowLayout      # its micro-batches' rows, decided at start (microbatches.resolve_layout)
     pixels: dict = field(default_factory=dict)  # processed images by id(image), for the run
     kl_coef: float | None = None  # adaptive KL coefficient (loss.kl_target); None: loss.kl_coef
     base_ref: bool = False   # LoRA with loss.kl_coef > 0: the reference is the base (adapters off)
@@ -44,12 +45,13 @@ class Trainer:
     base_teacher: bool = False  # model.teacher_path = "base" (LoRA): the policy with its adapters off
 
 
-def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChannel | None = None,
-          full=None, teacher_full=None) -> Trainer:
+def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.RowLayout,
+          channel: S.CommChannel | None = None, full=None, teacher_full=None) -> Trainer:
     """The :class:`Trainer` from the run's config; `full` (`teacher_full`): the model (the
     distillation teacher) as trainer rank 0 loaded it (CPU, fp32; None elsewhere), scattered to
-    every trainer's shards. With LoRA: adapters from `run.seed` on the skeleton and `full` before
-    FSDP, and no reference copy."""
+    every trainer's shards; `layout`: its micro-batches' rows (microbatches.resolve_layout).
+    With LoRA: adapters from `run.seed` on the skeleton and `full` before FSDP, and no
+    reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
@@ -58,9 +60,9 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
     mesh = DeviceMesh.from_group(world.train_group, device.type)
     quiet_view_warning()
-    # train.packing: one row per micro-batch, for attention.py's kernel ("segments") or
+    # packed rows: one row per micro-batch, for attention.py's kernel ("segments") or
     # flash_attention_2's varlen path ("varlen")
-    attention = M.attention_for(packing(tc, device))
+    attention = M.attention_for(layout.packed)
     policy = M.model_from_config(model_path, meta=True, device_type=device.type,
                                  attention=attention)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
@@ -80,7 +82,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
         ref = M.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
-        R.attach(ref, mc.moe_routing_replay)
+        routing.attach(ref, mc.moe_routing_replay)
     teacher, folder = None, teacher_folder(cfg, model_path)
     if folder:  # frozen like the reference; routed its own way (no replay hooks on it)
         if teacher_full is None and world.trainer_index == 0:
@@ -89,7 +91,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
         teacher = M.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
                                      world.train_group, mixed_precision=mc.mixed_precision or bf16).eval()
         teacher.requires_grad_(False)
-    if not R.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
+    if not routing.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
         raise ModelError(f"model.moe_routing_replay: {model_path} has no MoE router (a dense model)")
     # LoRA: the reference is the policy with its adapters disabled (reference_logprobs)
     # foreach: one kernel per group of tensors (on CPU bitwise the per-tensor result, ~15% faster)
@@ -98,7 +100,7 @@ def build(model_path: str, world, device: torch.device, cfg, channel: S.CommChan
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
                       is_root=world.is_root, device=device, channel=channel)
-    return Trainer(policy, ref, opt, sched, sender, device,
+    return Trainer(policy, ref, opt, sched, sender, device, layout,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref,
                    teacher=teacher, base_teacher=mc.teacher_path == "base")
 
@@ -112,7 +114,7 @@ def params_to(model, dtype: torch.dtype):
     return model
 
 
-def check_dtype(tc, mc) -> None:
+def check_dtype(tc: TrainConfig, mc: ModelConfig) -> None:
     """train.master_dtype against the model keys, at load: one ConfigError naming the keys."""
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -128,7 +130,7 @@ def check_dtype(tc, mc) -> None:
              "adapters train over a frozen base; keep train.master_dtype = \"float32\"")
 
 
-def teacher_folder(cfg, model_path: str) -> str | None:
+def teacher_folder(cfg: Config, model_path: str) -> str | None:
     """The distillation teacher's folder: None without one or for LoRA's base (no copy);
     model.path's own value: `model_path`, the policy's initial weights; a tiny name: that tiny
     model, built under the run folder like model.path's (model.resolve_path)."""
@@ -140,7 +142,7 @@ def teacher_folder(cfg, model_path: str) -> str | None:
     return M.resolve_path(t, Path(cfg.run.out_dir), cfg.run.seed)
 
 
-def check_teacher(cfg, model_path: str) -> None:
+def check_teacher(cfg: Config, model_path: str) -> None:
     """model.teacher_path fits the policy (at start, before any model loads): a family in the
     table, the policy's tokenizer (the same vocabulary: its logprobs are of the same tokens) and,
     for a vision-language policy, a vision-language teacher (it sees the prompt's images); else
@@ -162,7 +164,7 @@ def check_teacher(cfg, model_path: str) -> None:
                           "vision-language policy would not see the prompts' images")
 
 
-def load_checked(world, model_path: str, mc=None, teacher: str | None = None):
+def load_checked(world, model_path: str, mc: ModelConfig | None = None, teacher: str | None = None):
     """Rank 0 loads the model (and the distillation `teacher`'s folder) on the CPU, kept for
     :func:`build`, and checks `mc`'s LoRA targets; collective over `world.ctrl`: every rank
     raises the same ModelError for a folder without the model's weights or targets matching no
@@ -197,7 +199,7 @@ def teacher_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: fl
     with torch.no_grad():
         if tr.teacher is not None:
             return M.sequence_logprobs(tr.teacher, batch, tokens, temperature)[0]
-        with R.as_reference(tr.policy, False), tr.policy.disable_adapter():
+        with routing.as_reference(tr.policy, False), tr.policy.disable_adapter():
             return M.sequence_logprobs(tr.policy, batch, tokens, temperature)[0]
 
 
@@ -206,11 +208,12 @@ def has_reference(tr: Trainer) -> bool:
     return tr.ref is not None or tr.base_ref
 
 
-def reference_logprobs(tr: Trainer, batch: dict, tokens: I.Tokens, temperature: float) -> torch.Tensor:
+def reference_logprobs(tr: Trainer, batch: M.MicroBatch, tokens: I.Tokens,
+                       temperature: float) -> torch.Tensor:
     """The reference policy's logprobs of `batch` (no gradient): the frozen copy, or with LoRA the
     policy itself with its adapters disabled (peft's `disable_adapter()`: the frozen base)."""
     model = tr.ref if tr.ref is not None else tr.policy
-    with torch.no_grad(), R.as_reference(model, tr.replay_ref):  # routing_agreement: the policy's own
+    with torch.no_grad(), routing.as_reference(model, tr.replay_ref):  # routing_agreement: the policy's own
         if tr.ref is not None:
             return M.sequence_logprobs(tr.ref, batch, tokens, temperature)[0]
         with tr.policy.disable_adapter():
@@ -237,7 +240,7 @@ def quiet_view_warning() -> None:
                             category=UserWarning)
 
 
-def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
+def too_many_skipped(tc: TrainConfig, world, skipped_in_row: int) -> bool:
     """Every rank agrees whether `train.max_skipped_steps` non-finite steps came in a row
     (`[train]` tc; collective over the world)."""
     stop = torch.tensor([skipped_in_row >= tc.max_skipped_steps], dtype=torch.int64)
@@ -248,7 +251,7 @@ def too_many_skipped(tc, world, skipped_in_row: int) -> bool:
     return bool(stop.item())
 
 
-def lr_factor(step: int, tc, total_steps: int) -> float:
+def lr_factor(step: int, tc: TrainConfig, total_steps: int) -> float:
     """The LR multiplier at rollout step `step` (0-based): linear warm-up, then `tc.lr_schedule`
     from 1 to `min_lr_ratio` over the steps after the warm-up, as transformers' schedules do. A
     pure function of (step, config): a resumed run continues it exactly."""
@@ -264,7 +267,7 @@ def lr_factor(step: int, tc, total_steps: int) -> float:
     return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
-def apply_optimizer_config(tr: Trainer, tc, total_steps: int) -> dict[str, tuple]:
+def apply_optimizer_config(tr: Trainer, tc: TrainConfig, total_steps: int) -> dict[str, tuple]:
     """After a resume: make the restored optimizer and schedule follow `[train]` as configured
     now (lr, betas, weight decay, schedule, warm-up; grad_clip is read every step anyway). The
     schedule keeps its position. Returns {key: (restored, now)} for what changed."""
@@ -317,7 +320,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def optimizer_step(tr: Trainer, tc) -> tuple[float, bool]:
+def optimizer_step(tr: Trainer, tc: TrainConfig) -> tuple[float, bool]:
     """Clip, then step unless the global gradient norm is non-finite; gradients cleared.
     Returns (norm before clipping, skipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), tc.grad_clip)

@@ -39,10 +39,11 @@ import inputs as I
 import loss as L
 import model as M
 import registry
-import routing as R
+import routing
+from config import LossConfig, RolloutConfig, TrainConfig
 from failures import fault_active
 from multiturn import max_sampled_tokens
-from microbatches import agree_plans, packing, rank_shares, shares_prompt
+from microbatches import agree_plans, rank_shares
 from trainer import (Trainer, has_reference, has_teacher, mix_reference, optimizer_step,
                      reference_logprobs, reshard, teacher_logprobs)
 
@@ -63,9 +64,9 @@ class Step:
     tr: Trainer
     world: Any
     procs: I.Processors
-    tc: Any                         # [train]
-    lc: Any                         # [loss]
-    rc: Any                         # [rollout]
+    tc: TrainConfig
+    lc: LossConfig
+    rc: RolloutConfig
     step: int
     seed: int                       # the run seed (mini-batch order)
     episodes: list
@@ -76,11 +77,14 @@ class Step:
     kl_coef: float = 0.0                 # the KL coefficient this step uses
     rewards: torch.Tensor | None = None  # [N] float64: what the advantages rank (KL in reward)
     adv: torch.Tensor | None = None      # [N] float32
+    # some episode of the step shows an image: a micro-batch without one runs the vision tower on
+    # a blank image (inputs.collate), as a peer's with images does (its FSDP collectives)
+    vision: bool = False
     metrics: dict = field(default_factory=dict)
 
 
 def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
-               procs: I.Processors, tc, lc, rc, step: int,
+               procs: I.Processors, tc: TrainConfig, lc: LossConfig, rc: RolloutConfig, step: int,
                seed: int = 0) -> tuple[dict[str, float], list[float]]:
     """`[train] mini_batches x ppo_epochs` optimizer steps on this trainer's share of the step's
     episodes. Returns the step's training metrics (the same on every trainer rank), averaged
@@ -92,12 +96,12 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
         s.metrics["train/routing_fallback"] = float(missing)
     if needs_proximal(tc, lc):
         proximal_pass(s)
-    routed = R.take_counts(tr.policy)  # MoE: the first pass over each episode (proximal, or the update)
+    routed = routing.take_counts(tr.policy)  # MoE: the first pass over each episode (proximal, or the update)
     apply_filters(s)
     denominators(s)
     advantages(s)
     sums, lp_diff, norms, n_skipped = run_updates(s)
-    later = R.take_counts(tr.policy)
+    later = routing.take_counts(tr.policy)
     if any(getattr(e, "routing", None) is not None for e in episodes):  # the same on every rank
         sums["routing_same"], sums["routing_pairs"] = map(float, routed if needs_proximal(tc, lc) else later)
     if n_skipped < len(norms):  # once per rollout step (module docstring)
@@ -111,7 +115,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     return reduce_metrics(s, sums, lp_diff, norms, n_skipped), s.adv.tolist()
 
 
-def needs_proximal(tc, lc) -> bool:
+def needs_proximal(tc: TrainConfig, lc: LossConfig) -> bool:
     """A separate no-grad pass before the updates: several updates per rollout batch (their
     ratios need fixed "old" logprobs), the reference's KL wanted before the advantages (KL in the
     reward) or the coefficient's update (adaptive coefficient), or a filter that needs them."""
@@ -124,6 +128,7 @@ def plan(s: Step) -> None:
     the step's KL coefficient (adaptive: the trainer's, saved in checkpoints)."""
     eps, lc, rc, world = s.episodes, s.lc, s.rc, s.world
     s.scores = s.rewards = torch.tensor([e.reward for e in eps], dtype=torch.float64)  # [N]
+    s.vision = any(I.episode_images(s.images, e) for e in eps)  # the same on every trainer rank
     truncated = torch.tensor([e.truncated for e in eps])                              # [N]
     # Decided on the task reward (the generation side refilled on it). Excluded episodes stay in
     # the micro-batches with a zero mask, so every trainer rank runs the same passes.
@@ -132,11 +137,11 @@ def plan(s: Step) -> None:
                          exclude_truncated=lc.exclude_truncated)                      # [N]
     s.metrics["train/dropped_groups"] = float(
         L.zero_variance_groups(s.scores, rc.group_size).sum() if lc.drop_zero_variance else 0)
-    every, imbalance, oversized = rank_shares(eps, s.images, s.procs, s.tc, len(world.trainers))
+    every, imbalance, oversized = rank_shares(eps, s.images, s.procs, s.tc, s.tr.layout, len(world.trainers))
     s.metrics["train/rank_token_imbalance"] = imbalance
     s.metrics["train/oversized_sequences"] = float(oversized)
     shares = [sh[world.trainer_index] for sh in every]          # this rank's, per mini-batch
-    plans = agree_plans(shares, eps, s.images, s.procs, s.tc, world.train_group)
+    plans = agree_plans(shares, eps, s.images, s.procs, s.tc, s.tr.layout, world.train_group)
     s.updates = [Update(sh, p) for sh, p in zip(shares, plans)]
     s.kl_coef = s.tr.kl_coef if lc.kl_target > 0 and s.tr.kl_coef is not None else lc.kl_coef
 
@@ -149,7 +154,7 @@ def proximal_pass(s: Step) -> None:
     lc = s.lc
     for u in s.updates:
         u.proximal = proximal_logprobs(s.tr, s.episodes, u.idx, u.plan, s.images, procs=s.procs,
-                                       lc=lc, tc=s.tc, temperature=s.rc.temperature)
+                                       temperature=s.rc.temperature, vision=s.vision)
     if not (has_reference(s.tr) and (lc.kl_in_reward or lc.kl_target > 0)):
         return
     kl_sum, kl_count = reference_kl(s.updates, len(s.episodes), lc, s.world.train_group)  # [N]
@@ -165,27 +170,28 @@ def proximal_pass(s: Step) -> None:
 
 @torch.no_grad()
 def proximal_logprobs(tr: Trainer, episodes: list, idx: list[int], plan: list[list[int]],
-                      images: Mapping[int, Any], *, procs: I.Processors, lc, tc,
-                      temperature: float) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+                      images: Mapping[int, Any], *, procs: I.Processors, temperature: float,
+                      vision: bool = False) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
     """The proximal ("old") policy's logprobs of this rank's episodes `idx`, the reference's
     when there is one, the response mask and the distillation teacher's, one `([b, L], [b, L] |
     None, [b, L], [b, L] | None)` tuple per micro-batch of `plan` (the same plan the updates
-    use, so the tensors line up with their batches; row r is episode `idx[mb[r]]`). No gradient."""
+    use, so the tensors line up with their batches; row r is episode `idx[mb[r]]`; `vision`:
+    Step.vision). No gradient."""
     tk = procs.tokens
     out = []
     for mb in plan:
         eps = [episodes[idx[j]] for j in mb]
         batch = I.collate(eps, [I.episode_images(images, e) for e in eps], procs, tr.device,
-                          share_prompt=shares_prompt(tc, procs), pixels=tr.pixels,
-                          packing=packing(tc, tr.device))
+                          tr.layout, tr.pixels, vision)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tk, temperature)           # [b, L]
         ref = reference_logprobs(tr, batch, tk, temperature) if has_reference(tr) else None
         teacher = teacher_logprobs(tr, batch, tk, temperature) if has_teacher(tr) else None
-        out.append((lp, ref, batch["response_mask"], teacher))
+        out.append((lp, ref, batch.response_mask, teacher))
     return out
 
 
-def reference_kl(updates: list[Update], n: int, lc, train_group) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_kl(updates: list[Update], n: int, lc: LossConfig,
+                 train_group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every episode's summed KL of the proximal policy to the reference and its response token
     count (`[loss] kl_estimator` / `kl_clamp`), `[n]` each, the same on every trainer rank (each
     rank computes its share, one all-reduce)."""
@@ -307,9 +313,8 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         chunk = [u.idx[j] for j in mb]
         eps = [s.episodes[i] for i in chunk]
         batch = I.collate(eps, [I.episode_images(s.images, e) for e in eps], s.procs, tr.device,
-                          share_prompt=shares_prompt(s.tc, s.procs), pixels=tr.pixels,
-                          packing=packing(s.tc, tr.device))
-        mask = batch["response_mask"].float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
+                          tr.layout, tr.pixels, s.vision)
+        mask = batch.response_mask.float() * s.keep[chunk].float().unsqueeze(1).to(tr.device)
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
         if u.proximal is None:
@@ -324,7 +329,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         if teacher is not None:  # on-policy distillation: one advantage per token [b, L]
             adv = L.distill_advantages(adv, old, teacher, lc.distill_coef)
             sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(((old - teacher) * mask).sum())
-        behaviour = batch["engine_logprobs"]                                          # [b, L]
+        behaviour = batch.engine_logprobs                                             # [b, L]
         loss, m = L.policy_loss(
             lp, old, adv, mask, lc, ref_logprobs=ref_lp,
             behaviour_logprobs=behaviour,
@@ -341,13 +346,13 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     return sums
 
 
-def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.Tensor,
+def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: M.MicroBatch, ent: torch.Tensor,
               old: torch.Tensor, version: int) -> float:
     """One micro-batch's share of the metric sums (`ent`: each kept token's entropy, 0 elsewhere);
     returns its largest engine/proximal gap over the tokens sampled with the policy's own
     `version` (all of them when nothing is stale)."""
-    rmask = batch["response_mask"].bool()                                             # [b, L]
-    fresh = rmask & (batch["token_versions"] == version)
+    rmask = batch.response_mask.bool()                                                # [b, L]
+    fresh = rmask & (batch.token_versions == version)
     sums["fresh_tokens"] += float(fresh.sum())
     sums["loss"] += float(loss.detach())
     for key, v in m.items():  # policy_loss's means are over the kept tokens: weight by them
@@ -355,15 +360,15 @@ def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: dict, ent: torch.T
             sums[f"mean:{key}"] = sums.get(f"mean:{key}", 0.0) + float(v) * m["tokens"]
     sums["kept_tokens"] += m["tokens"]
     sums["entropy"] += float(ent.detach().sum())  # `ent`: masked to the kept tokens
-    sums["tokens"] += float(batch["attention_mask"].sum())
-    sums["episode_tokens"] += float(batch["episode_tokens"])
-    sums["slots"] += float(batch["attention_mask"].numel())
-    sums["pairs"] += float(batch["attention_pairs"])
-    sums["episode_pairs"] += float(batch["episode_pairs"])
+    sums["tokens"] += float(batch.attention_mask.sum())
+    sums["episode_tokens"] += float(batch.episode_tokens)
+    sums["slots"] += float(batch.attention_mask.numel())
+    sums["pairs"] += float(batch.attention_pairs)
+    sums["episode_pairs"] += float(batch.episode_pairs)
     sums["resp_tokens"] += float(rmask.sum())
     if not fresh.any():
         return 0.0
-    return float((old - batch["engine_logprobs"])[fresh].abs().max())  # engine vs proximal
+    return float((old - batch.engine_logprobs)[fresh].abs().max())  # engine vs proximal
 
 
 def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[float],

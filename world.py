@@ -275,7 +275,7 @@ def launched_nodes() -> int:
     return max(1, launched_size() // int(os.environ.get("LOCAL_WORLD_SIZE", launched_size())))
 
 
-def validate_world(cfg, world_size: int, device: str | None = None,
+def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
                    dry_run: bool = False) -> None:
     """ConfigError for rules that depend on the launch: the rank split (over cluster.nnodes
     nodes in a dry run, else the nodes torchrun launched), and the device kind (`device`: "cpu",
@@ -326,7 +326,7 @@ def validate_world(cfg, world_size: int, device: str | None = None,
                           f"({n} % ({n_train} x {mb}) != 0)")
 
 
-def dry_run(cfg, own_channel: bool) -> int:
+def dry_run(cfg: C.Config, own_channel: bool) -> int:
     """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
     group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL); nothing is
     initialised."""

@@ -96,12 +96,11 @@ def run(a) -> dict:
     policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
-    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=device,
-                         pixels={}, kl_coef=None, version=0)
+    tr = dict(policy=policy, ref=None, base_ref=False, device=device, pixels={}, kl_coef=None, version=0)
     base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
             f"--train.micro_batch_size={a.rows}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
     packed = f"--train.packing={a.layout or 'true'}"
-    share = MB.shares_prompt(load_config(None, base + [packed]).train, procs)
+    share = MB.resolve_layout(load_config(None, base + [packed]).train, procs, path, device)[0].share_prompt
     budget = a.rows * max(MB._units(eps, list(range(len(eps))), images, procs, share)[1])
     variants = {"padded": base + ["--train.packing=false"], "packed": base + [packed],
                 "padded_sorted": base + ["--train.packing=false", f"--train.micro_batch_tokens={budget}"]}
@@ -109,11 +108,14 @@ def run(a) -> dict:
     ratios = {"packed": row.bucket_ratio} | {f"packed@{r:g}": r for r in a.bucket_ratios}
     variants |= {name: variants["packed"] for name in ratios if name != "packed"}
     steps, times, stats, attention, peak, grads = {}, {k: [] for k in variants}, {}, {}, {}, {}
+    layouts = {}
     for name, over in variants.items():
         cfg = load_config(None, over)
-        # the attention the trainer builds its models with for this config (trainer.build)
-        attention[name] = M.attention_for(MB.packing(cfg.train, device))
-        s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
+        # the row layout and attention the trainer builds its models with (train.set_up, trainer.build)
+        layouts[name] = MB.resolve_layout(cfg.train, procs, path, device)[0]
+        attention[name] = M.attention_for(layouts[name].packed)
+        s = U.Step(SimpleNamespace(**tr, layout=layouts[name]), world, procs, cfg.train, cfg.loss,
+                   cfg.rollout, 0, 0, eps, images)
         U.plan(s)
         U.denominators(s)
         U.advantages(s)
@@ -144,8 +146,9 @@ def run(a) -> dict:
                      "micro_batches": int(st["micro_batches"]), "attention": attention[name]}
     D.TABLE[dev.kind] = row
     imb = {}
-    for name, over in (("padded", variants["padded"]), ("balanced", variants["packed"])):
-        imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, over).train, 2)[1], 4)
+    for name, variant in (("padded", "padded"), ("balanced", "packed")):
+        imb[name] = round(MB.rank_shares(eps, images, procs, load_config(None, variants[variant]).train,
+                                         layouts[variant], 2)[1], 4)
     dist.destroy_process_group()
     tps = {k: v["tokens_per_s"] for k, v in out.items()}
     return {"workload": {"model": f"{a.shapes} qwen2_5_vl" + (f", {a.layers} layer(s)" if a.shapes != "tiny" else ""),

@@ -181,9 +181,9 @@ def run_one(a, lora_rank: int) -> None:
                      torch.full((a.batch, 1), tokens.vision_end), text], 1)
     resp = torch.zeros_like(ids)
     resp[:, T - (T - n_img) // 2:] = 1
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": resp,
-             "pixel_values": mm["pixel_values"], "image_grid_thw": mm["image_grid_thw"]}
-    batch = {k: v.to(device) for k, v in batch.items()}
+    none = torch.zeros(())  # the counts the metrics read: not read here
+    batch = M.MicroBatch(ids, torch.ones_like(ids), resp, torch.zeros(ids.shape), torch.full_like(ids, -1),
+                         none, none, none, mm["pixel_values"], mm["image_grid_thw"]).to(device)
     adv = torch.randn(a.batch, device=device)
 
     times, recomputed = [], []
@@ -192,7 +192,7 @@ def run_one(a, lora_rank: int) -> None:
         count.reset()
         t0 = time.perf_counter()
         lp, _ = M.sequence_logprobs(model, batch, tokens, 1.0)
-        mask = batch["response_mask"].float()
+        mask = batch.response_mask.float()
         loss, _ = L.policy_loss(lp, lp.detach(), adv, mask)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -85,7 +85,7 @@ def test_distill_kl_is_the_mean_reverse_kl_and_zero_for_the_policy_itself(tiny_s
             batch = I.collate([e], [tiny_step.images[e.index]], tiny_step.procs, torch.device("cpu"))
             lp = M.sequence_logprobs(tr.policy, batch, tiny_step.procs.tokens, cfg.rollout.temperature)[0]
             te = T.teacher_logprobs(tr, batch, tiny_step.procs.tokens, cfg.rollout.temperature)
-            m = batch["response_mask"].float()
+            m = batch.response_mask.float()
             want_num, want_den = want_num + float(((lp - te) * m).sum()), want_den + float(m.sum())
     got, _ = run_step(tiny_step, tr, cfg)
     if mini_batches == 1:  # with two, the second update's KL is measured after the first step

@@ -71,12 +71,12 @@ def test_engine_and_trainer_agree_and_packing_is_exact_where_it_applies(tiny_dir
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
     flat = I.collate(eps, images, procs, CPU)
-    packed = I.collate(eps, images, procs, CPU, share_prompt=True)
+    packed = I.collate(eps, images, procs, CPU, M.RowLayout(share_prompt=True))
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(engine.model, flat, procs.tokens, 1.0)
         plp, _ = M.sequence_logprobs(engine.model, packed, procs.tokens, 1.0)
-    fm, pm = flat["response_mask"].bool(), packed["response_mask"].bool()
-    assert float((lp[fm] - flat["engine_logprobs"][fm]).abs().max()) <= 1e-4
+    fm, pm = flat.response_mask.bool(), packed.response_mask.bool()
+    assert float((lp[fm] - flat.engine_logprobs[fm]).abs().max()) <= 1e-4
     gap = float((plp[pm] - lp[fm]).abs().max())
     if procs.packs_exactly:
         assert gap <= 1e-5, gap

@@ -54,7 +54,7 @@ def _episodes(path: str, procs: I.Processors, n: int = 2):
 def _update(tr: T.Trainer, batch: dict, tokens: I.Tokens, kl: bool = True) -> None:
     """One optimizer step on a loss that moves the policy away from the reference."""
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
-    mask = batch["response_mask"].float()
+    mask = batch.response_mask.float()
     loss = -(lp * mask).sum()
     if kl:
         loss = loss + ((lp - T.reference_logprobs(tr, batch, tokens, 1.0)) ** 2 * mask).sum()
@@ -131,7 +131,8 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, one_rank_world, CPU, C.Config(model=_mc(lora_target_modules=targets),
-                                            train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)))
+                                            train=C.TrainConfig(lr=1e-2), loss=C.LossConfig(kl_coef=0.1)),
+                 M.RowLayout())
     # no reference copy: the parameters held are the policy's (base + adapters)
     counts = T.parameter_counts(tr)
     n_base = sum(p.numel() for p in M.load_model(path).parameters())
@@ -168,14 +169,14 @@ def test_updates_change_only_the_adapters_and_engines_serve_the_merged_policy(on
     assert S.verify(one_rank_world, tr.policy, engine, "float32")
     with torch.no_grad():
         lp_engine, _ = M.sequence_logprobs(engine.model, batch, procs.tokens, 1.0)
-    m = batch["response_mask"].bool()
+    m = batch.response_mask.bool()
     assert float((lp_engine - lp)[m].abs().max()) <= 1e-4
     assert float((lp_engine - lp_base)[m].abs().max()) > 1e-2  # it is the adapted policy
 
 
 def test_without_lora_the_kl_reference_is_a_second_copy(one_rank_world, tiny_dir):
     path = tiny_dir("qwen3")
-    tr = T.build(path, one_rank_world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(loss=C.LossConfig(kl_coef=0.1)), M.RowLayout())
     counts = T.parameter_counts(tr)
     assert tr.ref is not None and counts["held"] == 2 * counts["total"]
     assert counts["trainable"] == counts["total"] and len(tr.sender.plans) == 1
@@ -187,12 +188,12 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, 
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, one_rank_world, CPU,
-                 C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)))
+                 C.Config(model=_mc(mixed_precision=True, activation_checkpointing=True)), M.RowLayout())
     count = CheckpointCounter(tr.policy)
     eps, images = _episodes(path, procs)
     batch = I.collate(eps, images, procs, CPU)
     lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
-    (lp * batch["response_mask"]).sum().backward()
+    (lp * batch.response_mask).sum().backward()
     assert (count.calls, count.recomputes) == (4, 4)
     for n, p in tr.policy.named_parameters():
         assert p.dtype == torch.float32 and (p.grad is not None) == (".lora_" in n), n
@@ -202,14 +203,14 @@ def test_startup_summary_says_trainable_total_and_optimizer_state(one_rank_world
     import tracking
     path = tiny_dir("qwen3")
     cfg = C.load(None, ["--model.lora_rank=8", "--model.lora_alpha=32"])
-    tr = T.build(path, one_rank_world, CPU, cfg)
+    tr = T.build(path, one_rank_world, CPU, cfg, M.RowLayout())
     counts = T.parameter_counts(tr)
     plan = {"progress": SimpleNamespace(step=0, version=0), "path": None}
     text = tracking.startup_summary(cfg, ["trainer"], "cpu", counts, 8, 0, 0, plan, "defaults")
     want = (f"({counts['total'] / 1e6:.2f}M parameters, {counts['trainable'] / 1e6:.3g}M trainable "
             f"(LoRA rank 8, alpha 32), AdamW state {counts['optimizer_bytes'] / 2**20:.3g} MiB;")
     assert want in text and counts["optimizer_bytes"] == 8 * counts["trainable"]
-    full = T.build(path, one_rank_world, CPU, C.Config())
+    full = T.build(path, one_rank_world, CPU, C.Config(), M.RowLayout())
     text = tracking.startup_summary(C.load(None), ["trainer"], "cpu", T.parameter_counts(full),
                                     8, 0, 0, plan, "defaults")
     assert "M parameters, all trainable, AdamW state" in text
@@ -280,7 +281,8 @@ def test_export_is_base_plus_scaled_adapters_and_the_adapter_folder_loads_with_p
     path = tiny_dir(kind)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     mc = _mc(lora_alpha=32.0)
-    tr = T.build(path, one_rank_world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)))
+    tr = T.build(path, one_rank_world, CPU, C.Config(model=mc, train=C.TrainConfig(lr=1e-2)),
+                 M.RowLayout())
     eps, images = _episodes(path, procs)
     _update(tr, I.collate(eps, images, procs, CPU), procs.tokens, kl=False)
     folder = _save(tr, procs, path, tmp_path / "checkpoints")
@@ -331,7 +333,7 @@ def test_restore_puts_back_the_adapters_and_their_optimizer_state_exactly(one_ra
     def trainer(seed):
         cfg = C.Config(run=C.RunConfig(seed=seed), model=_mc(), train=C.TrainConfig(lr=1e-2),
                        loss=C.LossConfig(kl_coef=0.1))
-        return T.build(path, one_rank_world, CPU, cfg)
+        return T.build(path, one_rank_world, CPU, cfg, M.RowLayout())
     a = trainer(0)
     _update(a, batch, procs.tokens)
     a.sched.step()

@@ -20,6 +20,7 @@ import synthetic
 import trainer as T
 import update as U
 from train import load_config
+from tests.util import layout_of
 
 
 def test_plan_budget_order_and_counts():
@@ -56,7 +57,7 @@ def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
     images = {p.index: p.images for p in problems}
     policy = M.load_model(path)
     M.apply_fsdp(policy, DeviceMesh.from_group(gloo_world, "cpu"))
-    tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"))
+    tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"), M.RowLayout())
     adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
     keep = torch.ones(len(eps), dtype=torch.bool)
     denom = sum(len(e.response_ids) for e in eps)
@@ -67,9 +68,10 @@ def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
         cfg = load_config(None, over + ["--loss.kl_coef=0", "--rollout.max_new_tokens=12"])
         policy.zero_grad(set_to_none=True)
         idx = list(range(len(eps)))
+        tr.layout = layout_of(cfg.train, procs)
         step = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images,
                       keep=keep, adv=adv, kl_coef=0.0)
-        plan = MB.agree_plans([idx], eps, images, procs, cfg.train, gloo_world)[0]
+        plan = MB.agree_plans([idx], eps, images, procs, cfg.train, tr.layout, gloo_world)[0]
         stats = U.accumulate_gradients(step, U.Update(idx, plan, denom))
         return [p.grad.full_tensor().clone() for p in policy.parameters()], stats
 

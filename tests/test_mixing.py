@@ -13,7 +13,7 @@ import config as C
 import data
 import rewards
 from train import load_config  # config.load + the checks of the modules config.py does not import
-from tests.util import ROOT, TINY, metrics, train_py
+from tests.util import ROOT, TINY, metrics, torchrun, train_py
 
 TINY_TOML = str(ROOT / "configs" / "tiny.toml")
 TWO = """
@@ -256,3 +256,30 @@ def test_two_sources_run_logs_each_and_a_resume_continues_the_same_draw(tmp_path
     assert {"eval/geo/target_fraction", "eval/txt/accuracy", "eval/geo/n"} <= set(evals[-1])
     assert evals[-1]["eval/geo/n"] == evals[-1]["eval/txt/n"] == 2 and evals[-1]["eval/n"] == 4
     assert "eval/geo/accuracy" not in evals[-1] and "eval/txt/target_fraction" not in evals[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["--train.packing=false"],
+                                    ["--train.packing=false", "--train.share_prompt=false"]],
+                         ids=["packed", "shared_prompt", "padded"])
+def test_images_and_text_mixed_on_two_trainer_ranks_run_30_steps_and_learn(tmp_path, layout):
+    """The mixing example of docs/data.md (an image source and a text-only one) on the 3-rank demo
+    (2 trainer ranks): a trainer rank whose micro-batch holds no image runs the vision tower on a
+    blank one as its peer runs it on images (before: gloo's "collective mismatch" at step 5, in
+    every layout), and the image source's reward rises."""
+    out = tmp_path / "run"
+    torchrun(3, [*TINY, "--config", two_sources(tmp_path), "--run.steps=30", f"--run.out_dir={out}", *layout])
+    m = metrics(out)
+    geo = [r["reward/geo/mean"] for r in m if "reward/geo/mean" in r]
+    assert len(m) == 30 and {r["data/txt/frac"] > 0 for r in m} == {True, False}
+    assert sum(geo[-5:]) / 5 > sum(geo[:5]) / 5 + 0.3, geo
+
+
+@pytest.mark.slow
+def test_a_text_only_source_on_the_vision_model_runs_on_two_trainer_ranks(tmp_path):
+    """data.sources holding a text-only source alone, on the tiny VLM over 2 trainer ranks: no
+    step shows an image, so no rank runs the vision tower (none waits for another's)."""
+    out = tmp_path / "run"
+    only = '[{name = "txt", source = "synthetic-text", weight = 1}]'
+    torchrun(3, [*TINY, f"--data.sources={only}", "--run.steps=6", f"--run.out_dir={out}"])
+    assert [r["data/txt/frac"] for r in metrics(out)] == [1.0] * 6

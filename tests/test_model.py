@@ -14,6 +14,8 @@ import hf_engine as HF
 import episode as E
 from tests.util import CheckpointCounter
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
@@ -93,8 +95,8 @@ def test_hf_engine_logprobs_equal_trainer_forward(tiny):
         batch = I.collate(eps, [problems[e.group].images for e in eps], procs, torch.device("cpu"))
         with torch.no_grad():
             lp, _ = M.sequence_logprobs(engine.model, batch, tokens, temp)
-        m = batch["response_mask"].bool()
-        assert (lp[m] - batch["engine_logprobs"][m]).abs().max() < 1e-4
+        m = batch.response_mask.bool()
+        assert (lp[m] - batch.engine_logprobs[m]).abs().max() < 1e-4
 
 
 def test_text_only_positions_would_be_caught(tiny):
@@ -108,11 +110,11 @@ def test_text_only_positions_would_be_caught(tiny):
     e = E.Episode(p.index, 0, ids, c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
     batch = I.collate([e], [p.images], procs, torch.device("cpu"))
     with torch.no_grad():
-        out = engine.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
-    lp, _ = M.token_logprobs(out.logits[:, :-1], batch["input_ids"][:, 1:], tokens, 1.0)
-    m = batch["response_mask"][:, 1:].bool()
-    assert (lp[m] - batch["engine_logprobs"][:, 1:][m]).abs().max() > 1e-3
+        out = engine.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw)
+    lp, _ = M.token_logprobs(out.logits[:, :-1], batch.input_ids[:, 1:], tokens, 1.0)
+    m = batch.response_mask[:, 1:].bool()
+    assert (lp[m] - batch.engine_logprobs[:, 1:][m]).abs().max() > 1e-3
 
 
 def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny, monkeypatch):
@@ -134,7 +136,7 @@ def test_lm_head_sees_only_response_positions_without_slice_logits_to_keep(tiny,
     finally:
         hook.remove()
     assert torch.equal(before, after)
-    n = int(batch["response_mask"][:, 1:].sum())
+    n = int(batch.response_mask[:, 1:].sum())
     assert rows == [torch.Size([n, procs.tokens.vocab_size])]
 
 
@@ -163,14 +165,14 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
     path, procs = tiny
     tokens = procs.tokens
     mc = C.ModelConfig(activation_checkpointing=checkpointing)
-    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc))
+    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
     assert tr.policy.training
     count = CheckpointCounter(tr.policy)
     batch = _batch(tiny)
     lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
     layers = 4 if checkpointing else 0
     assert (count.calls, count.recomputes) == (layers, 0)
-    (lp * batch["response_mask"]).sum().backward()
+    (lp * batch.response_mask).sum().backward()
     assert (count.calls, count.recomputes) == (layers, layers)
     assert all(p.grad is not None for p in tr.policy.parameters() if p.requires_grad)
     tr.policy.eval()
@@ -205,12 +207,12 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     eps = [E.Episode(p.index, g, prompts[g][0], c.ids, c.logprobs, 0.0, {}, 0, c.truncated)
            for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = [problems[e.group].images for e in eps]
-    packed = I.collate(eps, images, procs, torch.device("cpu"), share_prompt=True, pixels={})
+    packed = I.collate(eps, images, procs, torch.device("cpu"), M.RowLayout(share_prompt=True), {})
     flat = I.collate(eps, images, procs, torch.device("cpu"))
-    assert packed["input_ids"].shape[0] == 3 and flat["input_ids"].shape[0] == 9
-    assert int(packed["episode_tokens"]) == int(flat["attention_mask"].sum())
+    assert packed.input_ids.shape[0] == 3 and flat.input_ids.shape[0] == 9
+    assert int(packed.episode_tokens) == int(flat.attention_mask.sum())
     # the mask: response 2 of row 0 sees the prompt and itself, not response 1
-    m, plen = packed["attention_mask_4d"][0, 0], int(packed["prompt_len"][0])
+    m, plen = packed.packed.mask_4d[0, 0], int(packed.packed.prompt_len[0])
     s1, n1 = plen, len(eps[0].response_ids)
     s2 = s1 + n1
     assert m[s2, :plen].all() and not m[s2, s1:s2].any() and m[s2, s2] and not m[s2, s2 + 1]
@@ -218,18 +220,61 @@ def test_packed_rows_equal_one_row_per_episode(tiny):
     # positions: a response continues from the prompt, as in its own row
     model = M.load_model(path).train()
     pos = M.packed_positions(model, packed, tokens)
-    own, _ = model.model.get_rope_index(flat["input_ids"][1:2], (flat["input_ids"][1:2] == tokens.image_pad).int(),
-                                        image_grid_thw=flat["image_grid_thw"][1:2],
-                                        attention_mask=flat["attention_mask"][1:2])
+    own, _ = model.model.get_rope_index(flat.input_ids[1:2], (flat.input_ids[1:2] == tokens.image_pad).int(),
+                                        image_grid_thw=flat.image_grid_thw[1:2],
+                                        attention_mask=flat.attention_mask[1:2])
     n2 = len(eps[1].response_ids)
     assert torch.equal(pos[:, 0, s2:s2 + n2], own[:, 0, plen:plen + n2])
     lp, ent = M.sequence_logprobs(model, packed, tokens, 1.0)
     flp, fent = M.sequence_logprobs(model, flat, tokens, 1.0)
-    pm, fm = packed["response_mask"].bool(), flat["response_mask"].bool()
+    pm, fm = packed.response_mask.bool(), flat.response_mask.bool()
     torch.testing.assert_close(lp[pm], flp[fm], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent[pm], fent[fm], atol=1e-5, rtol=0)
-    assert float((lp[pm] - packed["engine_logprobs"][pm]).abs().max()) <= 1e-4
+    assert float((lp[pm] - packed.engine_logprobs[pm]).abs().max()) <= 1e-4
     g1 = torch.autograd.grad(lp[pm].sum(), list(model.parameters()))
     g2 = torch.autograd.grad(flp[fm].sum(), list(model.parameters()))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------- images and text mixed
+@pytest.mark.parametrize("layout", [M.RowLayout(), M.RowLayout(share_prompt=True),
+                                    M.RowLayout("segments", True)])
+def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_changes_nothing(tiny, layout):
+    """A micro-batch without images whose peers' may show some (inputs.collate's `vision`): the
+    vision tower runs once on a blank image, in every layout, so its rank makes the tower's FSDP
+    collectives as a peer with images does; the logprobs and every gradient are bit for bit those
+    without it, the tower's weights getting exact zeros (a gradient, which FSDP reduces, where
+    they had none)."""
+    path, procs = tiny
+    allowed = [i for i in range(procs.tokens.vocab_size) if i not in procs.tokens.suppressed]
+    g = torch.Generator().manual_seed(1)
+    eps = [R.Episode(i, i // 2, I.prompt_ids(procs, f"What is {i // 2} + 2?", 0),
+                     [allowed[j] for j in torch.randint(len(allowed), (5 + i,), generator=g)],
+                     [0.0] * (5 + i), 0.0, {}, 0, False) for i in range(4)]
+    model = M.load_model(path)
+    model.set_attn_implementation(M.attention_for(layout.packed))
+    calls = []
+    for unit in M.fsdp_units(model):  # decoder layers and vision blocks
+        unit.register_forward_hook(lambda m, a, o: calls.append(m))
+    runs = {}
+    for vision in (False, True):
+        batch = I.collate(eps, [[]] * len(eps), procs, CPU, layout, vision=vision)
+        assert batch.pixel_values is None and (batch.blank_image is not None) is vision
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        lp, ent = M.sequence_logprobs(model, batch, procs.tokens, 1.0, entropy_grad=True)
+        (lp.sum() + ent.sum()).backward()
+        runs[vision] = (len(calls), lp.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (n_plain, lp_plain, plain), (n_blank, lp_blank, blank) = runs[False], runs[True]
+    tower = {n for n, grad in plain.items() if grad is None}
+    assert tower and n_plain < n_blank == len(M.fsdp_units(model))  # once each: the tower ran
+    assert torch.equal(lp_blank, lp_plain)
+    for n, grad in blank.items():
+        assert grad is not None, n  # every weight joins the backward: FSDP reduces every one
+        assert torch.equal(grad, torch.zeros_like(grad) if n in tower else plain[n]), n
+    # a micro-batch with an image of its own carries none
+    problem = synthetic.make_synthetic(1, seed=5)[0]
+    e = R.Episode(problem.index, 0, I.prompt_ids(procs, data.user_text(problem), 1), [allowed[0]] * 3,
+                  [0.0] * 3, 0.0, {}, 0, False)
+    assert I.collate([e], [problem.images], procs, CPU, layout, vision=True).blank_image is None

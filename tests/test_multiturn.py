@@ -74,7 +74,7 @@ def _two_turn_episode(procs, vision: bool):
     return e, p.images, mask
 
 
-LAYOUTS = [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")]
+LAYOUTS = [M.RowLayout(), M.RowLayout(share_prompt=True), M.RowLayout("segments", True)]
 TWO_TURNS = C.RolloutConfig(env="recheck", max_turns=2, max_new_tokens=16)  # 32 sampled tokens at most
 KL = dict(kl_coef=0.1, kl_estimator="k3")
 
@@ -92,9 +92,9 @@ def _noisy(path):
 def _batched_loss(model, ref, eps, adv, images, procs, layout, aggregation):
     """The trainer's way: one batch in `layout`, policy_loss over its response_mask with the
     step's denominator (update.denominators: sampled tokens only) and a k3 KL to `ref`."""
-    batch = I.collate(eps, [images] * len(eps), procs, CPU, **layout)
+    batch = I.collate(eps, [images] * len(eps), procs, CPU, layout)
     for m in (model, ref):
-        m.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
+        m.set_attn_implementation(M.attention_for(layout.packed))  # as trainer.build does
     lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 1.0)
     with torch.no_grad():
         ref_lp, _ = M.sequence_logprobs(ref, batch, procs.tokens, 1.0)
@@ -102,7 +102,7 @@ def _batched_loss(model, ref, eps, adv, images, procs, layout, aggregation):
         m.set_attn_implementation("sdpa")
     denom = L.loss_denominator([I.sampled_tokens(x) for x in eps], [True] * len(eps), aggregation,
                                MT.max_sampled_tokens(TWO_TURNS))
-    loss, metrics = L.policy_loss(lp, lp.detach(), adv, batch["response_mask"].float(),
+    loss, metrics = L.policy_loss(lp, lp.detach(), adv, batch.response_mask.float(),
                                   ref_logprobs=ref_lp, loss_denominator=denom, aggregation=aggregation,
                                   max_response_len=MT.max_sampled_tokens(TWO_TURNS), **KL)
     return loss, metrics, batch
@@ -115,8 +115,8 @@ def _by_hand(model, ref, eps, masks, adv, images, procs, aggregation):
     per_episode, kls, n_tokens = [], [], []
     for x, mask, a in zip(eps, masks, adv):
         one = I.collate([x], [images], procs, CPU)
-        ids = one["input_ids"]
-        inputs = dict(input_ids=ids, attention_mask=one["attention_mask"],
+        ids = one.input_ids
+        inputs = dict(input_ids=ids, attention_mask=one.attention_mask,
                       **M._model_inputs(one, procs.tokens))
         tok_lp, _ = M.token_logprobs(model(**inputs).logits[0, :-1], ids[0, 1:], procs.tokens, 1.0)
         with torch.no_grad():
@@ -163,7 +163,7 @@ def test_loss_and_gradient_equal_one_row_whose_mask_excludes_the_inserted_tokens
     for n, p in model.named_parameters():
         if p.grad is not None:
             assert torch.allclose(ours[n], p.grad, atol=1e-6), n
-    assert int(batch["response_mask"].sum()) == sum(mask) + 7  # inserted tokens out of the mask
+    assert int(batch.response_mask.sum()) == sum(mask) + 7  # inserted tokens out of the mask
 
 
 def test_inserted_tokens_stay_out_of_denominators_entropy_parity_and_lengths(tiny_step):
@@ -178,7 +178,7 @@ def test_inserted_tokens_stay_out_of_denominators_entropy_parity_and_lengths(tin
     cfg = step_config(["--rollout.max_new_tokens=32"])
     batch = I.collate(s_eps, [s.images[x.index] for x in s_eps], s.procs, CPU)
     _, ent = M.sequence_logprobs(M.load_model(s.path), batch, s.procs.tokens, 1.0)  # the policy before the update
-    sampled_mask = batch["response_mask"].bool()
+    sampled_mask = batch.response_mask.bool()
     tr = make_trainer(s, cfg)
     m, _ = run_step(s, tr, cfg, eps=s_eps)
     assert abs(m["entropy"] - float(ent[sampled_mask].mean())) < 1e-5  # over sampled tokens only
@@ -536,11 +536,11 @@ def test_a_turn_that_shows_an_image_trains_with_the_engines_logprobs(tiny_dir):
     by_index = {p.index: p.images for p in problems}
     batch = I.collate(eps, [I.episode_images(by_index, e) for e in eps], procs, CPU)
     lp, _ = M.sequence_logprobs(M.load_model(path), batch, procs.tokens, 1.0)
-    m = batch["response_mask"].bool()
+    m = batch.response_mask.bool()
     assert int(m.sum()) == sum(I.sampled_tokens(e) for e in eps)
-    assert float((lp - batch["engine_logprobs"])[m].abs().max()) <= 1e-4
+    assert float((lp - batch.engine_logprobs)[m].abs().max()) <= 1e-4
     with pytest.raises(ValueError, match="one row per episode"):
-        I.collate(eps, [I.episode_images(by_index, e) for e in eps], procs, CPU, share_prompt=True)
+        I.collate(eps, [I.episode_images(by_index, e) for e in eps], procs, CPU, M.RowLayout(share_prompt=True))
     with pytest.raises(ConfigError, match="train.share_prompt = false"):
         load_config(None, ["--rollout.env=test_look_again"])
     load_config(None, ["--rollout.env=test_look_again", "--train.share_prompt=false"])

@@ -21,7 +21,7 @@ import episode as E
 import synthetic
 import update as U
 from errors import ConfigError
-from tests.util import TINY, metrics, torchrun
+from tests.util import TINY, layout_of, metrics, torchrun
 from train import load_config
 
 CPU = torch.device("cpu")
@@ -53,9 +53,9 @@ def _episodes(path: str, vision: bool):
     return procs, eps, {p.index: p.images for p in problems}
 
 
-def _attend(cfg, *models) -> None:
-    """The attention the trainer builds its models with for `cfg` (model.attention_for)."""
-    name = M.attention_for(MB.packing(cfg.train, CPU))
+def _attend(layout, *models) -> None:
+    """The attention the trainer builds its models with for `layout` (model.attention_for)."""
+    name = M.attention_for(layout.packed)
     for m in models:
         if m is not None:
             m.set_attn_implementation(name)
@@ -63,10 +63,11 @@ def _attend(cfg, *models) -> None:
 
 def _grads(policy, ref, procs, eps, images, over: list[str]):
     cfg = load_config(None, [f"--rollout.max_new_tokens={LONG}", *over])
-    _attend(cfg, policy, ref)
+    layout = layout_of(cfg.train, procs)
+    _attend(layout, policy, ref)
     policy.zero_grad(set_to_none=True)
     tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None,
-                         version=0)
+                         version=0, layout=layout)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
     U.plan(s)
@@ -140,8 +141,7 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
     micro-batches are counted in rows (there it was measured faster than padded micro-batches,
     slower than length-sorted ones of a token budget); off on NPU (its varlen layout has not run
     on hardware); off for an environment whose turns show images (one row per episode); each
-    decision is one start-up line; an undecided "auto" plans padded micro-batches (a script that
-    never starts a run)."""
+    decision is one start-up line, the config left as written."""
     import envs
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
@@ -155,24 +155,27 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
              "cuda's segments layout measured slower than length-sorted micro-batches"),
             (npu, [], False, "npu's varlen layout has not run on hardware")):
         tc = load_config(None, over).train
-        assert tc.packing == "auto" and not MB.packs(tc)
-        [line] = MB.resolve_layout(tc, procs, path, device)
-        assert tc.packing is on and line.startswith(f"train.packing {'on' if on else 'off'} (auto: {why}")
+        layout, [line] = MB.resolve_layout(tc, procs, path, device)
+        assert (layout.packed is not None) is on and line.startswith(f"train.packing {'on' if on else 'off'} (auto: {why}")
+        assert tc.packing == "auto" and layout.share_prompt
     monkeypatch.setitem(envs.REGISTRY, "shows_images", type("E", (), {"images_per_episode": 1}))
     tc = load_config(None, []).train
-    assert "turns show images" in MB.resolve_layout(tc, procs, path, CPU, "shows_images")[0]
-    assert tc.packing is False
+    layout, [line] = MB.resolve_layout(tc, procs, path, CPU, "shows_images")
+    assert "turns show images" in line and layout.packed is None and tc.packing == "auto"
 
 
 def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     """train.packing = "segments" / "varlen" packs with that layout on any device (true: the
     device's own); a linear-attention model refuses a named layout as it refuses true; an
     unknown value is one config error naming the key."""
-    for value, device, layout in (("segments", torch.device("cuda"), "segments"),
+    qwen = tiny_dir("qwen2_5_vl")
+    vl_procs = I.load_processors(qwen, 56 * 56, 112 * 112)
+    monkeypatch.setattr(MB, "find_spec", lambda name: True)  # varlen's package: looked at below
+    for value, device, packed in (("segments", torch.device("cuda"), "segments"),
                                   ("varlen", CPU, "varlen"), ("true", torch.device("cuda"), "segments"),
                                   ("true", CPU, "segments"), ("false", CPU, None)):
         tc = load_config(None, [f"--train.packing={value}"]).train
-        assert MB.packing(tc, device) == layout and MB.packs(tc) is (layout is not None)
+        assert MB.resolve_layout(tc, vl_procs, qwen, device) == (M.RowLayout(packed, True), [])
     assert M.attention_for("varlen") == "flash_attention_2"
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
@@ -185,12 +188,11 @@ def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     # varlen runs under flash_attention_2: without flash-attn one config error at start, not
     # transformers' traceback at the model's build; on NPU torch_npu's op needs none
     monkeypatch.setattr(MB, "find_spec", lambda name: None)
-    qwen = tiny_dir("qwen2_5_vl")
-    vl_procs = I.load_processors(qwen, 56 * 56, 112 * 112)
     with pytest.raises(ConfigError, match="needs the flash_attn package on cpu .*\"segments\" packs"):
         MB.resolve_layout(load_config(None, ["--train.packing=varlen"]).train, vl_procs, qwen, CPU)
     npu = SimpleNamespace(type="npu")
-    assert MB.resolve_layout(load_config(None, ["--train.packing=true"]).train, vl_procs, qwen, npu) == []
+    assert MB.resolve_layout(load_config(None, ["--train.packing=true"]).train, vl_procs, qwen, npu) == (
+        M.RowLayout("varlen", True), [])
 
 
 def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
@@ -201,8 +203,9 @@ def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(t
     with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
         MB.resolve_layout(tc, procs, path, CPU)
     auto = load_config(None, []).train                    # the default: off for it, saying why
-    assert MB.resolve_layout(auto, procs, path, CPU)[0] == (
-        "train.packing off (auto: the model has linear-attention layers)") and auto.packing is False
+    layout, notes = MB.resolve_layout(auto, procs, path, CPU)
+    assert notes[0] == "train.packing off (auto: the model has linear-attention layers)"
+    assert layout == M.RowLayout(None, False)             # and one row per episode
     # the leak: sequences sharing a packed row differ from each alone (the recurrent state runs
     # across the boundary, which a 4-D mask cannot stop); the same check passes for a family
     # that packs exactly
@@ -215,15 +218,15 @@ def _packed_gap(path, procs, eps, images) -> float:
     """Largest |logprob packed - logprob alone| over the response tokens of `eps`."""
     policy = M.load_model(path).eval()
     with torch.no_grad():
-        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, packing="segments")
+        both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments"))
         policy.set_attn_implementation(M.attention_for("segments"))
         lp = M.sequence_logprobs(policy, both, procs.tokens, 1.0)[0]
         policy.set_attn_implementation("sdpa")
-        assert both["input_ids"].shape[0] < len(eps)             # rows hold several sequences
+        assert both.input_ids.shape[0] < len(eps)             # rows hold several sequences
         gap = 0.0
         for i, e in enumerate(eps):
             one = I.collate([e], [images[e.index]], procs, CPU)
-            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
+            alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one.response_mask.bool()]
             gap = max(gap, float((lp[i, :len(e.response_ids)] - alone).abs().max()))
     return gap
 
@@ -267,7 +270,7 @@ def _each_alone(policy, lp, procs, eps, images) -> None:
     """`lp` (a packed row's logprobs, episode-major) equals each episode's own row's."""
     for i, e in enumerate(eps):
         one = I.collate([e], [images[e.index]], procs, CPU)
-        alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one["response_mask"].bool()]
+        alone = M.sequence_logprobs(policy, one, procs.tokens, 1.0)[0][one.response_mask.bool()]
         torch.testing.assert_close(lp[i, :len(e.response_ids)], alone, atol=1e-5, rtol=1e-4)
 
 
@@ -282,12 +285,11 @@ def test_the_cpu_kernel_computes_each_sequence_alone_without_a_mask(family, tiny
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     policy = M.load_model(path).eval()
     with torch.no_grad():
-        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
-                        packing="segments")
-        dense = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True)
-        assert row["input_ids"].shape[0] == 1 and "attention_mask_4d" not in row
-        assert int(row["attention_mask"].sum()) == row["input_ids"].numel()   # no padding at all
-        assert int(row["attention_pairs"]) < int(dense["attention_pairs"])
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments", True))
+        dense = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout(share_prompt=True))
+        assert row.input_ids.shape[0] == 1 and row.packed.mask_4d is None
+        assert int(row.attention_mask.sum()) == row.input_ids.numel()   # no padding at all
+        assert int(row.attention_pairs) < int(dense.attention_pairs)
         with pytest.raises(ValueError, match="attn_implementation='grpo_segments'"):
             M.sequence_logprobs(policy, row, procs.tokens, 1.0)
         policy.set_attn_implementation(M.attention_for("segments"))
@@ -303,7 +305,6 @@ def test_a_wider_bucket_ratio_makes_fewer_calls_and_the_same_logprobs_and_gradie
     the CPU's 1.25, the same logprobs as each episode alone, the same gradients."""
     from dataclasses import replace
 
-    import attention as A
     import device as D
     path = tiny_dir("qwen2_5_vl")
     procs, eps, images = _episodes(path, True)
@@ -312,13 +313,12 @@ def test_a_wider_bucket_ratio_makes_fewer_calls_and_the_same_logprobs_and_gradie
     runs = {}
     for ratio in (1.25, D.TABLE["cuda"].bucket_ratio):
         monkeypatch.setitem(D.TABLE, "cpu", replace(D.TABLE["cpu"], bucket_ratio=ratio))
-        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
-                        packing="segments")
-        calls = sum(len(r) for r in A.plan(A.layout(row["segments"]), row["input_ids"].shape[1], CPU).calls)
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments", True))
+        calls = sum(len(r) for r in row.packed.plan.calls)  # the plan the forward runs
         policy.zero_grad(set_to_none=True)
         lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
-        (lp * row["response_mask"]).sum().backward()
-        runs[ratio] = (calls, int(row["attention_pairs"]), lp.detach(),
+        (lp * row.response_mask).sum().backward()
+        runs[ratio] = (calls, int(row.attention_pairs), lp.detach(),
                        {n: q.grad.clone() for n, q in policy.named_parameters() if q.grad is not None})
     (c1, p1, lp1, g1), (c4, p4, lp4, g4) = runs.values()
     assert c4 < c1 and p4 > p1
@@ -339,10 +339,9 @@ def test_varlen_rows_need_no_mask(family, tiny_dir, gloo_world):
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     policy = M.load_model(path).eval()
     with torch.no_grad():
-        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, share_prompt=True,
-                        packing="varlen")
-        assert row["input_ids"].shape[0] == 1 and "attention_mask_4d" not in row
-        assert int(row["attention_mask"].sum()) == row["input_ids"].numel()   # no padding at all
+        row = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("varlen", True))
+        assert row.input_ids.shape[0] == 1 and row.packed.mask_4d is None
+        assert int(row.attention_mask.sum()) == row.input_ids.numel()   # no padding at all
         lp = M.sequence_logprobs(policy, row, procs.tokens, 1.0)[0]
         _each_alone(policy, lp, procs, eps, images)
 

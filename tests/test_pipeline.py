@@ -252,7 +252,7 @@ def test_hf_calls_end_at_a_new_version_and_each_token_keeps_its_own_logprob(tiny
             for n, t in engine.model.named_parameters():
                 t.copy_(weights[v][n])
             lp, _ = M.sequence_logprobs(engine.model, batch_, procs.tokens, 1.0)
-        own = batch_["response_mask"].bool() & (batch_["token_versions"] == v)
+        own = batch_.response_mask.bool() & (batch_.token_versions == v)
         assert own.any()
-        gap = float((lp[own] - batch_["engine_logprobs"][own]).abs().max())
+        gap = float((lp[own] - batch_.engine_logprobs[own]).abs().max())
         assert gap <= 1e-4, (v, gap)

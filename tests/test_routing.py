@@ -5,6 +5,8 @@ agreement counts the response tokens' predictors only, with or without replay; a
 refused."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -42,13 +44,13 @@ def _episodes(path: str, dtype=torch.bfloat16):
 def _prompt_columns(batch, eps, images, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Every prompt copy's tokens but its last, as flat indices into the batch's [rows * W]
     tokens, and the engine's routing of them [N, L, k] (a shared prompt: its first episode's)."""
-    W = batch["input_ids"].shape[1]
-    if "seq_row" not in batch:  # one row per episode: its prompt first
-        lens = batch["attention_mask"].sum(-1) - torch.tensor([len(e.response_ids) for e in eps])
+    W = batch.input_ids.shape[1]
+    if batch.packed is None:  # one row per episode: its prompt first
+        lens = batch.attention_mask.sum(-1) - torch.tensor([len(e.response_ids) for e in eps])
         starts, firsts = torch.arange(len(eps)) * W, list(range(len(eps)))
     else:
-        lens, starts = batch["prompt_len"], batch["seq_row"] * W + batch["seq_col"]
-        firsts = [u[0] for u in I.units(eps, images, layout.get("share_prompt", False))]
+        lens, starts = batch.packed.prompt_len, batch.packed.seq_row * W + batch.packed.seq_col
+        firsts = [u[0] for u in I.units(eps, images, layout.share_prompt)]
     flat = torch.cat([s + torch.arange(int(n) - 1) for s, n in zip(starts, lens)])
     return flat, torch.cat([eps[i].prompt_routing for i in firsts]).long()
 
@@ -80,21 +82,21 @@ def test_the_engine_records_one_choice_per_response_token_and_layer(moe):
         assert e.routing.dtype == torch.uint8 and int(e.routing.max()) < cfg.num_experts
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(share_prompt=True), dict(share_prompt=True, packing="segments")])
+@pytest.mark.parametrize("layout", [M.RowLayout(), M.RowLayout(share_prompt=True), M.RowLayout("segments", True)])
 def test_replay_routes_every_response_token_as_the_engine_did(moe, layout):
     """...and every prompt token the engine routed (the prompt's last: as r_0's predictor); the
     agreement still counts the response tokens' predictors only."""
     path, procs, eps, images, trainer = moe
-    batch = I.collate(eps, images, procs, CPU, **layout)
-    trainer.set_attn_implementation(M.attention_for(layout.get("packing")))  # as trainer.build does
-    rows, cols = ((batch["pred_row"], batch["pred_col"]) if "pred_row" in batch
-                  else batch["response_mask"][:, 1:].nonzero(as_tuple=True))
+    batch = I.collate(eps, images, procs, CPU, layout)
+    trainer.set_attn_implementation(M.attention_for(layout.packed))  # as trainer.build does
+    rows, cols = ((batch.packed.pred_row, batch.packed.pred_col) if batch.packed is not None
+                  else batch.response_mask[:, 1:].nonzero(as_tuple=True))
     engine = torch.cat([e.routing for e in eps]).long()                      # [N, L, k], as rows/cols
-    W = batch["input_ids"].shape[1]
+    W = batch.input_ids.shape[1]
     flat = rows * W + cols
     at_prompt, engine_prompt = _prompt_columns(batch, eps, images, layout)
     assert not set(at_prompt.tolist()) & set(flat.tolist())
-    assert torch.equal(batch["routing_counted"].flatten().nonzero().flatten(), flat.unique())
+    assert torch.equal(batch.routing_counted.flatten().nonzero().flatten(), flat.unique())
     routing.attach(trainer, replay=False)
     every = torch.stack(_routed(trainer, batch, procs), 1)                  # [rows * W, L, k]
     own = every[flat]
@@ -175,13 +177,12 @@ def test_replaying_the_trainers_own_choice_changes_nothing_bit_for_bit(moe):
     routing.attach(trainer, replay=False)
     base, _ = M.sequence_logprobs(trainer, batch, procs.tokens, 1.0)
     own = torch.stack(_routed(trainer, batch, procs), 1)                    # [rows * W, L, k]
-    mine = dict(batch, routing=own.reshape(*batch["input_ids"].shape, *own.shape[1:]).to(torch.int16))
+    mine = replace(batch, routing=own.reshape(*batch.input_ids.shape, *own.shape[1:]).to(torch.int16))
     routing.attach(trainer, replay=True)
     try:
         again, _ = M.sequence_logprobs(trainer, mine, procs.tokens, 1.0)
         assert torch.equal(again, base)
-        engine_batch = dict(batch)
-        changed, _ = M.sequence_logprobs(trainer, engine_batch, procs.tokens, 1.0)
+        changed, _ = M.sequence_logprobs(trainer, batch, procs.tokens, 1.0)
         assert not torch.equal(changed, base)  # the engine's choice does change the forward
     finally:
         routing.attach(trainer, replay=False)

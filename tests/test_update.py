@@ -19,7 +19,7 @@ import model as M
 import registry
 import trainer as T
 import update as U
-from tests.util import make_trainer, run_step, step_config
+from tests.util import layout_of, make_trainer, run_step, step_config
 from train import load_config
 
 CPU = torch.device("cpu")
@@ -50,7 +50,7 @@ def test_train_step_several_updates_in_one_process(tiny_step):
         M.apply_fsdp(policy, tiny_step.mesh)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        tr = T.Trainer(policy, None, opt, sched, None, CPU)
+        tr = T.Trainer(policy, None, opt, sched, None, CPU, layout_of(cfg.train, procs))
         return tr, cfg, U.train_step(tr, eps, images, world=tiny_step.world, procs=procs,
                                      tc=cfg.train, lc=cfg.loss, rc=cfg.rollout, step=0)[0]
 
@@ -60,12 +60,11 @@ def test_train_step_several_updates_in_one_process(tiny_step):
 
     # no-grad proximal pass == the training forward, bit for bit
     idx = list(range(8))
-    plan = MB.agree_plans([idx], eps, images, procs, cfg.train, tiny_step.world.train_group)[0]
-    prox = U.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, lc=cfg.loss, tc=cfg.train,
-                               temperature=1.0)
+    plan = MB.agree_plans([idx], eps, images, procs, cfg.train, tr.layout, tiny_step.world.train_group)[0]
+    prox = U.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, temperature=1.0)
     for (old, _, _), mb in zip(prox, plan):
         batch = I.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
-                          procs, CPU, share_prompt=cfg.train.share_prompt)
+                          procs, CPU, tr.layout)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
         assert torch.equal(lp.detach(), old)
 
@@ -122,11 +121,11 @@ def test_entropy_bonus_enters_the_loss_with_its_gradient(tiny_step):
 # --------------------------------------------------------------------------- item 2
 def _reference_kl_by_hand(s, tr):
     """Every episode's summed k1 KL (policy - reference) from one plain batch of all of them."""
-    batch = I.collate(s.eps, [s.images[e.index] for e in s.eps], s.procs, CPU, share_prompt=False)
+    batch = I.collate(s.eps, [s.images[e.index] for e in s.eps], s.procs, CPU)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(tr.policy, batch, s.procs.tokens, 1.0)
         ref, _ = M.sequence_logprobs(tr.ref, batch, s.procs.tokens, 1.0)
-    return ((lp - ref) * batch["response_mask"]).sum(-1).double(), batch["response_mask"].sum(-1)
+    return ((lp - ref) * batch.response_mask).sum(-1).double(), batch.response_mask.sum(-1)
 
 
 def test_kl_in_reward_and_the_adaptive_coefficient(tiny_step):
@@ -196,8 +195,8 @@ def test_logged_entropy_is_the_mean_over_the_kept_tokens(tiny_step):
     batch = I.collate(eps, [tiny_step.images[e.index] for e in eps], tiny_step.procs, CPU)
     with torch.no_grad():
         _, ent = M.sequence_logprobs(tr.policy, batch, tiny_step.procs.tokens, 1.0)
-    kept = batch["response_mask"].bool() & torch.tensor([not e.truncated for e in eps]).unsqueeze(1)
-    every = float(ent[batch["response_mask"].bool()].mean())
+    kept = batch.response_mask.bool() & torch.tensor([not e.truncated for e in eps]).unsqueeze(1)
+    every = float(ent[batch.response_mask.bool()].mean())
     out, _ = run_step(tiny_step, tr, cfg)
     assert out["entropy"] == pytest.approx(float(ent[kept].mean()), rel=1e-5)
     assert out["entropy"] != pytest.approx(every, rel=1e-5)

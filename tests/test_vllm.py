@@ -123,8 +123,8 @@ def _max_diff(policy, tiny, problems, prompts, out, temperature: float) -> float
     batch = I.collate(eps, images, tiny.procs, CPU)
     with torch.no_grad():
         lp, _ = M.sequence_logprobs(policy, batch, tiny.tokens, temperature)
-    m = batch["response_mask"].bool()
-    return float((lp[m] - batch["engine_logprobs"][m]).abs().max())
+    m = batch.response_mask.bool()
+    return float((lp[m] - batch.engine_logprobs[m]).abs().max())
 
 
 def _check_completions(out, tokens, n: int, max_new: int) -> None:

@@ -178,6 +178,18 @@ def step_config(over: list[str]):
     return load_config(None, ["--rollout.max_new_tokens=10", *over])
 
 
+def layout_of(tc, procs, device=None):
+    """The trainer's row layout (model.RowLayout) for `[train]` tc as microbatches.resolve_layout
+    decides it at start, an "auto" counted as off: a test compares padded rows unless it asks for
+    packing."""
+    from dataclasses import replace
+
+    import microbatches as MB
+    import torch
+    packing = False if tc.packing == "auto" else tc.packing
+    return MB.resolve_layout(replace(tc, packing=packing), procs, "", device or torch.device("cpu"))[0]
+
+
 def make_trainer(s, cfg, ref_noise: float | None = None):
     """A trainer.Trainer for tiny_step `s`: the tiny policy under FSDP2, AdamW and the run's LR
     schedule; with `ref_noise`, a reference that differs from the policy (Gaussian noise of that
@@ -199,7 +211,7 @@ def make_trainer(s, cfg, ref_noise: float | None = None):
                 p.add_(ref_noise * torch.randn(p.shape, generator=g))
         ref = M.apply_fsdp(ref.eval(), s.mesh)
         ref.requires_grad_(False)
-    return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"))
+    return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"), layout_of(cfg.train, s.procs))
 
 
 def run_step(s, tr, cfg, eps=None, k: int = 0):
