@@ -91,7 +91,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     over the updates, and every episode's advantage."""
     s = Step(tr, world, procs, tc, lc, rc, step, seed, episodes, images)
     plan(s)
-    missing = R.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
+    missing = routing.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
     if missing is not None:
         s.metrics["train/routing_fallback"] = float(missing)
     if needs_proximal(tc, lc):

@@ -10,7 +10,7 @@ import torch
 
 import trainer as T
 from errors import ConfigError
-from tests.util import run_step
+from tests.util import layout_of, run_step
 from train import load_config
 
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ def _local(p):
 
 def test_bfloat16_masters_keep_parameters_and_adamw_state_in_bf16(one_rank_world, tiny_step):
     cfg = load_config(None, BF16)
-    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg)
+    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg, layout_of(cfg.train, tiny_step.procs))
     before = {n: _local(p).detach().clone() for n, p in tr.policy.named_parameters()}
     assert before and all(t.dtype == torch.bfloat16 for t in before.values())
     # buffers (rotary tables) stay float32, as transformers' own bf16 loading keeps them
@@ -43,7 +43,7 @@ def test_bfloat16_masters_keep_parameters_and_adamw_state_in_bf16(one_rank_world
 def test_float32_masters_are_the_default(one_rank_world, tiny_step):
     cfg = load_config(None, ["--rollout.max_new_tokens=10"])
     assert cfg.train.master_dtype == "float32"
-    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg)
+    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg, layout_of(cfg.train, tiny_step.procs))
     run_step(tiny_step, tr, cfg)
     assert all(_local(p).dtype == torch.float32 for p in tr.policy.parameters())
     assert all(_local(s["exp_avg"]).dtype == torch.float32 for s in tr.opt.state.values() if s)
@@ -63,7 +63,7 @@ def test_meaningless_combinations_are_refused_at_load(over, msg):
 
 def test_the_reference_copy_follows_the_master_dtype(one_rank_world, tiny_step):
     cfg = load_config(None, [*BF16, "--loss.kl_coef=0.1"])
-    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg)
+    tr = T.build(tiny_step.path, one_rank_world, CPU, cfg, layout_of(cfg.train, tiny_step.procs))
     assert tr.ref is not None and all(_local(p).dtype == torch.bfloat16 for p in tr.ref.parameters())
     metrics, _ = run_step(tiny_step, tr, cfg)
     assert metrics["train/skipped"] == 0 and metrics["kl"] >= 0

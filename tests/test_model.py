@@ -249,7 +249,7 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
     path, procs = tiny
     allowed = [i for i in range(procs.tokens.vocab_size) if i not in procs.tokens.suppressed]
     g = torch.Generator().manual_seed(1)
-    eps = [R.Episode(i, i // 2, I.prompt_ids(procs, f"What is {i // 2} + 2?", 0),
+    eps = [E.Episode(i, i // 2, I.prompt_ids(procs, f"What is {i // 2} + 2?", 0),
                      [allowed[j] for j in torch.randint(len(allowed), (5 + i,), generator=g)],
                      [0.0] * (5 + i), 0.0, {}, 0, False) for i in range(4)]
     model = M.load_model(path)
@@ -275,6 +275,6 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
         assert torch.equal(grad, torch.zeros_like(grad) if n in tower else plain[n]), n
     # a micro-batch with an image of its own carries none
     problem = synthetic.make_synthetic(1, seed=5)[0]
-    e = R.Episode(problem.index, 0, I.prompt_ids(procs, data.user_text(problem), 1), [allowed[0]] * 3,
+    e = E.Episode(problem.index, 0, I.prompt_ids(procs, data.user_text(problem), 1), [allowed[0]] * 3,
                   [0.0] * 3, 0.0, {}, 0, False)
     assert I.collate([e], [problem.images], procs, CPU, layout, vision=True).blank_image is None

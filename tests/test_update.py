@@ -62,7 +62,7 @@ def test_train_step_several_updates_in_one_process(tiny_step):
     idx = list(range(8))
     plan = MB.agree_plans([idx], eps, images, procs, cfg.train, tr.layout, tiny_step.world.train_group)[0]
     prox = U.proximal_logprobs(tr, eps, idx, plan, images, procs=procs, temperature=1.0)
-    for (old, _, _), mb in zip(prox, plan):
+    for (old, _, _, _), mb in zip(prox, plan):
         batch = I.collate([eps[idx[j]] for j in mb], [images[eps[idx[j]].index] for j in mb],
                           procs, CPU, tr.layout)
         lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
