@@ -51,15 +51,25 @@ def in_range(x: float, rule: str) -> bool:
     return ((x >= lo) if rule[0] == "[" else (x > lo)) and ((x <= hi) if rule[-1] == "]" else (x < hi))
 
 
+def one_of(default: Any, choices: tuple) -> Any:
+    """A field whose value is one of `choices`, checked at load (:func:`check_ranges`)."""
+    return field(default=default, metadata={"choices": choices})
+
+
 def check_ranges(cfg: "Config") -> None:
-    """Every numeric key against its declared range: one line naming the key and the range."""
+    """Every numeric key against its declared range and every key with choices (:func:`one_of`)
+    against them: one line naming the key and what it may be."""
     for sec in dataclasses.fields(cfg):
         sub = getattr(cfg, sec.name)
         for f in dataclasses.fields(sub):
-            rule = f.metadata.get("range")
+            rule, choices = f.metadata.get("range"), f.metadata.get("choices")
             value = getattr(sub, f.name)
             if rule is not None and value is not None and not in_range(value, rule):  # None: unset
                 raise ConfigError(f"{sec.name}.{f.name} must be {_describe(rule)}, got {value!r}")
+            if choices is not None and (isinstance(value, list) or value not in choices
+                                        or type(value) is int):  # 1 == True: never a choice
+                raise ConfigError(f"{sec.name}.{f.name}: unknown {value!r} (known: "
+                                  f"{', '.join(c if isinstance(c, str) else _toml_value(c) for c in choices)})")
 
 
 def check_value(key: str, value: Any, default: Any, rule: str | None = None) -> Any:
@@ -102,7 +112,7 @@ class ClusterConfig:
     # the world (vl3b: node 0 trains, node 1 generates); "per_node" = on every node, its last
     # gen_ranks / nodes ranks (ROLL's trainers on NPUs 0-3 and engines on 4-7 of each node;
     # gen_ranks must spread evenly over equal nodes)
-    layout: str = "by_node"
+    layout: str = one_of("by_node", ("by_node", "per_node"))
     timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
     nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
     nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node
@@ -114,7 +124,7 @@ class ModelConfig:
     # HF folder or hub id of any family in families.py (config.json's model_type); "tiny" builds a
     # random tiny model of families.DEFAULT_TINY in the run folder, "tiny-<model_type>" one of that family
     path: str = "tiny"
-    dtype: str = "float32"                   # the engines' weights and the sync transport: float32 | bfloat16
+    dtype: str = one_of("float32", ("float32", "bfloat16"))  # the engines' weights and the sync transport: float32 | bfloat16
     min_pixels: int = num(56 * 56, ">= 1")   # image pixel bounds, shared by the trainer's processor and every engine
     max_pixels: int = num(112 * 112, ">= 1")
     mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
@@ -187,14 +197,14 @@ class RolloutConfig:
     max_staleness: int = num(0, ">= 0")
     # k >= 1: "wait" (an engine starts no batch it could not deliver within k versions) or
     # "drop" (it never waits; groups older than k versions are dropped and counted)
-    stale: str = "wait"
+    stale: str = one_of("wait", STALE)
     partial: bool = False                    # k >= 1: new weights reach an engine between decode steps of its batch
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
     # vllm: share a prompt's KV among its G samples; "auto": off for linear attention (docs/families.md)
-    prefix_caching: str = "auto"             # auto | on | off
+    prefix_caching: str = one_of("auto", PREFIX_CACHING)  # auto | on | off
     # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
     # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
     start_timeout_s: float = num(900.0, "> 0")
@@ -222,7 +232,7 @@ class TrainConfig:
     beta1: float = num(0.9, "[0, 1)")
     beta2: float = num(0.999, "[0, 1)")
     warmup_steps: int = num(0, ">= 0")       # linear warm-up over this many rollout steps, then lr_schedule
-    lr_schedule: str = "constant"            # constant | linear | cosine (decay to min_lr_ratio x lr by the last step)
+    lr_schedule: str = one_of("constant", LR_SCHEDULES)  # constant | linear | cosine (decay to min_lr_ratio x lr by the last step)
     min_lr_ratio: float = num(0.0, "[0, 1]")  # linear / cosine: the final LR as a fraction of lr
     grad_clip: float = num(1.0, "> 0")       # max global gradient norm
     micro_batch_size: int = num(8, ">= 1")   # sequences per trainer forward/backward (when micro_batch_tokens = 0)
@@ -240,7 +250,7 @@ class TrainConfig:
     # exactly, else off (said at start). true uses the device's layout (device.Device.packed_attention); "segments"
     # (attention.py's kernel: SDPA per piece, prompts shared) or "varlen" (flash_attention_2:
     # the flash-attn package on CUDA, torch_npu's fused op on NPU) names one.
-    packing: bool | str = "auto"
+    packing: bool | str = one_of("auto", (True, False, "auto", *PACKED_LAYOUTS))
     max_skipped_steps: int = num(3, ">= 1")  # consecutive non-finite steps before the run stops
     # Several updates per rollout batch (peers' names: docs/loss.md): the step's episodes split into
     # mini_batches (each its own loss denominator), ppo_epochs seeded shuffled passes over them,
@@ -262,12 +272,12 @@ class LossConfig:
     # are declared beside their functions (loss.py, or a module of loss.plugins) and written in
     # [loss] like these; they are kept in `params`, read as attributes, and checked against their
     # owner once (registry.check, from train.py).
-    aggregation: str = "token-mean"          # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    aggregation: str = one_of("token-mean", AGGREGATIONS)  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     scale_by_std: bool = True                # False: Dr. GRPO advantages r - mean (advantage = "grpo" only)
-    advantage: str = "grpo"                  # grpo | rloo (r_i - mean of the other G-1; never std-scaled)
+    advantage: str = one_of("grpo", ADVANTAGES)  # grpo | rloo (r_i - mean of the other G-1; never std-scaled)
     objective: str = "ppo"                   # ppo (token clip) | gspo (sequence ratio) | cispo (clipped IS weight) | a plugin's
     kl_coef: float = num(0.0, ">= 0")        # > 0 builds a frozen reference policy
-    kl_estimator: str = "k3"                 # k1 | k2 | k3 (loss.KL_ESTIMATORS)
+    kl_estimator: str = one_of("k3", KL_ESTIMATORS)  # k1 | k2 | k3 (loss.KL_ESTIMATORS)
     kl_clamp: float = num(0.0, ">= 0")       # > 0: clamp the KL estimate to [-c, c], zero gradient outside (verl: 10); 0 off
     # KL in the reward (verl's use_kl_in_reward) instead of a loss term: r - kl_coef x summed KL
     kl_in_reward: bool = False
@@ -286,7 +296,7 @@ class LossConfig:
     correction_high: float | None = num(None, "> 0")
     # "group": the advantage of the group step; "batch": then again over every response token of
     # the step (token-weighted mean and std), AReaL's adv_norm at batch level (loss.batch_normalize)
-    advantage_norm: str = "group"
+    advantage_norm: str = one_of("group", ADVANTAGE_NORMS)
     # On-policy distillation to model.teacher_path (slime's OPD): each sampled token's advantage is
     # A - distill_coef x (log pi_old - log pi_teacher); reward.functions = []: the teacher alone
     distill_coef: float = num(0.0, ">= 0")
@@ -441,19 +451,10 @@ def validate(cfg: Config) -> None:
 
     check_ranges(cfg)
     lo = cfg.loss
-    need(cfg.model.dtype in ("float32", "bfloat16"),
-         f"model.dtype must be float32 or bfloat16, got {cfg.model.dtype!r}")
     need(cfg.model.min_pixels <= cfg.model.max_pixels,
          f"model.min_pixels ({cfg.model.min_pixels}) must be <= model.max_pixels "
          f"({cfg.model.max_pixels})")
     check_lora(cfg.model)
-    need(lo.aggregation in AGGREGATIONS,
-         f"loss.aggregation: unknown {lo.aggregation!r} (known: {', '.join(AGGREGATIONS)})")
-    need(lo.kl_estimator in KL_ESTIMATORS,
-         f"loss.kl_estimator: unknown {lo.kl_estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
-    need(lo.advantage in ADVANTAGES,
-         f"loss.advantage: unknown {lo.advantage!r} (known: {', '.join(ADVANTAGES)})")
-    need(lo.advantage_norm in ADVANTAGE_NORMS, f"loss.advantage_norm: unknown {lo.advantage_norm!r}")
     need(all(isinstance(t, str) and t for t in cfg.data.delete_text),
          f"data.delete_text: expected a list of non-empty strings, got {cfg.data.delete_text!r}")
     need(not (cfg.model.lora_rank and cfg.train.ref_update_every),
@@ -463,18 +464,8 @@ def validate(cfg: Config) -> None:
                     ("train.ref_update_every", cfg.train.ref_update_every > 0)):
         need(not on or lo.kl_coef > 0, f"{key} needs loss.kl_coef > 0 (the KL coefficient; "
              "with 0 there is no reference policy)")
-    need(cfg.rollout.stale in STALE, f"rollout.stale must be one of {STALE}, got {cfg.rollout.stale!r}")
-    need(cfg.rollout.prefix_caching in PREFIX_CACHING, f"rollout.prefix_caching: unknown "
-         f"{cfg.rollout.prefix_caching!r} (known: {', '.join(PREFIX_CACHING)})")
     need("{problem}" in cfg.data.template, "data.template must contain {problem}")
     need(not cfg.run.export_every or cfg.run.keep_last > 0, "run.export_every needs run.keep_last > 0")
-    need(cfg.cluster.layout in ("by_node", "per_node"),
-         f"cluster.layout must be \"by_node\" or \"per_node\", got {cfg.cluster.layout!r}")
-    need(cfg.train.packing in (True, False, "auto", *PACKED_LAYOUTS),
-         "train.packing: expected true, false, \"auto\", \"segments\" or \"varlen\", got "
-         f"{cfg.train.packing!r}")
-    need(cfg.train.lr_schedule in LR_SCHEDULES,
-         f"train.lr_schedule: unknown {cfg.train.lr_schedule!r} (known: {', '.join(LR_SCHEDULES)})")
     from synthetic import SYNTHETIC  # a leaf (PIL, no config)
     synthetic = [s for s in [cfg.data.source] + [e.get("source") for e in cfg.data.sources
                                                  if isinstance(e, dict)] if s in SYNTHETIC]
@@ -488,16 +479,21 @@ def validate(cfg: Config) -> None:
         need(name not in cfg.run.report_to[:i], f"run.report_to: {name} is listed twice")
     for key in ("problem_column", "answer_column"):
         need(bool(getattr(cfg.data, key)), f"data.{key} must name a column")
-    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
-           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
     need((lo.distill_coef > 0) == bool(cfg.model.teacher_path),
          "loss.distill_coef > 0 and model.teacher_path go together (on-policy distillation: the "
          f"coefficient and the teacher), got distill_coef={lo.distill_coef}, teacher_path="
          f"{cfg.model.teacher_path!r}")
     need(cfg.model.teacher_path != "base" or cfg.model.lora_rank > 0,
          "model.teacher_path = \"base\" is the frozen base of a LoRA run (model.lora_rank > 0)")
+    _check_functions(cfg, need)
+
+
+def _check_functions(cfg: Config, need) -> None:
+    """:func:`validate`'s rules for the reward-function lists (training, evaluation, a source's own)."""
+    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
+           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
-        if key == "reward.functions" and specs == [] and lo.distill_coef > 0:
+        if key == "reward.functions" and specs == [] and cfg.loss.distill_coef > 0:
             continue  # reward-free distillation: the teacher's per-token signal alone
         need(isinstance(specs, list) and len(specs) > 0, f"{key}: at least one reward function is needed")
         for i, spec in enumerate(specs):

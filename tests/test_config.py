@@ -182,3 +182,19 @@ def test_kl_and_dual_clip_config_rules():
                             "--train.ref_update_every=8", "--loss.clip_dual=3",
                             "--loss.entropy_coef=0.001"])
     assert (cfg.loss.kl_horizon, cfg.train.ref_mix_alpha) == (10000, 0.6)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("--cluster.layout=ring", r"cluster.layout: unknown 'ring' \(known: by_node, per_node\)"),
+    ("--train.packing=yes", r"train.packing: unknown .yes. \(known: true, false, auto, segments, varlen\)"),
+    ("--model.dtype=float16", r"model.dtype: unknown 'float16'"),
+    ("--rollout.stale=skip", r"rollout.stale: unknown 'skip' \(known: wait, drop\)"),
+])
+def test_a_key_with_choices_is_one_line_naming_them(override, match):
+    """Keys declared with config.one_of: the value is one of the declared choices, checked at load
+    with the others (config.check_ranges)."""
+    with pytest.raises(C.ConfigError, match=match):
+        C.load(None, [override])
+    fields = {f.name: f for sec in __import__("dataclasses").fields(C.Config)
+              for f in __import__("dataclasses").fields(sec.type if isinstance(sec.type, type) else getattr(C, sec.type))}
+    assert fields["layout"].metadata["choices"] == ("by_node", "per_node")
