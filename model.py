@@ -15,6 +15,7 @@ import torch
 import attention as A
 import device as D
 import families as F
+import head as H
 import routing as R
 from errors import ModelError, one_line
 
@@ -120,11 +121,11 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
     keep = torch.zeros_like(ids, dtype=torch.bool)
     keep[:, :-1] = mask
-    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
-                        attention_mask=batch["attention_mask"], use_cache=False,
-                        **_model_inputs(batch, tokens))
     rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
-    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][rows], tokens, temperature)
+    lp_sel, ent_sel = _logprobs_at(model, keep, ids[:, 1:][rows], tokens, temperature, entropy_grad,
+                                   batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
+                                   attention_mask=batch["attention_mask"], use_cache=False,
+                                   **_model_inputs(batch, tokens))
     lp = torch.zeros(ids.shape, dtype=lp_sel.dtype, device=lp_sel.device)
     ent = torch.zeros(ids.shape, dtype=ent_sel.dtype, device=ent_sel.device)
     shifted = (rows[0], rows[1] + 1)                             # column t holds token t
@@ -136,8 +137,6 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
                      temperature: float,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     ids, pr, pc = batch["input_ids"], batch["pred_row"], batch["pred_col"]
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    keep[pr, pc] = True
     # no 4-D mask for packed rows: attention.py's kernel takes the layout ("segments"), or the
     # varlen kernel finds the sequences from the restarting positions ("varlen")
     layout = {}
@@ -147,14 +146,12 @@ def _packed_logprobs(model, batch: dict[str, torch.Tensor], tokens,
                              f"{A.NAME!r} (trainer.build), not {got!r}")
         # the calls every layer makes, built once for the micro-batch
         layout = {"grpo_segments": A.plan(A.layout(batch["segments"].cpu()), ids.shape[1], ids.device)}
-    logits = _logits_at(model, keep, batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
-                        attention_mask=batch.get("attention_mask_4d"),
-                        position_ids=packed_positions(model, batch, tokens), use_cache=False,
-                        **_model_inputs(batch, tokens), **layout)
-    where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-    where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
-    lp_sel, ent_sel = token_logprobs(logits[where[pr, pc]], ids[pr, batch["target_col"]], tokens,
-                                     temperature)
+    # (pr, pc): a shared prompt's last position once per response it starts
+    lp_sel, ent_sel = _logprobs_at(model, (pr, pc), ids[pr, batch["target_col"]], tokens, temperature,
+                                   entropy_grad, batch.get("routing"), batch.get("routing_counted"),
+                                   input_ids=ids, attention_mask=batch.get("attention_mask_4d"),
+                                   position_ids=packed_positions(model, batch, tokens), use_cache=False,
+                                   **_model_inputs(batch, tokens), **layout)
     slots = batch["response_slots"].bool()                       # [B, T], episode-major as pr
     keep = batch["response_mask"].bool()                         # multi-turn: without inserted tokens
     lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device)
@@ -219,23 +216,17 @@ def packed_positions(model, batch: dict[str, torch.Tensor], tokens) -> torch.Ten
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, routing: torch.Tensor | None = None,
-               counted: torch.Tensor | None = None, **inputs) -> torch.Tensor:
-    """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
-    pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
-    [rows, W, vocab] tensor exists whatever the transformers version. `routing`: the batch's
-    MoE routing to replay, `counted`: the entries its agreement counts (routing.replaying)."""
-    head = model.get_output_embeddings()
-
-    def select(_module, args):
-        return (args[0][keep],) + tuple(args[1:])
-
-    handle = head.register_forward_pre_hook(select)
-    try:
-        with R.replaying(model, routing, counted):               # MoE: the engine's experts
-            return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
-    finally:
-        handle.remove()
+def _logprobs_at(model, at, targets: torch.Tensor, tokens, temperature: float, entropy_grad: bool,
+                 routing: torch.Tensor | None = None, counted: torch.Tensor | None = None,
+                 **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob, entropy) of `targets` [N] predicted at the `at` positions of the model's
+    hidden states (head.on_head: computed inside the LM head's forward, where FSDP2 has gathered
+    its weights, in token chunks, so no [N, vocab] tensor exists). `routing`: the batch's MoE
+    routing to replay, `counted`: the entries its agreement counts (routing.replaying)."""
+    with H.on_head(model.get_output_embeddings(), at, targets, tokens.suppressed, temperature,
+                   entropy_grad), R.replaying(model, routing, counted):   # MoE: the engine's experts
+        out = model(**inputs, logits_to_keep=0).logits           # 0: every position reaches the hook
+    return out[:, 0], out[:, 1]                                  # [N, 2] -> [N], [N]
 
 
 # ----------------------------------------------------------------------------- loading
