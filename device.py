@@ -51,6 +51,13 @@ class Device:
     # is compute-bound, an accelerator's bound by the calls it launches (bench/packing.py
     # --bucket-ratios; docs/benchmarks.md)
     bucket_ratio: float = 1.25
+    # AdamW's kernels (adamw_options): "fused" = one kernel per step over every tensor (torch's
+    # _fused_adamw_: CUDA's; torch-npu dispatches it to CANN's aclnnApplyAdamWV2, not yet run on
+    # an NPU here); "foreach" = grouped kernels, ~10 passes over the parameters and a
+    # parameter-sized temporary (the 3B's H200 peak: five copies of the fp32 model). The CPU has a
+    # fused kernel too (torch >= 2.4) but keeps foreach: fused differs from it by ~1 ulp per
+    # step (tests/test_optimizer.py), which would move the demo's pinned step->reward curve
+    adamw: str = "foreach"
 
 
 TABLE = {
@@ -58,10 +65,10 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   auto_packing="rows", bucket_ratio=4.0),
+                   auto_packing="rows", bucket_ratio=4.0, adamw="fused"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                   experts="eager", packed_attention="varlen", auto_packing="never",
-                  varlen_package=None),
+                  varlen_package=None, adamw="fused"),
 }
 
 
@@ -94,6 +101,11 @@ def _npu_available() -> bool:
     except ImportError:
         return False
     return bool(torch.npu.is_available())
+
+
+def adamw_options(kind: str) -> dict:
+    """torch.optim.AdamW's keyword for the kernels of device kind `kind` (Device.adamw)."""
+    return {"fused": True} if TABLE[kind].adamw == "fused" else {"foreach": True}
 
 
 def device_count(dev: Device) -> int:
