@@ -12,7 +12,8 @@ only its inputs, and recomputes each chunk's logits in backward: the head's peak
 :func:`on_head` runs it inside the head module's own forward (hooks on it): that is where FSDP2
 has gathered the head's weight (the root unit holds it, tied to the embeddings or not), and the
 model's output then carries the result, so FSDP2's backward hooks see the graph as they would see
-logits. The head must be a bias-free nn.Linear (every family's is; LoRA never adapts it).
+logits. The head must be a bias-free nn.Linear (every family's is), or a peft LoRA layer over
+one (:func:`head_weight`).
 """
 from __future__ import annotations
 
@@ -119,14 +120,36 @@ def logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return HeadLogprobs.apply(hidden, weight, targets, idx, float(temperature), chunk, entropy_grad)
 
 
+def head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The [V, H] weight `head` applies: a Linear's own, or for a peft LoRA layer on the head
+    (`[model] lora_target_modules` naming an untied head) its base weight plus each active
+    adapter's `get_delta_weight` (differentiable: the adapters train through it; the project's
+    adapters have no dropout). Inside the forward: FSDP2's unsharded tensors."""
+    if isinstance(head, torch.nn.Linear):
+        return head.weight
+    weight = head.base_layer.weight
+    if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return weight                                         # peft's forward: the base alone
+    for name in head.active_adapters:
+        if name in head.lora_A:
+            drop = head.lora_dropout[name]
+            if getattr(drop, "p", 0.0) and head.training:
+                raise ValueError(f"the chunked LM head cannot apply LoRA dropout ({drop!r})")
+            weight = weight + head.get_delta_weight(name)
+    return weight
+
+
 @contextlib.contextmanager
 def on_head(head: torch.nn.Module, at, targets: torch.Tensor, suppressed: tuple[int, ...],
             temperature: float, entropy_grad: bool = False):
     """While active, `head`'s forward takes the hidden states at `at` (a [B, W] bool mask,
     row-major, or a tuple of index tensors; one row per target in `targets`) and returns
     [N, 2] = (logprob, entropy) per target (:func:`logprobs`) instead of logits."""
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        raise ValueError(f"the chunked LM head needs a bias-free nn.Linear head, not {head!r}")
+    base = head if isinstance(head, torch.nn.Linear) else getattr(head, "base_layer", None)
+    if not isinstance(base, torch.nn.Linear) or base.bias is not None or (
+            base is not head and not hasattr(head, "get_delta_weight")):
+        raise ValueError(f"the chunked LM head needs a bias-free nn.Linear head (or a LoRA layer "
+                         f"over one), not {head!r}")
     hidden = []
 
     def take(_module, args):
@@ -134,7 +157,7 @@ def on_head(head: torch.nn.Module, at, targets: torch.Tensor, suppressed: tuple[
         return (args[0][:0],) + tuple(args[1:])               # the Linear itself runs on no rows
 
     def give(module, _args, _out):
-        lp, ent = logprobs(hidden.pop(), module.weight, targets, suppressed, temperature,
+        lp, ent = logprobs(hidden.pop(), head_weight(module), targets, suppressed, temperature,
                            entropy_grad)
         return torch.stack((lp, ent), dim=-1)
 

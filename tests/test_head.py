@@ -173,3 +173,45 @@ def test_fsdp2_on_two_ranks_with_tied_embeddings(tiny_dir, tmp_path):
     r = json.loads(out.read_text())
     assert "model.embed_tokens.weight" in r["diffs"] and len(r["diffs"]) > 5
     assert max(r["diffs"].values()) <= 1e-6, r["diffs"]
+
+
+def test_a_lora_adapted_head_equals_its_own_forward(tiny_dir):
+    """`[model] lora_target_modules` may name an untied head: the chunks use its base weight plus
+    the adapter's delta (head.head_weight), and equal the peft layer's own forward (every logit
+    at once, model.token_logprobs), values and the adapters' gradients; with the adapters
+    disabled (the LoRA reference), the base alone."""
+    import inputs as I
+    import lora
+    from train import load_config
+    path = tiny_dir("qwen2_5_vl")
+    cfg = load_config(None, ["--model.lora_rank=4", '--model.lora_target_modules=["lm_head","q_proj"]'])
+    model = lora.add_lora(M.load_model(path), cfg.model, seed=0).train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    assert hasattr(model.get_output_embeddings(), "lora_A")
+    procs, eps, images = _episodes(path, True)
+    batch = I.collate(eps, [I.episode_images(images, e) for e in eps], procs, torch.device("cpu"))
+    mask = batch["response_mask"][:, 1:].bool()
+    targets = batch["input_ids"][:, 1:][mask]
+
+    def grads(lp):
+        model.zero_grad(set_to_none=True)
+        lp.sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    lp, _ = M.sequence_logprobs(model, batch, procs.tokens, 0.7)
+    got = grads(lp[:, 1:][mask])
+    logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask")},
+                   **M._model_inputs(batch, procs.tokens)).logits[:, :-1][mask]
+    ref_lp, _ = M.token_logprobs(logits, targets, procs.tokens, 0.7)
+    ref = grads(ref_lp)
+    assert rel_diff(lp[:, 1:][mask].detach(), ref_lp.detach()) <= 1e-6
+    assert any("lm_head" in n and "lora_B" in n for n in got) and set(got) == set(ref)
+    assert max(rel_diff(got[n], ref[n]) for n in ref if ref[n].abs().max() > 0) <= 1e-6
+    with torch.no_grad(), model.disable_adapter():
+        off, _ = M.sequence_logprobs(model, batch, procs.tokens, 0.7)
+        base = model(**{k: batch[k] for k in ("input_ids", "attention_mask")},
+                     **M._model_inputs(batch, procs.tokens)).logits[:, :-1][mask]
+        assert rel_diff(off[:, 1:][mask], M.token_logprobs(base, targets, procs.tokens, 0.7)[0]) <= 1e-6
