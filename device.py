@@ -55,8 +55,8 @@ class Device:
     # _fused_adamw_: CUDA's; torch-npu dispatches it to CANN's aclnnApplyAdamWV2, not yet run on
     # an NPU here); "foreach" = grouped kernels, ~10 passes over the parameters and a
     # parameter-sized temporary (the 3B's H200 peak: five copies of the fp32 model). The CPU has a
-    # fused kernel too (torch >= 2.4) but keeps foreach: fused differs from it by ~1 ulp per
-    # step (tests/test_optimizer.py), which would move the demo's pinned step->reward curve
+    # fused kernel too (torch >= 2.4) but keeps foreach, bitwise the per-tensor loop, so CPU runs
+    # repeat earlier ones exactly: fused differs by ~1 ulp a step (tests/test_optimizer.py)
     adamw: str = "foreach"
 
 
