@@ -31,8 +31,8 @@ def test_the_choice_per_device():
 
 def test_on_the_cpu_foreach_is_bitwise_the_per_tensor_loop_and_fused_within_an_ulp():
     """Why the CPU keeps foreach: it is bitwise the plain loop (CPU runs repeat earlier ones
-    exactly); fused (which torch also has on the CPU) differs by about one ulp per step: measured 1.5e-8
-    absolute, 1.9e-7 relative after 5 steps (docs/benchmarks.md)."""
+    exactly); fused (which torch also has on the CPU) differs by about one ulp per step:
+    measured 1.5e-8 absolute, 1.9e-7 relative after 5 steps (docs/benchmarks.md)."""
     foreach, loop = _steps(_params(), foreach=True), _steps(_params(), foreach=False)
     fused = _steps(_params(), fused=True)
     assert all(torch.equal(a, b) for a, b in zip(foreach, loop))
