@@ -3,6 +3,8 @@
     python bench/step.py                                   # tiny model, CPU, fp32
     python bench/step.py --model 3b --seq-len 2048 --bf16  # Qwen2.5-VL-3B architecture, random init
     python bench/step.py --lora-rank 8                     # the same step with and without LoRA
+    python bench/step.py --grpo --model 3b-depth           # one optimizer step as GRPO runs it (below)
+    python bench/step.py --head 8192                       # the LM head's peak, chunked vs full (below)
 
 One process, FSDP2 over a world of one (the trainer's wrapping), `model.sequence_logprobs` +
 `loss.policy_loss` + backward + AdamW: exactly what train.py runs per micro-batch. The sequence
@@ -27,6 +29,16 @@ the language model (lora.py, as `[model] lora_rank`; alpha 2R), with `trainable_
 CPU the process's peak resident set (`peak_rss_gb`: Python, torch and the model included). FLOPs
 use the 6 N convention for both (a LoRA step skips the frozen weights' gradient matmuls, about a
 third of the step's; its MFU is then overstated by up to that much).
+
+`--grpo` (:func:`run_grpo`): one optimizer step as update.py runs it, at the reference shapes:
+Geometry3K-like prompts (one synthetic geometry image each, at vl3b.toml's pixel bounds) x
+`--group` long-tailed responses, micro-batches of a `--mb-tokens` budget in the device's layout;
+forward+backward time and MFU apart from the optimizer's, peak memory per phase, and per
+micro-batch the aten operators and host syncs torch.profiler counts (`aten_ops_per_microbatch`,
+`host_syncs_per_microbatch`). `--model 3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a
+width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
+at N response tokens, head.py's chunks (`head_peak_mb`) against the full [N, V] computation
+(`head_peak_mb_full`). docs/benchmarks.md has the figures and what each field counts.
 """
 from __future__ import annotations
 
