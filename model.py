@@ -119,10 +119,8 @@ def sequence_logprobs(model, batch: dict[str, torch.Tensor], tokens,
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch["input_ids"]
     mask = batch["response_mask"][:, 1:].bool()                  # [B, L-1]: predicts t+1
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    keep[:, :-1] = mask
-    rows = mask.nonzero(as_tuple=True)                           # row-major, as `keep`
-    lp_sel, ent_sel = _logprobs_at(model, keep, ids[:, 1:][rows], tokens, temperature, entropy_grad,
+    rows = mask.nonzero(as_tuple=True)                           # the positions that predict, row-major
+    lp_sel, ent_sel = _logprobs_at(model, rows, ids[:, 1:][rows], tokens, temperature, entropy_grad,
                                    batch.get("routing"), batch.get("routing_counted"), input_ids=ids,
                                    attention_mask=batch["attention_mask"], use_cache=False,
                                    **_model_inputs(batch, tokens))
