@@ -67,6 +67,13 @@ class Device:
     # is compute-bound, an accelerator's bound by the calls it launches (bench/packing.py
     # --bucket-ratios; docs/benchmarks.md)
     bucket_ratio: float = 1.25
+    # AdamW's kernels (adamw_options): "fused" = one kernel per step over every tensor (torch's
+    # _fused_adamw_: CUDA's; torch-npu dispatches it to CANN's aclnnApplyAdamWV2, not yet run on
+    # an NPU here); "foreach" = grouped kernels, ~10 passes over the parameters and a
+    # parameter-sized temporary (the 3B's H200 peak: five copies of the fp32 model). The CPU has a
+    # fused kernel too (torch >= 2.4) but keeps foreach, bitwise the per-tensor loop, so CPU runs
+    # repeat earlier ones exactly: fused differs by ~1 ulp a step (tests/test_optimizer.py)
+    adamw: str = "foreach"
 
 
 TABLE = {
@@ -74,10 +81,10 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False, vllm_chunked_prefill=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False),
+                   auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused"),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                   experts="eager", packed_attention="varlen", auto_packing="never",
-                  varlen_package=None, varlen_max_seqs=1024),
+                  varlen_package=None, varlen_max_seqs=1024, adamw="fused"),
 }
 
 
@@ -110,6 +117,11 @@ def _npu_available() -> bool:
     except ImportError:
         return False
     return bool(torch.npu.is_available())
+
+
+def adamw_options(kind: str) -> dict:
+    """torch.optim.AdamW's keyword for the kernels of device kind `kind` (Device.adamw)."""
+    return {"fused": True} if TABLE[kind].adamw == "fused" else {"foreach": True}
 
 
 def device_count(dev: Device) -> int:

@@ -17,6 +17,7 @@ import torch
 import attention
 import device as D
 import families as F
+import head
 import routing
 from errors import ModelError, one_line
 
@@ -187,11 +188,10 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch.input_ids
     mask = batch.response_mask[:, 1:].bool()                     # [B, L-1]: predicts t+1
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    keep[:, :-1] = mask
-    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=batch.attention_mask,
-                        use_cache=False, **_model_inputs(batch, tokens))
-    lp_sel, ent_sel = token_logprobs(logits, ids[:, 1:][mask], tokens, temperature)  # row-major
+    rows = mask.nonzero(as_tuple=True)                           # the positions that predict, row-major
+    lp_sel, ent_sel = _logprobs_at(model, rows, ids[:, 1:][rows], tokens, temperature, entropy_grad,
+                                   batch, input_ids=ids, attention_mask=batch.attention_mask,
+                                   use_cache=False, **_model_inputs(batch, tokens))
     resp = batch.response_mask.bool()                            # column t holds token t
     return _spread(lp_sel, ent_sel, resp, resp, entropy_grad)
 
@@ -199,8 +199,6 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
 def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     p, ids = batch.packed, batch.input_ids
-    keep = torch.zeros_like(ids, dtype=torch.bool)
-    keep[p.pred_row, p.pred_col] = True
     # no 4-D mask for packed rows: attention.py's kernel takes the plan ("segments"), or the
     # varlen kernel finds the sequences from the restarting positions ("varlen")
     layout = {}
@@ -209,13 +207,11 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
                              f"{attention.NAME!r} (trainer.build), not {got!r}")
         layout = {"grpo_segments": p.plan}  # the calls every layer makes, built once (inputs.pack)
-    logits = _logits_at(model, keep, batch, input_ids=ids, attention_mask=p.mask_4d,
-                        position_ids=packed_positions(model, batch, tokens), use_cache=False,
-                        **_model_inputs(batch, tokens), **layout)
-    where = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-    where[keep] = torch.arange(int(keep.sum()), device=ids.device)  # row-major, as the logits
-    lp_sel, ent_sel = token_logprobs(logits[where[p.pred_row, p.pred_col]],
-                                     ids[p.pred_row, p.target_col], tokens, temperature)
+    # (pred_row, pred_col): a shared prompt's last position once per response it starts
+    lp_sel, ent_sel = _logprobs_at(model, (p.pred_row, p.pred_col), ids[p.pred_row, p.target_col], tokens,
+                                   temperature, entropy_grad, batch, input_ids=ids, attention_mask=p.mask_4d,
+                                   position_ids=packed_positions(model, batch, tokens), use_cache=False,
+                                   **_model_inputs(batch, tokens), **layout)
     # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
     return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
 
@@ -284,26 +280,24 @@ def packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     return torch.cat([text, out])
 
 
-def _logits_at(model, keep: torch.Tensor, batch: MicroBatch, **inputs) -> torch.Tensor:
-    """The model's logits at the `keep` positions [N, V] (row-major), selected by a forward
-    pre-hook on the LM head (inside the forward, where FSDP2 has gathered its weights), so no
-    [rows, W, vocab] tensor exists whatever the transformers version. The batch's MoE routing is
+def _logprobs_at(model, at, targets: torch.Tensor, tokens, temperature: float, entropy_grad: bool,
+                 batch: MicroBatch, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob, entropy) of `targets` [N] predicted at the `at` positions of the model's hidden
+    states (head.on_head: computed inside the LM head's forward, where FSDP2 has gathered its
+    weights, in token chunks, so no [N, vocab] tensor exists). The batch's MoE routing is
     replayed (routing.replaying), its blank image run (:func:`_blank_vision`)."""
-    head = model.get_output_embeddings()
-
-    def select(_module, args):
-        return (args[0][keep],) + tuple(args[1:])
-
-    handles = [head.register_forward_pre_hook(select)]
+    handles = []
     if batch.blank_image is not None:
         handles.append(model.get_input_embeddings().register_forward_hook(
             _blank_vision(model, *batch.blank_image)))
     try:
-        with routing.replaying(model, batch.routing, batch.routing_counted):  # MoE: the engine's experts
-            return model(**inputs, logits_to_keep=0).logits        # 0: every position reaches the hook
+        with head.on_head(model.get_output_embeddings(), at, targets, tokens.suppressed, temperature,
+                          entropy_grad), routing.replaying(model, batch.routing, batch.routing_counted):
+            out = model(**inputs, logits_to_keep=0).logits       # 0: every position reaches the hook
     finally:
         for h in handles:
             h.remove()
+    return out[:, 0], out[:, 1]                                  # [N, 2] -> [N], [N]
 
 
 def _blank_vision(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor):

@@ -27,10 +27,21 @@
 #             downloaded), seq 2048, bf16, activation checkpointing: tokens/s, MFU, peak memory,
 #             and checkpoint calls per step (layer forwards recomputed in backward: 32 vision
 #             blocks + 36 decoder layers = 68 when checkpointing works, 0 when it does not).
+# grpo        bench/step.py --grpo: one optimizer step as update.py runs it at the reference
+#             shapes (GRPO_PROMPTS Geometry3K-like prompts x 4 responses <= 512 tokens, images at
+#             vl3b.toml's pixel bounds, micro-batches of a 2048-token budget, the device's layout),
+#             Qwen2.5-VL-3B's architecture, bf16, no activation checkpointing: forward+backward
+#             MFU apart from the optimizer's time, peak memory per phase, aten operators and host
+#             syncs per micro-batch (torch.profiler).
+# grpo_ckpt   the same with activation checkpointing. (No torch.compile variant: the trainer has
+#             no `model.compile` option yet.)
+# head        bench/step.py --head HEAD_TOKENS: the LM head's peak memory, forward + backward, at
+#             the 151,936-token vocabulary, chunked (head.py) against the full [N, V] computation.
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
-# CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), STEPS (the steps to run, in
-# this order; default all: "pack_3b pack_tiny demo_packed demo step"; e.g. STEPS=step to rerun
-# one on a short lease).
+# CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), GRPO_PROMPTS (8; 1 on CPU),
+# HEAD_TOKENS (8192; 64 on CPU), STEPS (the steps to run, in this order; default all:
+# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head"; e.g. STEPS=step to rerun one on
+# a short lease).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
@@ -40,10 +51,12 @@ DEMO_STEPS=${DEMO_STEPS:-10}
 if [ "$GRPO_DEVICE" = cpu ]; then
   STEP_MODEL=${STEP_MODEL:-tiny}; STEP_SEQ=${STEP_SEQ:-256}; PACK_LAYERS=${PACK_LAYERS:-1}
   PACK_SIZE=(--prompts 4 --max-new-tokens 64 --reps 1)
+  GRPO_PROMPTS=${GRPO_PROMPTS:-1}; HEAD_TOKENS=${HEAD_TOKENS:-64}; GRPO_SIZE=(--steps 1 --warmup 0)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
   STEP_MODEL=${STEP_MODEL:-3b}; STEP_SEQ=${STEP_SEQ:-2048}; PACK_LAYERS=${PACK_LAYERS:-36}
   PACK_SIZE=(--reps 3)
+  GRPO_PROMPTS=${GRPO_PROMPTS:-8}; HEAD_TOKENS=${HEAD_TOKENS:-8192}; GRPO_SIZE=(--steps 3 --warmup 1)
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # no network there
 mkdir -p "$OUT"
@@ -78,10 +91,11 @@ if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/version
   exit 3
 fi
 
-STEPS=${STEPS:-pack_3b pack_tiny demo_packed demo step}
+ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head"
+STEPS=${STEPS:-$ALL_STEPS}
 for name in $STEPS; do
-  case " pack_3b pack_tiny demo_packed demo step " in *" $name "*) ;;
-    *) echo "device_check: STEPS names $name; the steps are pack_3b pack_tiny demo_packed demo step" >&2
+  case " $ALL_STEPS " in *" $name "*) ;;
+    *) echo "device_check: STEPS names $name; the steps are $ALL_STEPS" >&2
        exit 2 ;;
   esac
 done
@@ -108,6 +122,10 @@ stage demo 120 "$PY" train.py --config configs/tiny.toml --run.out_dir="$OUT/dem
   --run.steps="$DEMO_STEPS" --run.keep_last=0 --rollout.engine=hf \
   --model.mixed_precision=true --model.activation_checkpointing=true
 stage step 150 "$PY" bench/step.py --model "$STEP_MODEL" --seq-len "$STEP_SEQ" --bf16 --checkpointing
+stage grpo 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 "${GRPO_SIZE[@]}"
+stage grpo_ckpt 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
+  --checkpointing "${GRPO_SIZE[@]}"
+stage head 120 "$PY" bench/step.py --head "$HEAD_TOKENS"
 
 # --- one JSON object: what each step gave ---------------------------------------------------
 "$PY" - "$OUT" "${failed[@]}" <<'EOF'
@@ -142,6 +160,7 @@ print(json.dumps({
     "logprob_diff/max": d["logprob_diff/max"] if d else None,
     "step": step, "demo": d, "demo_packed": demo("demo_packed"),
     "pack_3b": last_json("pack_3b"), "pack_tiny": last_json("pack_tiny"),
+    "grpo": last_json("grpo"), "grpo_ckpt": last_json("grpo_ckpt"), "head": last_json("head"),
 }))
 EOF
 [ ${#failed[@]} = 0 ]

@@ -136,3 +136,25 @@ def test_vs_trl_our_side():
     r = run(BENCH / "vs_trl.py", "--sides", "ours_world1", "--rounds", "1", "--steps", "2",
             "--warmup", "1")
     assert r["setup"]["steps"] == 2 and r["ours_world1"]["steps_pooled"] == 1
+
+
+@pytest.mark.slow
+def test_step_grpo():
+    """`--grpo`: one optimizer step as update.py runs it, its phases apart, operators and host
+    syncs counted per micro-batch with the profiler."""
+    r = run(BENCH / "step.py", "--grpo", "--prompts", "1", "--steps", "1", "--warmup", "0",
+            "--max-new-tokens", "64")
+    assert r["mode"] == "grpo" and r["layout"] == "segments" and r["adamw"] == "foreach"   # CPU
+    assert r["forward_backward_s"] > 0 and r["optimizer_s"] > 0 and r["tflops_per_s"] > 0
+    assert set(r["peak_memory_mb"]) == {"forward_backward", "optimizer"}
+    assert len(r["per_microbatch"]) == r["micro_batches"] == len(r["images_per_microbatch"]) >= 1
+    assert r["aten_ops_per_microbatch"] > 1000 and r["host_syncs_per_microbatch"] >= 1
+
+
+@pytest.mark.slow
+def test_step_head():
+    """`--head N`: the head's peak chunked and full, each in a process of its own (fake tensors:
+    nothing allocated; the full head of 8,192 tokens needs ~32 GB)."""
+    r = run(BENCH / "step.py", "--head", "8192", "--head-measure", "fake")
+    assert r["mode"] == "head" and r["vocab"] == 151936 and r["hidden"] == 2048
+    assert r["head_peak_mb"] <= r["head_peak_mb_full"] / 8          # issue 51's acceptance

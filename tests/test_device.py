@@ -21,11 +21,12 @@ def test_table_rows():
     assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].auto_packing == "always"
     assert D.TABLE["cpu"].bucket_ratio == 1.25
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False)
+                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused")
     assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                                       experts="eager", packed_attention="varlen", auto_packing="never",
-                                      varlen_package=None, varlen_max_seqs=1024)
+                                      varlen_package=None, varlen_max_seqs=1024, adamw="fused")
+    assert D.TABLE["cpu"].adamw == "foreach"
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
 

@@ -40,6 +40,13 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     assert r["pack_3b"]["workload"]["model"] == "3b qwen2_5_vl, 1 layer(s)"
     assert r["pack_3b"]["packed"]["padding_frac"] == 0.0
     assert r["demo_packed"]["steps"] == 4 and r["demo_packed"]["logprob_diff/max"] <= 1e-4
+    # the GRPO step, checkpointing off and on (tiny: 2 vision blocks + 2 decoder layers recomputed
+    # per micro-batch), and the head's peak chunked against full
+    g, gc = r["grpo"], r["grpo_ckpt"]
+    assert g["mode"] == gc["mode"] == "grpo" and g["dtype"] == "bf16-mixed" and gc["checkpointing"]
+    assert g["checkpoint_calls_per_step"] == 0 and gc["checkpoint_calls_per_step"] == 4 * gc["micro_batches"]
+    assert g["aten_ops_per_microbatch"] > 0 and g["forward_backward_s"] > 0 and g["optimizer_s"] > 0
+    assert r["head"]["tokens"] == 64 and 0 < r["head"]["head_peak_mb"] and 0 < r["head"]["head_peak_mb_full"]
 
 
 @pytest.mark.slow
