@@ -262,7 +262,7 @@ class TrainConfig:
     ref_update_every: int = num(0, ">= 0")
     ref_mix_alpha: float = num(0.6, "(0, 1]")  # TRL's ref_model_mixup_alpha (its default 0.6)
     # the policy's parameters and AdamW state: "float32" or "bfloat16" (as AReaL's FSDP engine;
-    # updates under bf16's resolution round away); the rules with model.*: trainer.check_dtype
+    # updates under bf16's resolution round away); the rules with model.*: trainer.check
     master_dtype: str = "float32"
 
 

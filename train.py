@@ -103,13 +103,11 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     reward functions' names, model.path's family, the engine and data.source; each one line."""
     cfg = config.load(paths, overrides)
     registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
-    trainer.check_dtype(cfg.train, cfg.model)  # train.master_dtype against the model keys
+    trainer.check(cfg)  # train.master_dtype against the model keys; model.teacher_path's family
     for key in ("reward", "eval"):
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
-    if cfg.model.teacher_path not in ("", "base", cfg.model.path):
-        families.check_model_path(cfg.model.teacher_path, "model.teacher_path")
     engines.check(cfg)  # a known engine, environment and tools (envs/); what the engines need of the rest
     data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
     return cfg
@@ -221,9 +219,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     problems, n_skipped = load_problems(cfg, "train", procs)
     eval_set, eval_skipped = (load_problems(cfg, cfg.eval.split, procs, cfg.run.eval_size)
                               if cfg.run.eval_every or cfg.eval.before_start else (None, 0))
-    trainer.check_teacher(cfg, model_path)  # distillation: the policy's tokenizer (ConfigError)
-    full, teacher = trainer.load_checked(world, model_path, cfg.model,  # rank 0: every weight there, or nothing
-                                         trainer.teacher_folder(cfg, model_path))
+    full, teacher = trainer.load_checked(world, model_path, cfg)  # rank 0: every weight there, or nothing
     # the trainer's row layout (train.packing's "auto" decided); refused: ConfigError
     layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)
     notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
@@ -260,10 +256,7 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
                   f"run.steps = {cfg.run.steps}; nothing to do (raise --run.steps to train on, or "
                   f"use another run.out_dir)", flush=True)
         return None
-    try:
-        rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None
-    except tracking.TrackerError as e:  # one line naming the tracker, no traceback
-        raise failures.Fatal(str(e)) from None
+    rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None  # a tracker: Fatal
     s = set_up(cfg, world, dev, live)
     ckpt.check_base(cfg, world, s.model_path, progress, plan["path"])
     if plan["path"]:

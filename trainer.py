@@ -117,8 +117,14 @@ def params_to(model, dtype: torch.dtype):
     return model
 
 
-def check_dtype(tc: TrainConfig, mc: ModelConfig) -> None:
-    """train.master_dtype against the model keys, at load: one ConfigError naming the keys."""
+def check(cfg: Config) -> None:
+    """The trainers' keys that need more than config.py knows, at load: model.teacher_path's
+    family (families.check_model_path), train.master_dtype against the model keys; one
+    ConfigError naming the keys."""
+    tc, mc = cfg.train, cfg.model
+    if mc.teacher_path not in ("", "base", mc.path):
+        families.check_model_path(mc.teacher_path, "model.teacher_path")
+
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
@@ -167,11 +173,16 @@ def check_teacher(cfg: Config, model_path: str) -> None:
                           "vision-language policy would not see the prompts' images")
 
 
-def load_checked(world, model_path: str, mc: ModelConfig | None = None, teacher: str | None = None):
-    """Rank 0 loads the model (and the distillation `teacher`'s folder) on the CPU, kept for
-    :func:`build`, and checks `mc`'s LoRA targets; collective over `world.ctrl`: every rank
-    raises the same ModelError for a folder without the model's weights or targets matching no
-    linear layer. Returns (model, teacher), None on the other ranks."""
+def load_checked(world, model_path: str, cfg: Config | None = None):
+    """Rank 0 loads the model (and the distillation teacher's, after :func:`check_teacher` on
+    every rank) on the CPU, kept for :func:`build`, and checks the LoRA targets; collective over
+    `world.ctrl`: every rank raises the same ModelError for a folder without the model's weights
+    or targets matching no linear layer. Returns (model, teacher), None on the other ranks."""
+    mc = cfg.model if cfg is not None else None
+    teacher = None
+    if cfg is not None:
+        check_teacher(cfg, model_path)
+        teacher = teacher_folder(cfg, model_path)
     full, teacher_full, problem = None, None, None
     if world.is_root:
         try:

@@ -276,9 +276,10 @@ SWANLAB_FULL = """
 import errno, os, sys
 sys.path.insert(0, {root!r})
 os.environ["SWANLAB_MODE"] = "offline"
+import trackers
 import tracking as T
 from swanlab.log.backup import datastore
-tr = T.Trackers.open(["swanlab"], __import__("pathlib").Path({out!r}), {{"run": {{}}}})
+tr = trackers.Trackers.open(["swanlab"], __import__("pathlib").Path({out!r}), {{"run": {{}}}})
 tr.log({{"reward/mean": 0.5}}, 0)
 def full(self, *a, **k):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

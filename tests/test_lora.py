@@ -120,7 +120,7 @@ def test_bad_lora_keys_are_config_errors_naming_the_key(override, msg):
 def test_targets_that_match_nothing_stop_the_run_before_anything_is_built(one_rank_world, tiny_dir):
     mc = _mc(lora_target_modules=["attn.q"])
     with pytest.raises(C.ConfigError, match="model.lora_target_modules: 'attn.q' matches no"):
-        T.load_checked(one_rank_world, tiny_dir("qwen3"), mc)
+        T.load_checked(one_rank_world, tiny_dir("qwen3"), C.Config(model=mc))
 
 
 # ----------------------------------------------------------------------------- training

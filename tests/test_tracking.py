@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import trackers
 import tracking as T
 from tests.util import ROOT
 
@@ -66,7 +67,7 @@ def offline(tmp_path, monkeypatch):
 
 
 def write_run(out: Path, names: list[str]) -> None:
-    tr = T.Trackers.open(names, out, CONFIG, run_name="test-run")
+    tr = trackers.Trackers.open(names, out, CONFIG, run_name="test-run")
     assert tr.names == names
     for step in range(STEPS):
         tr.log(metrics_at(step), step)
@@ -159,7 +160,7 @@ def test_wandb_offline_run_has_every_metric_the_config_and_the_samples(offline):
             history[row["_step"]] = row
         elif kind == "run":
             config = {i.key: json.loads(i.value_json) for i in r.run.config.update}
-            assert r.run.display_name == "test-run" and r.run.project == T.DEFAULT_PROJECT
+            assert r.run.display_name == "test-run" and r.run.project == trackers.DEFAULT_PROJECT
     assert sorted(history) == list(range(STEPS))
     for step, row in history.items():
         want = metrics_at(step)
@@ -181,7 +182,7 @@ def test_wandb_end_of_run_block_only_when_verbose(offline, monkeypatch, capfd):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_SILENT")                   # what a user's shell has
     for verbose in (False, True):
-        tr = T.Trackers.open(["wandb"], offline / str(verbose), CONFIG, run_name="test-run",
+        tr = trackers.Trackers.open(["wandb"], offline / str(verbose), CONFIG, run_name="test-run",
                              verbose=verbose)
         for step in range(3):
             tr.log(metrics_at(step), step)
@@ -227,11 +228,11 @@ def test_tensorboard_resume_keeps_one_value_per_step(offline):
     """A run resumed at step 2 after a crash at step 3: TensorBoard drops the crashed run's
     steps 2-3 (purge_step), so every step still has exactly one value."""
     pytest.importorskip("tensorboard")
-    crashed = T.Trackers.open(["tensorboard"], offline, CONFIG)
+    crashed = trackers.Trackers.open(["tensorboard"], offline, CONFIG)
     for step in range(STEPS):
         crashed.log({"reward/mean": -1.0}, step)
     crashed.close(failed=True)
-    resumed = T.Trackers.open(["tensorboard"], offline, CONFIG, start_step=2)
+    resumed = trackers.Trackers.open(["tensorboard"], offline, CONFIG, start_step=2)
     for step in range(2, STEPS):
         resumed.log({"reward/mean": 1.0}, step)
     resumed.close()
@@ -241,11 +242,11 @@ def test_tensorboard_resume_keeps_one_value_per_step(offline):
 
 # ----------------------------------------------------------------------------- (d) start failures
 def test_unknown_or_repeated_names_are_one_line_errors(offline):
-    with pytest.raises(T.TrackerError, match=r"^run\.report_to: unknown tracker 'mlflow' "
+    with pytest.raises(trackers.TrackerError, match=r"^run\.report_to: unknown tracker 'mlflow' "
                                              r"\(choose from tensorboard, wandb, swanlab\)$"):
-        T.Trackers.open(["tensorboard", "mlflow"], offline, CONFIG)
-    with pytest.raises(T.TrackerError, match=r"^run\.report_to: wandb is listed twice$"):
-        T.Trackers.open(["wandb", "wandb"], offline, CONFIG)
+        trackers.Trackers.open(["tensorboard", "mlflow"], offline, CONFIG)
+    with pytest.raises(trackers.TrackerError, match=r"^run\.report_to: wandb is listed twice$"):
+        trackers.Trackers.open(["wandb", "wandb"], offline, CONFIG)
     assert not offline.exists()  # names are checked before anything starts
 
 
@@ -253,32 +254,32 @@ def test_tracker_that_cannot_start_is_one_line_naming_it(offline):
     pytest.importorskip("tensorboard")
     offline.mkdir()
     (offline / "tensorboard").write_text("a file where the event folder should be")
-    with pytest.raises(T.TrackerError) as e:
-        T.Trackers.open(["tensorboard"], offline, CONFIG)
+    with pytest.raises(trackers.TrackerError) as e:
+        trackers.Trackers.open(["tensorboard"], offline, CONFIG)
     assert str(e.value).startswith("run.report_to: tensorboard: ") and "\n" not in str(e.value)
 
 
 def test_online_without_credentials_fails_at_start_and_closes_the_others(offline, monkeypatch):
     pytest.importorskip("wandb"), pytest.importorskip("swanlab"), pytest.importorskip("tensorboard")
     monkeypatch.delenv("WANDB_MODE")
-    with pytest.raises(T.TrackerError,
+    with pytest.raises(trackers.TrackerError,
                        match=r"^run\.report_to: wandb: no API key .*WANDB_MODE=offline$"):
-        T.Trackers.open(["tensorboard", "wandb"], offline, CONFIG)
+        trackers.Trackers.open(["tensorboard", "wandb"], offline, CONFIG)
     # tensorboard, started first, was closed (flushed): its config record is on disk
     assert "config/text_summary" in tensorboard_run(offline).Tags()["tensors"]
     monkeypatch.setenv("WANDB_MODE", "offline")  # the refused start left no online state behind
-    T.Trackers.open(["wandb"], offline, CONFIG).close()
+    trackers.Trackers.open(["wandb"], offline, CONFIG).close()
     assert len(glob.glob(str(offline / "wandb" / "offline-run-*"))) == 1
     monkeypatch.delenv("SWANLAB_MODE")
-    with pytest.raises(T.TrackerError,
+    with pytest.raises(trackers.TrackerError,
                        match=r"^run\.report_to: swanlab: no API key .*SWANLAB_MODE=offline$"):
-        T.Trackers.open(["swanlab"], offline, CONFIG)
+        trackers.Trackers.open(["swanlab"], offline, CONFIG)
 
 
 # ----------------------------------------------------------------------------- (e) mid-run failure
 def test_tracker_failing_mid_run_is_reported_once_and_the_others_keep_logging(offline, capsys):
     pytest.importorskip("wandb"), pytest.importorskip("swanlab"), pytest.importorskip("tensorboard")
-    tr = T.Trackers.open(["tensorboard", "swanlab", "wandb"], offline, CONFIG)
+    tr = trackers.Trackers.open(["tensorboard", "swanlab", "wandb"], offline, CONFIG)
     tr.log(metrics_at(0), 0)
     tr._live[1].run.finish()  # the SwanLab run ends under us: its next log raises
     capsys.readouterr()
@@ -300,7 +301,7 @@ def test_tracker_failing_mid_run_is_reported_once_and_the_others_keep_logging(of
 
 # ----------------------------------------------------------------------------- laziness
 def test_no_tracker_is_a_no_op_and_importing_loads_no_package(offline):
-    tr = T.Trackers.open([], offline, CONFIG)
+    tr = trackers.Trackers.open([], offline, CONFIG)
     tr.log({"a": 1.0}, 0), tr.log_samples(0, [{"response": "x"}]), tr.close()
     assert not offline.exists()
     code = ("import sys, tracking; "
@@ -371,7 +372,7 @@ def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_pat
     import failures
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full")
-    rec = T.Recorder(tmp_path, 2, 0, 3, T.Trackers())
+    rec = T.Recorder(tmp_path, 2, 0, 3, trackers.Trackers())
     rec.samples.close()
     rec.samples = open("/dev/full", "a")
     m = {"step": 0, "weight_version": 0, "reward/mean": 0.5, "response_len/mean": 4.0,
@@ -389,7 +390,7 @@ def test_a_full_disk_while_writing_records_names_the_file_and_the_folder(tmp_pat
 def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, capsys):
     """DAPO: when the refill rounds run out, the groups with equal rewards are masked out; with
     every group so the update is a no-op, which only the metrics used to say."""
-    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    rec = T.Recorder(tmp_path, 0, 0, 3, trackers.Trackers())
     base = {"weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0, "time/generate_s": 0.1,
             "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2,
             "rollout/refill_rounds": 4, "rollout/prompts_drawn": 20}
@@ -407,7 +408,7 @@ def test_refill_bound_hit_is_said_on_the_console_every_step_it_lasts(tmp_path, c
 
 
 def test_console_line_shows_the_clip_fraction_when_the_objective_clips(tmp_path):
-    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    rec = T.Recorder(tmp_path, 0, 0, 3, trackers.Trackers())
     base = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0,
             "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
     assert " clip " not in rec.line(base)
@@ -418,7 +419,7 @@ def test_console_line_shows_the_clip_fraction_when_the_objective_clips(tmp_path)
 
 def test_samples_rows_keep_a_rewards_info_and_the_image_markers(tmp_path):
     import synthetic
-    rec = T.Recorder(tmp_path, -1, 0, 1, T.Trackers())
+    rec = T.Recorder(tmp_path, -1, 0, 1, trackers.Trackers())
     m = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 1.0,
          "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
     ep = types.SimpleNamespace(index=0, group=0, version=0, reward=1.0, parts={"accuracy": 1.0},
@@ -446,7 +447,7 @@ def test_startup_says_when_the_reward_kl_is_k3_where_peers_default_to_k1():
 def test_oversized_sequences_and_replay_falling_back_are_said_once_and_counted(tmp_path, capsys):
     """train/oversized_sequences and train/routing_fallback: every step in the metrics, one
     warning line the first step each is above 0 (rank 0's Recorder), none while 0."""
-    rec = T.Recorder(tmp_path, 0, 0, 4, T.Trackers())
+    rec = T.Recorder(tmp_path, 0, 0, 4, trackers.Trackers())
     base = {"weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0, "time/generate_s": 0.1,
             "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
     counts = [(0, 0), (2, 0), (3, 5), (1, 1)]
@@ -466,7 +467,7 @@ def test_oversized_sequences_and_replay_falling_back_are_said_once_and_counted(t
 
 
 def test_console_line_says_no_lpdiff_when_every_token_was_stale(tmp_path):
-    rec = T.Recorder(tmp_path, 0, 0, 3, T.Trackers())
+    rec = T.Recorder(tmp_path, 0, 0, 3, trackers.Trackers())
     base = {"step": 0, "weight_version": 0, "reward/mean": 1.0, "response_len/mean": 4.0,
             "time/generate_s": 0.1, "time/train_s": 0.1, "time/sync_s": 0.0, "time/step_s": 0.2}
     assert " lpdiff - |" in rec.line({**base, "logprob_diff/tokens": 0})
