@@ -147,6 +147,6 @@ def warm_up_line(world, seconds: float | None, sp: Sampling, prompt: Prompt) -> 
     n_images = len(prompt[1])
     how = ("greedy" if sp.greedy else
            f"{sp.n} samples at temperature {sp.temperature:g}, top_p {sp.top_p:g}, top_k {sp.top_k}")
-    return (f"engine warm-up: {max(times):.2f} s (one request before the first step: a prompt "
+    return (f"engine warm-up: {max(times):.2f} s (one request: a prompt "
             f"with {n_images} image{'' if n_images == 1 else 's'}, {how}, {sp.max_new_tokens} new "
             f"tokens; the slowest of {len(times)} engine{'' if len(times) == 1 else 's'})")

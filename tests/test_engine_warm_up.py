@@ -58,7 +58,7 @@ def test_start_warms_the_engine_once_with_the_runs_sampling_and_moves_no_rng(tin
     assert engines.WARM_UP_TOKENS < cfg.rollout.max_new_tokens
     first = problems[0]
     assert first.images and rows == rollout.engine_prompts([first], procs, cfg.data.template)
-    assert re.fullmatch(r"engine warm-up: \d+\.\d\d s \(one request before the first step: a prompt "
+    assert re.fullmatch(r"engine warm-up: \d+\.\d\d s \(one request: a prompt "
                         r"with 1 image, 3 samples at temperature 0\.7, top_p 0\.9, top_k 5, 4 new "
                         r"tokens; the slowest of 1 engine\)", line), line
 
