@@ -205,8 +205,8 @@ class RolloutConfig:
     tensor_parallel_size: int = num(1, ">= 1")  # vllm: devices per engine (README, GPU and NPU: Launch)
     # vllm: share a prompt's KV among its G samples; "auto": off for linear attention (docs/families.md)
     prefix_caching: str = one_of("auto", PREFIX_CACHING)  # auto | on | off
-    # Every rank waits this long for the engines to start (vLLM: load, profiling, compile; also
-    # vLLM's own VLLM_ENGINE_READY_TIMEOUT_S unless set), apart from cluster.timeout_s.
+    # Every rank waits this long for the engines to start and run their warm-up request (vLLM: load,
+    # profiling, compile; also its own VLLM_ENGINE_READY_TIMEOUT_S unless set), not cluster.timeout_s.
     start_timeout_s: float = num(900.0, "> 0")
     # DAPO dynamic sampling (loss.drop_zero_variance): at most this many extra rounds of prompts
     # per step for groups whose rewards differ (docs/loss.md); 0: no refill (they stay masked)

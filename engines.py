@@ -1,13 +1,20 @@
 """Which inference engine a run uses (`[rollout] engine`): hf_engine.HFEngine or
 vllm_engine.VLLMEngine, both episode.Engine; imported on demand (vLLM only where used). Its
-start on a generation rank, with the run's turn rule (multiturn.Turns)."""
+start on a generation rank, with the run's turn rule (multiturn.Turns) and one warm-up request
+before step 1 (:func:`warm_up`)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import time
+
+import torch.distributed as dist
 
 import envs
 import failures
 import multiturn
+import rollout
+from episode import Engine, Prompt, Sampling
 from errors import ConfigError
 
 ENGINES = {"hf": "hf_engine.HFEngine", "vllm": "vllm_engine.VLLMEngine"}
@@ -78,11 +85,14 @@ def build_engine(cfg, path: str, procs, *, dev, device, seed: int, max_images: i
 
 
 def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, procs,
-          problems: list) -> tuple:
+          problems: list, sp: Sampling) -> tuple:
     """A generation rank's engine and turn rule (None elsewhere; the engine sized for the most
-    images one of `problems` holds); then every rank waits until every engine has started, for
-    `rollout.start_timeout_s`: vLLM's start-up outlasts any collective timeout."""
-    engine = turns = None
+    images one of `problems` holds), warmed up with one request of the run's sampling `sp`
+    (:func:`warm_up`); then every rank waits until every engine has started, for
+    `rollout.start_timeout_s`: vLLM's start-up, and a first request that compiles operators,
+    outlast any collective timeout. Returns (engine, turns, the warm-up's start-up line)."""
+    engine = turns = seconds = None
+    prompt = warm_up_prompt(problems, procs, cfg.data.template)
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
         failures.inject_start(cfg.cluster.timeout_s)
@@ -90,7 +100,53 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
                               seed=cfg.run.seed + world.gen_index,
                               max_images=max((len(p.images) for p in problems), default=0))
         turns = multiturn.turns(cfg.rollout, procs)  # None for single-turn episodes
+        live.phase(None, "start: the engine's warm-up request")
+        seconds = warm_up(engine, sp, prompt, seed=cfg.run.seed)
     live.phase(None, "start: waiting for every engine to start")
     failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
     live.phase(None, "start-up")
-    return engine, turns
+    return engine, turns, warm_up_line(world, seconds, warm_up_sampling(sp), prompt)
+
+
+WARM_UP_TOKENS = 4  # new tokens of the warm-up request: its prefill and a few decode steps
+
+
+def warm_up_sampling(sp: Sampling) -> Sampling:
+    """The run's sampling `sp` (its samples per prompt, temperature, top_p, top_k, greedy) for at
+    most WARM_UP_TOKENS new tokens."""
+    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, WARM_UP_TOKENS))
+
+
+def warm_up_prompt(problems: list, procs, template: str) -> Prompt:
+    """The warm-up's prompt, built as the run's are (rollout.engine_prompts): the first of
+    `problems` with an image (a vision model then runs its vision tower too), else the first."""
+    return rollout.engine_prompts([next((p for p in problems if p.images), problems[0])],
+                                  procs, template)[0]
+
+
+def warm_up(engine: Engine, sp: Sampling, prompt: Prompt, seed: int) -> float:
+    """One short request through the engine's own `generate` before step 1 (or an --eval-only
+    evaluation): what a first request costs once (operators compiled on an NPU, vLLM's first
+    scheduling and buffers, lazy allocations) is paid here, so step 1's time is the step's.
+    Nothing of it reaches a metric or a random stream of the run: an engine seeds each call's
+    samples from its `seed` alone (hf_engine: a forked generator; vLLM: per-request seeds).
+    Returns its seconds."""
+    t0 = time.perf_counter()
+    engine.generate([prompt], warm_up_sampling(sp), seed)
+    return time.perf_counter() - t0
+
+
+def warm_up_line(world, seconds: float | None, sp: Sampling, prompt: Prompt) -> str:
+    """The start-up line of the engines' warm-up (`seconds`: this rank's, None on a rank without
+    an engine): the slowest engine's time, gathered over every rank (world.ctrl)."""
+    times = [seconds]
+    if world.size > 1:
+        times = [None] * world.size
+        dist.all_gather_object(times, seconds, group=world.ctrl)
+    times = [t for t in times if t is not None]
+    n_images = len(prompt[1])
+    how = ("greedy" if sp.greedy else
+           f"{sp.n} samples at temperature {sp.temperature:g}, top_p {sp.top_p:g}, top_k {sp.top_k}")
+    return (f"engine warm-up: {max(times):.2f} s (one request: a prompt "
+            f"with {n_images} image{'' if n_images == 1 else 's'}, {how}, {sp.max_new_tokens} new "
+            f"tokens; the slowest of {len(times)} engine{'' if len(times) == 1 else 's'})")

@@ -15,7 +15,7 @@ import inputs as I
 import loss as L
 import multiturn
 import routing as R
-from episode import Check, Engine, Episode, Sampling
+from episode import Check, Engine, Episode, Prompt, Sampling
 
 
 def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *, template: str,
@@ -26,8 +26,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     across steps). `version`: the engine's weight version, or the check an engine driven ahead
     is handed (episode.Check: each token then records its own). Returns (episodes, timings)."""
     tokenizer = procs.tokenizer
-    prompts = [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
-               for p in problems]
+    prompts = engine_prompts(problems, procs, template)
     t0 = time.perf_counter()
     check = version if callable(version) else None
     completions = (multiturn.generate(engine, prompts, sp, seed, check=check, turns=turns,
@@ -56,6 +55,19 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
                                 loss_mask=c.loss_mask, turns=c.turns, images=c.images))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0}
+
+
+def engine_prompts(problems: list, procs: I.Processors, template: str) -> list[Prompt]:
+    """Each problem as an engine's input: its chat prompt's ids (`template` filled in, ONE
+    unexpanded placeholder per image) and its images."""
+    return [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images) for p in problems]
+
+
+def sampling(ro) -> Sampling:
+    """A training rollout's sampling from `[rollout]` (ro): rollout.group_size samples per prompt
+    at its temperature, top_p, top_k, up to max_new_tokens."""
+    return Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                    max_new_tokens=ro.max_new_tokens)
 
 
 def refill_problems(pool: list, n: int, seed: int, round: int) -> list:

@@ -206,7 +206,7 @@ class Setup:
     trainer: trainer.Trainer | None      # trainer ranks
     model_path: str = ""           # the model folder (a built tiny model's, when one was asked for)
     mixture: data.Mixture | None = None  # the prompt stream (data.sources: a quota of each per step)
-    notes: tuple = ()              # what the start decided from the model (train.packing's layout)
+    notes: tuple = ()              # start-up lines: what the start decided (train.packing's layout), the engines' warm-up
     eval_skipped: int = 0          # evaluation rows skipped (eval/skipped_rows)
     turns: multiturn.Turns | None = None  # generation ranks of a multi-turn run: what follows a reply
 
@@ -223,8 +223,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     # the trainer's row layout (train.packing's "auto" decided); refused: ConfigError
     layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)
     notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
-    engine, turns = engines.start(cfg, world, dev, device, live, model_path, procs,
-                          problems + (eval_set or []))
+    engine, turns, warmed = engines.start(cfg, world, dev, device, live, model_path, procs,
+                                          problems + (eval_set or []), rollout.sampling(ro))
     channel = None
     if world.own_channel and cfg.sync.enabled:
         live.phase(None, "start: opening the engines' weight channel")
@@ -239,7 +239,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
-                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
+                 data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), (*notes, warmed),
                  eval_skipped, turns)
 
 
@@ -350,8 +350,7 @@ def generate(s: Setup, cfg: config.Config, world: World, step: int, version: int
     ro, per_gen = cfg.rollout, cfg.rollout.prompts_per_step // len(world.gens)
     mine = s.mixture.step_problems(step)  # the seeded stream (data.sources: a quota of each per step)
     mine = mine[world.gen_index * per_gen:(world.gen_index + 1) * per_gen]
-    sampling = episode.Sampling(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
-                                top_k=ro.top_k, max_new_tokens=ro.max_new_tokens)
+    sampling = rollout.sampling(ro)
     roll = functools.partial(rollout.rollout, s.engine, procs=s.procs, sp=sampling, template=cfg.data.template,
                              scorer=s.scorer, version=check or version, group_offset=0, turns=s.turns)
     return rollout.rollout_refilled(roll, mine, sampling.n,
@@ -437,8 +436,9 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     if world.is_root and skipped:
         print(f"note: {skipped} rows of split {cfg.eval.split!r} skipped (prompts over "
               "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
-    engine, turns = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
-                          eval_set)
+    engine, turns, warmed = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path,
+                                          procs, eval_set, evaluation.sampling(cfg.eval, cfg.rollout))
+    world.is_root and print(warmed, flush=True)  # (no start-up summary here)
     scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
                                    sources=data.own_functions(cfg.data)) if world.is_gen else None)
     step = ckpt.eval_step(checkpoint)  # plain data only, checked at start (ckpt.claim_run_dir)

@@ -87,6 +87,7 @@ def test_exact_resume_after_a_kill_equals_the_uninterrupted_run(resumed):
     q = train_py([*TINY, f"--run.out_dir={a}", "--run.eval_size=8", "--eval-only", "--checkpoint",
                   str(a / "checkpoints" / "step_000006")])
     assert q.returncode == 0, q.stderr[-3000:]
+    assert "engine warm-up: " in q.stdout and "a prompt with 1 image, greedy, 4 new tokens" in q.stdout
     row = json.loads((a / "eval.jsonl").read_text().splitlines()[-1])
     assert row["eval/n"] == 8 and 0.0 <= row["eval/accuracy"] <= 1.0
     # into a new run folder: the checkpoint's export is the whole model, no base is built there

@@ -105,3 +105,16 @@ def test_vllm_parity_every_step_learning_and_a_failing_engine_rank(tmp_path):
     assert p.returncode != 0
     assert "error: rank 2 (generation) failed at step 20" in stderr, stderr[-3000:]
     assert left == [], left
+
+
+def test_vllm_warm_up_makes_the_first_step_a_step(tmp_path):
+    """The demo on the vLLM engine in a world of one: the engine's warm-up request (engines.warm_up)
+    is timed in the start-up summary, and step 1's generation time is within 2x of step 2's
+    (its first request's one-time costs paid before it)."""
+    from tests.util import run_inline
+    p = run_inline([[*TINY, *VLLM, *TOY, "--run.steps=3", f"--run.out_dir={tmp_path / 'run'}"]])
+    warm = [line for line in p.stdout.splitlines() if line.startswith("   engine warm-up: ")]
+    assert len(warm) == 1 and "the slowest of 1 engine)" in warm[0], p.stdout[-3000:]
+    gen = [r["time/generate_s"] for r in metrics(tmp_path / "run")]
+    print(warm[0], "| time/generate_s per step:", [f"{g:.3f}" for g in gen])
+    assert gen[0] <= 2 * gen[1], gen
