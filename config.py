@@ -322,6 +322,7 @@ class RewardConfig:
     extra_functions: list = field(default_factory=list)
     timeout_s: float = num(5.0, "> 0")       # a reward call running longer (from its own start) scores 0, counts an error
     max_consecutive_timeouts: int = num(3, ">= 0")  # a function timing out this often in a row is switched off (0: never)
+    models: list = field(default_factory=list)  # [[reward.models]]: judges, classifiers; each a reward by its name (docs/reward_models.md)
 
 
 @dataclass

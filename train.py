@@ -57,6 +57,7 @@ import model
 import multiturn
 import pipeline
 import registry
+import reward_models
 import rewards
 import rollout
 import sync
@@ -104,14 +105,15 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     cfg = config.load(paths, overrides)
     registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
     trainer.check_dtype(cfg.train, cfg.model)  # train.master_dtype against the model keys
+    models = reward_models.check(cfg.reward.models, rewards.names())  # [[reward.models]]: their names
     for key in ("reward", "eval"):
-        rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
+        rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions, models)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
     if cfg.model.teacher_path not in ("", "base", cfg.model.path):
         families.check_model_path(cfg.model.teacher_path, "model.teacher_path")
     engines.check(cfg)  # a known engine, environment and tools (envs/); what the engines need of the rest
-    data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
+    data.check_sources(cfg.data, functools.partial(rewards.check_functions, models=models))  # data.source(s)
     return cfg
 
 
@@ -238,13 +240,27 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
-    rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
-    scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
-                            for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
+    scorer, eval_scorer = scorers(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), tuple(notes),
                  eval_skipped, turns)
+
+
+def scorers(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
+            lists: tuple) -> list:
+    """A generation rank's reward runner for each of `lists` (None elsewhere), sharing the
+    [[reward.models]], loaded here once (before step 1, timed apart from reward.timeout_s) on the
+    rank's accelerator, beside its engine."""
+    if not world.is_gen:
+        return [None] * len(lists)
+    rc, models = cfg.reward, {}
+    if rc.models:
+        live.phase(None, "start: loading the reward models")
+        models = reward_models.load(rc.models, Path(cfg.run.out_dir), torch_device(dev, world.local_rank),
+                                    cfg.run.seed, say=(lambda m: print(m, flush=True)) if world.gen_index == 0 else None)
+    return [rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts,
+                                 sources=data.own_functions(cfg.data), models=models) for fns in lists]
 
 
 def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness,
@@ -446,8 +462,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
               "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
     engine, turns = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path, procs,
                           eval_set)
-    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
-                                   sources=data.own_functions(cfg.data)) if world.is_gen else None)
+    (scorer,) = scorers(cfg, world, dev, live, (cfg.eval.functions,))
     step = ckpt.eval_step(checkpoint)  # plain data only, checked at start (ckpt.claim_run_dir)
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                                  seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped, turns=turns)
