@@ -107,10 +107,15 @@ def test_demo_three_ranks_with_the_judge(tmp_path, functions):
               'template="Problem: {problem} Answer: {response} Gold: {gold}. Right? yes or no"}]')
     p = torchrun(3, [*TINY_TEXT, f"--run.out_dir={tmp_path}", "--run.steps=10",
                      f"--reward.models={models}", f"--reward.functions={functions}",
-                     "--reward.timeout_s=5"], timeout=900)
+                     "--reward.timeout_s=5", *([] if "geometry" in functions else  # evaluation too
+                                                 ["--run.eval_every=10", "--run.eval_size=4",
+                                                  '--eval.functions=[{name="judge"}]'])], timeout=900)
     assert "reward model 'judge' (judge, tiny-qwen3, float32) loaded on" in p.stdout + p.stderr
     rows = [r for r in metrics(tmp_path) if "reward/judge" in r]
     assert len(rows) == 10
     assert all(0 < r["reward/judge"] < 1 and r["reward/errors"] == 0 for r in rows)
     if "geometry" in functions:
         assert all("reward/format" in r or "reward/accuracy" in r for r in rows)
+    else:
+        evals = [r for r in metrics(tmp_path) if "eval/judge" in r]
+        assert len(evals) == 1 and 0 < evals[0]["eval/judge"] < 1, evals
