@@ -158,5 +158,5 @@ def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None
         m = out[e["name"]] = ModelReward(e, resolve_path(e["path"], run_dir, seed), device, seed)
         if say:
             say(f"reward model {e['name']!r} ({e['kind']}, {e['path']}, {e['dtype']}) loaded on "
-                f"{device} in {m.load_s:.1f} s (before step 1; not counted in reward.timeout_s)")
+                f"{device} in {m.load_s:.2f} s (before step 1; not counted in reward.timeout_s)")
     return out

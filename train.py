@@ -257,8 +257,11 @@ def scorers(cfg: config.Config, world: World, dev: Device, live: failures.Livene
     rc, models = cfg.reward, {}
     if rc.models:
         live.phase(None, "start: loading the reward models")
-        models = reward_models.load(rc.models, Path(cfg.run.out_dir), torch_device(dev, world.local_rank),
-                                    cfg.run.seed, say=(lambda m: print(m, flush=True)) if world.gen_index == 0 else None)
+        try:
+            models = reward_models.load(rc.models, Path(cfg.run.out_dir), torch_device(dev, world.local_rank),
+                                        cfg.run.seed, say=(lambda m: print(m, flush=True)) if world.gen_index == 0 else None)
+        except ConfigError as e:  # found by the generation ranks alone: each says it (exit 4), not rank 0
+            raise failures.Fatal(str(e)) from None
     return [rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts,
                                  sources=data.own_functions(cfg.data), models=models) for fns in lists]
 

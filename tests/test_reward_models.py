@@ -119,3 +119,14 @@ def test_demo_three_ranks_with_the_judge(tmp_path, functions):
     else:
         evals = [r for r in metrics(tmp_path) if "eval/judge" in r]
         assert len(evals) == 1 and 0 < evals[0]["eval/judge"] < 1, evals
+
+
+@pytest.mark.slow
+def test_a_verdict_pair_the_tokenizer_cannot_tell_apart_stops_the_start_with_one_line(tmp_path):
+    models = '[{name="judge", path="tiny-qwen3", kind="judge", no="yak", template="{response} yes or no"}]'
+    p = torchrun(3, [*TINY_TEXT, f"--run.out_dir={tmp_path}", "--run.steps=2", f"--reward.models={models}",
+                     '--reward.functions=[{name="judge"}]'], timeout=300, check=False)
+    assert p.returncode != 0
+    assert ("error: rank 2 (generation) failed during start: loading the reward models: reward.models "
+            "'judge': yes = 'yes' and no = 'yak' start with the same token") in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists() or metrics(tmp_path) == []
