@@ -22,6 +22,7 @@ from errors import ConfigError
 KINDS = ("judge", "classifier")
 ROLES = ("generation", "trainer")
 DTYPES = ("float32", "bfloat16", "float16")
+RESERVED = ("reward", "mean", "errors", "info", "env")  # the score is also the part reward/<name>
 FIELDS = ("response", "gold", "problem")  # what a template may insert
 KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no")
 DEFAULTS = {"role": "generation", "dtype": "float32", "batch_size": 8, "chat": True,
@@ -58,6 +59,7 @@ def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> No
     need(isinstance(name, str) and name.isidentifier(), f"name: expected a name (letters, digits, _), got {name!r}")
     need(name not in functions, f"name: {name!r} is a registered reward function; name the model otherwise")
     need(name not in seen, f"name: {name!r} names an earlier entry too")
+    need(name not in RESERVED, f"name: {name!r} is a metric's or the runner's own key (reward/{name}); name the model otherwise")
     need(isinstance(e.get("path"), str) and e["path"] != "", "path: expected a model folder, hub id or tiny name")
     F.check_model_path(e["path"], f"{key}.path")
     need(e.get("kind") in KINDS, f"kind: expected one of {', '.join(KINDS)}, got {e.get('kind')!r}")

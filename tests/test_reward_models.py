@@ -87,6 +87,7 @@ def test_config_entries_and_names(tmp_path):
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", batch_size=0}]', "batch_size"),
         ('[{name="judge", path="tiny-nope", kind="judge", template="{response}"}]', "reward.models[0].path"),
         ('[{name="geometry", path="tiny-qwen3", kind="classifier"}]', "registered reward function"),
+        ('[{name="errors", path="tiny-qwen3", kind="classifier"}]', "runner's own key"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", colour=1}]', "unknown key"),
     ]
     for models, said in bad:
