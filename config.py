@@ -322,6 +322,7 @@ class RewardConfig:
     extra_functions: list = field(default_factory=list)
     timeout_s: float = num(5.0, "> 0")       # a reward call running longer (from its own start) scores 0, counts an error
     max_consecutive_timeouts: int = num(3, ">= 0")  # a function timing out this often in a row is switched off (0: never)
+    models: list = field(default_factory=list)  # [[reward.models]]: judges, classifiers; each a reward by its name (docs/reward_models.md)
 
 
 @dataclass
@@ -555,7 +556,7 @@ def _toml_value(v: Any) -> str:
 # ----------------------------------------------------------------------------- resume checks
 # Keys that change what a run means: resuming a checkpoint with other values would silently
 # continue a different experiment, so they stop the run unless run.allow_config_change is set.
-# (reward.functions: what reward/mean measures; train.mini_batches, train.ppo_epochs and
+# (reward.functions, reward.models: what reward/mean measures; train.mini_batches, train.ppo_epochs and
 # loss.kl_coef: what one step's update and the loss are; the model.lora_* keys: what trains, and
 # the saved adapters would not fit another rank or target set.) Every other changed key is listed in
 # one line at resume (checkpoint.resume_plan "other_changes").
@@ -565,7 +566,7 @@ MEANING_KEYS = ("model.path", "data.source", "data.sources", "data.n_synthetic",
                 "data.image_crop", "data.delete_text", "loss.advantage_norm", "train.master_dtype",
                 "rollout.group_size", "rollout.prompts_per_step", "loss.objective",
                 "loss.advantage", "loss.aggregation", "cluster.gen_ranks", "train.mini_batches",
-                "train.ppo_epochs", "reward.functions", "loss.kl_coef", "model.lora_rank",
+                "train.ppo_epochs", "reward.functions", "reward.models", "loss.kl_coef", "model.lora_rank",
                 "model.teacher_path", "loss.distill_coef",
                 "model.lora_alpha", "model.lora_target_modules", "model.lora_vision")
 # Optimizer keys: a resumed run applies the values configured now to the restored optimizer and

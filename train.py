@@ -57,6 +57,7 @@ import model
 import multiturn
 import pipeline
 import registry
+import reward_models
 import rewards
 import rollout
 import sync
@@ -104,12 +105,13 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     cfg = config.load(paths, overrides)
     registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
     trainer.check(cfg)  # train.master_dtype against the model keys; model.teacher_path's family
+    models = reward_models.check(cfg.reward.models, rewards.names())  # [[reward.models]]: their names
     for key in ("reward", "eval"):
-        rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions)
+        rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions, models)
     families.check_model_path(cfg.model.path)
     families.check_routing_replay(cfg.model.path, cfg.model.moe_routing_replay)
     engines.check(cfg)  # a known engine, environment and tools (envs/); what the engines need of the rest
-    data.check_sources(cfg.data, rewards.check_functions)  # data.source, or data.sources' entries
+    data.check_sources(cfg.data, functools.partial(rewards.check_functions, models=models))  # data.source(s)
     return cfg
 
 
@@ -234,9 +236,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
-    rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
-    scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
-                            for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
+    scorer, eval_scorer = reward_models.runners(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), (*notes, warmed),
@@ -439,8 +439,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     engine, turns, warmed = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path,
                                           procs, eval_set, evaluation.sampling(cfg.eval, cfg.rollout))
     world.is_root and print(warmed, flush=True)  # (no start-up summary here)
-    scorer = (rewards.RewardRunner(cfg.eval.functions, cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts,
-                                   sources=data.own_functions(cfg.data)) if world.is_gen else None)
+    (scorer,) = reward_models.runners(cfg, world, dev, live, (cfg.eval.functions,))
     step = ckpt.eval_step(checkpoint)  # plain data only, checked at start (ckpt.claim_run_dir)
     m, eps = evaluation.evaluate(world, engine, scorer, eval_set, procs, cfg, version=step,
                                  seed=cfg.run.seed * 7919 + max(step, 0), skipped=skipped, turns=turns)

@@ -49,13 +49,21 @@ def get(name: str) -> RewardFn:
     return REGISTRY[name]
 
 
-def check_functions(key: str, specs: list) -> None:
-    """`reward.functions` / `eval.functions` (`key`) name registered reward functions."""
+def check_functions(key: str, specs: list, models: tuple[str, ...] = ()) -> None:
+    """`reward.functions` / `eval.functions` (`key`) name registered reward functions or the
+    run's reward models (`models`: the `[[reward.models]]` entries' names), which take no
+    params beside the weight."""
     import importlib.util
     for i, spec in enumerate(specs):
+        if spec["name"] in models:
+            extra = sorted(set(spec) - {"name", "weight"})
+            if extra:
+                raise ConfigError(f"{key}[{i}]: reward model {spec['name']!r} takes only a weight, "
+                                  f"got {', '.join(extra)} (its settings are in its [[reward.models]] entry)")
+            continue
         if spec["name"] not in names():
             raise ConfigError(f"{key}[{i}].name: unknown reward {spec['name']!r} "
-                              f"(known: {names()})")
+                              f"(known: {names() + sorted(models)})")
         missing = [p for p in REQUIRES[spec["name"]] if importlib.util.find_spec(p) is None]
         if missing:
             raise ConfigError(f"{key}[{i}].name: reward {spec['name']!r} needs "
@@ -82,11 +90,12 @@ _TIMEOUT = object()  # the outcome of a call that ran past timeout_s or could no
 
 
 class _Call:
-    """One call of one reward function on one response; changed only under its function's lock."""
-    __slots__ = ("response", "sample", "state", "start", "result", "error")
+    """One call of one reward function: on one response, or on a batch of them for a batched
+    function (a reward model); changed only under its function's lock."""
+    __slots__ = ("responses", "samples", "state", "start", "result", "error")
 
-    def __init__(self, response: str, sample: dict[str, Any]) -> None:
-        self.response, self.sample = response, sample
+    def __init__(self, responses: list[str], samples: list[dict[str, Any]]) -> None:
+        self.responses, self.samples = responses, samples
         self.state, self.start = _PENDING, 0.0
         self.result: Any = None
         self.error: BaseException | None = None
@@ -94,13 +103,16 @@ class _Call:
 
 class _Function:
     """One configured reward function: its `workers` daemon threads (started once, never
-    replaced: a hung function holds at most that many, ever) and its state across steps."""
+    replaced: a hung function holds at most that many, ever) and its state across steps.
+    `batched`: a reward model (reward_models.py): ``fn(responses, samples) -> [result, ...]``,
+    called on up to ``fn.batch_size`` responses at once from one thread (one device)."""
 
-    def __init__(self, spec: dict[str, Any], workers: int) -> None:
+    def __init__(self, spec: dict[str, Any], workers: int, batched: Callable | None = None) -> None:
         self.name: str = spec["name"]
-        self.fn = get(self.name)
+        self.fn = batched or get(self.name)
+        self.batch = batched.batch_size if batched else 0  # 0: one response per call
         self.params = {k: v for k, v in spec.items() if k not in ("name", "weight")}
-        self.workers = workers
+        self.workers = 1 if batched else workers
         self.cond = threading.Condition()
         self.queue: collections.deque[_Call] = collections.deque()
         self.running: set[_Call] = set()   # calls in a worker now, this step's or older ones
@@ -112,7 +124,9 @@ class _Function:
         self.timeout_logged = False
 
     def submit(self, responses: list[str], samples: list[dict[str, Any]]) -> list[_Call]:
-        calls = [_Call(r, dict(s)) for r, s in zip(responses, samples)]
+        copies = [dict(s) for s in samples]
+        size = self.batch or 1
+        calls = [_Call(responses[i:i + size], copies[i:i + size]) for i in range(0, len(copies), size)]
         with self.cond:
             if self.closed:
                 raise RuntimeError(f"reward {self.name!r}: called after its runner was closed")
@@ -139,7 +153,8 @@ class _Function:
                 self.running.add(call)
                 self.cond.notify_all()
             try:
-                result, error = self.fn(call.response, call.sample, **self.params), None
+                result, error = (self.fn(call.responses, call.samples, **self.params) if self.batch
+                                 else [self.fn(call.responses[0], call.samples[0], **self.params)]), None
             except BaseException as e:  # noqa: BLE001 - user code: reported by the runner
                 result, error = None, e
             with self.cond:
@@ -191,12 +206,16 @@ class RewardRunner:
     own start), raises, or returns anything but a dict of finite numbers with a ``"reward"``
     scores 0 and counts in ``errors`` (the first of each function logged); one that times out
     ``max_consecutive_timeouts`` times in a row (0: never) is switched off for the runner's
-    life, scoring 0 and one error per sample. The rules in full: docs/data.md.
+    life, scoring 0 and one error per sample. The rules in full: docs/data.md. ``models``: the
+    reward models loaded at start (reward_models.load: entry name -> a batched scorer), each
+    named in the lists like a function and called on a batch of responses at a time (timeout_s
+    per batch).
     """
 
     def __init__(self, functions: list[dict[str, Any]], timeout_s: float,
                  max_consecutive_timeouts: int = 3, workers_per_function: int = 4,
-                 sources: dict[str, list[dict[str, Any]]] | None = None) -> None:
+                 sources: dict[str, list[dict[str, Any]]] | None = None,
+                 models: dict[str, Callable] | None = None) -> None:
         if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
             raise ValueError(f"reward timeout_s must be a number > 0, got {timeout_s!r}")
         if not isinstance(max_consecutive_timeouts, int) or max_consecutive_timeouts < 0:
@@ -213,6 +232,7 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.max_consecutive_timeouts = max_consecutive_timeouts
         self._fns: list[_Function] = []
+        self._models = dict(models or {})
         # each list as (function, weight) in its configured order (the order the total is summed in)
         self._lists = {where: self._functions(specs, workers_per_function)
                        for where, specs in lists.items()}
@@ -227,7 +247,7 @@ class RewardRunner:
             f = next((f for f in self._fns if f.name == spec["name"] and f.params == params
                       and all(f is not g for g, _ in out)), None)
             if f is None:
-                f = _Function(spec, workers)
+                f = _Function(spec, workers, self._models.get(spec["name"]))
                 self._fns.append(f)
             out.append((f, float(spec.get("weight", 1.0))))
         return out
@@ -255,8 +275,8 @@ class RewardRunner:
                 for f in self._fns}  # the samples each function grades, in sample order
         calls = {id(f): f.submit([responses[i] for i in mine[id(f)]], [samples[i] for i in mine[id(f)]])
                  for f in self._fns if not f.disabled and mine[id(f)]}
-        judged = {id(f): dict(zip(mine[id(f)], self._judge(f, f.collect(calls[id(f)], self.timeout_s),
-                                                         [samples[i] for i in mine[id(f)]])))
+        judged = {id(f): dict(zip(mine[id(f)], self._judge(f, calls[id(f)],
+                                                         f.collect(calls[id(f)], self.timeout_s))))
                   for f in self._fns if id(f) in calls}
         out = []
         for i in range(len(responses)):
@@ -277,13 +297,15 @@ class RewardRunner:
             out.append(d)
         return out
 
-    def _judge(self, f: _Function, outcomes: list[Any], samples: list[dict[str, Any]]
+    def _judge(self, f: _Function, calls: list[_Call], outcomes: list[Any]
                ) -> list[tuple[float, list[tuple[str, float]], dict] | None]:
-        """Validate each outcome in sample order, update f's timeout count, log firsts."""
+        """Validate each call's outcome (a batch's: each of its results), in sample order; update
+        f's timeout count (a timed-out batch counts once), log firsts."""
         judged: list[tuple[float, list[tuple[str, float]], dict] | None] = []
-        for sample, o in zip(samples, outcomes):
+        for call, o in zip(calls, outcomes):
+            sample = call.samples[0]
             if o is _TIMEOUT:
-                judged.append(None)
+                judged.extend([None] * len(call.samples))
                 if f.disabled:
                     continue
                 f.timeouts_in_row += 1
@@ -302,19 +324,24 @@ class RewardRunner:
                 continue
             if not f.disabled:
                 f.timeouts_in_row = 0
-            result, error = o
-            if error is None:
-                try:
-                    judged.append(_check(result))
-                    continue
-                except Exception as e:  # noqa: BLE001 - a user object's __float__ may raise anything
-                    error = e
-            judged.append(None)
-            if not f.failure_logged:
-                f.failure_logged = True
-                log.warning(f"reward {f.name!r} failed ({_where(sample)}): {one_line(error)} "
-                            "(first failure, logged once per function; each one scores 0 and "
-                            "counts in reward/errors)")
+            results, error = o
+            if error is None and (not isinstance(results, list) or len(results) != len(call.samples)):
+                error = TypeError(f"returned {type(results).__name__} for a batch of "
+                                  f"{len(call.samples)}, expected a list of as many results")
+            for sample, result in zip(call.samples, results if error is None else [None] * len(call.samples)):
+                bad = error
+                if bad is None:
+                    try:
+                        judged.append(_check(result))
+                        continue
+                    except Exception as e:  # noqa: BLE001 - a user object's __float__ may raise anything
+                        bad = e
+                judged.append(None)
+                if not f.failure_logged:
+                    f.failure_logged = True
+                    log.warning(f"reward {f.name!r} failed ({_where(sample)}): {one_line(bad)} "
+                                "(first failure, logged once per function; each one scores 0 and "
+                                "counts in reward/errors)")
         return judged
 
     def close(self) -> None:

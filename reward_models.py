@@ -1,0 +1,187 @@
+"""Reward models: `[[reward.models]]` entries, each loaded once at start on a generation rank
+(beside its engine) and named in `reward.functions` / `eval.functions` / a source's
+`reward_functions` like a reward function (docs/reward_models.md). A `judge` is a causal LM
+asked a yes/no question (its `template` with the response, the gold answer and the problem
+filled in); its reward is P(yes) / (P(yes) + P(no)) at the position after the prompt (each
+word's first token), from
+one forward, no sampling. A `classifier` is a sequence-classification model; its reward is
+the one logit of a one-label head, else the probability of the last label. Either scores
+a batch of `batch_size` responses per forward (rewards.RewardRunner calls it).
+"""
+from __future__ import annotations
+
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import data
+import device as D
+import failures
+import families as F
+import rewards
+from errors import ConfigError
+
+KINDS = ("judge", "classifier")
+ROLES = ("generation", "trainer")
+DTYPES = ("float32", "bfloat16", "float16")
+RESERVED = ("reward", "mean", "errors", "info", "env")  # the score is also the part reward/<name>
+FIELDS = ("response", "gold", "problem")  # what a template may insert
+KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no")
+DEFAULTS = {"role": "generation", "dtype": "float32", "batch_size": 8, "chat": True,
+            "yes": "yes", "no": "no", "template": ""}
+
+
+def entry(e: dict) -> dict:
+    """An entry with its defaults filled in (the keys: docs/reward_models.md)."""
+    return DEFAULTS | e
+
+
+def check(entries: Any, functions: list[str]) -> tuple[str, ...]:
+    """The `[[reward.models]]` entries' names; a ConfigError naming the entry's key for a bad one
+    (`functions`: the registered reward functions' names, which an entry may not reuse)."""
+    if not isinstance(entries, list):
+        raise ConfigError(f"reward.models: expected a list of [[reward.models]] tables, got {entries!r}")
+    names: list[str] = []
+    for i, raw in enumerate(entries):
+        key = f"reward.models[{i}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{key}: expected a table {{name, path, kind, ...}}, got {raw!r}")
+        _check_entry(key, entry(raw), functions, names)
+        names.append(raw["name"])
+    return tuple(names)
+
+
+def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}.{msg}")
+    for k in e:
+        need(k in KEYS, f"{k}: unknown key (known: {', '.join(KEYS)})")
+    name = e.get("name")
+    need(isinstance(name, str) and name.isidentifier(), f"name: expected a name (letters, digits, _), got {name!r}")
+    need(name not in functions, f"name: {name!r} is a registered reward function; name the model otherwise")
+    need(name not in seen, f"name: {name!r} names an earlier entry too")
+    need(name not in RESERVED, f"name: {name!r} is a metric's or the runner's own key (reward/{name}); name the model otherwise")
+    need(isinstance(e.get("path"), str) and e["path"] != "", "path: expected a model folder, hub id or tiny name")
+    F.check_model_path(e["path"], f"{key}.path")
+    need(e.get("kind") in KINDS, f"kind: expected one of {', '.join(KINDS)}, got {e.get('kind')!r}")
+    need(e["role"] in ROLES, f"role: expected one of {', '.join(ROLES)}, got {e['role']!r}")
+    need(e["role"] == "generation", "role = 'trainer' is not built: a reward model runs on the "
+         "generation ranks, beside the engine (role = 'generation')")
+    need(e["dtype"] in DTYPES, f"dtype: expected one of {', '.join(DTYPES)}, got {e['dtype']!r}")
+    need(type(e["batch_size"]) is int and e["batch_size"] >= 1, f"batch_size: expected an int >= 1, got {e['batch_size']!r}")
+    need(isinstance(e["chat"], bool), f"chat: expected true or false, got {e['chat']!r}")
+    for k in ("yes", "no"):
+        need(isinstance(e[k], str) and e[k] != "", f"{k}: expected a non-empty string, got {e[k]!r}")
+    t = e["template"]
+    need(isinstance(t, str), f"template: expected a string, got {t!r}")
+    try:
+        used = {f for _, f, _, _ in string.Formatter().parse(t) if f is not None}
+    except ValueError as err:
+        raise ConfigError(f"{key}.template: {err} (write a literal brace as {{{{ or }}}})") from None
+    need(used <= set(FIELDS), f"template: unknown field(s) {sorted(used - set(FIELDS))} (known: "
+         f"{', '.join('{' + f + '}' for f in FIELDS)})")
+    if e["kind"] == "judge":
+        need("response" in used, "template: a judge's template must contain {response}")
+    else:
+        need(not (e["chat"] and t), "template: a classifier with chat = true scores the conversation "
+             "(the problem, then the response): set chat = false to score the template's text")
+
+
+class ModelReward:
+    """One loaded entry: ``self(responses, samples) -> [{"reward": x, <name>: x}, ...]`` with one
+    forward per call (``batch_size`` responses at most: rewards.RewardRunner batches)."""
+
+    def __init__(self, e: dict, folder: str, device: torch.device, seed: int) -> None:
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from model import DTYPES as TORCH_DTYPES
+        t0 = time.perf_counter()
+        self.e, self.name, self.batch_size = e, e["name"], e["batch_size"]
+        self.device, self.forwards = device, 0
+        self.tok = AutoTokenizer.from_pretrained(folder)
+        self.tok.padding_side = "right"  # the last real token of each row is read at mask.sum() - 1
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        config = AutoConfig.from_pretrained(folder)
+        cls = F.auto_class(config) if e["kind"] == "judge" else AutoModelForSequenceClassification
+        torch.manual_seed(seed)  # a head the folder lacks (a tiny test model's) starts the same everywhere
+        try:
+            self.model = cls.from_pretrained(folder, dtype=TORCH_DTYPES[e["dtype"]]).to(device).eval()
+        except ValueError as err:  # e.g. no sequence-classification class for this config
+            raise ConfigError(f"reward.models {self.name!r}: cannot load {e['path']} as a {e['kind']} "
+                              f"({str(err).splitlines()[0][:200]})") from None
+        if e["kind"] == "classifier" and self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tok.pad_token_id  # the head reads the last real token
+        if e["kind"] == "judge":  # each word's first token (a byte tokenizer's first letter)
+            self.ids = [self.tok.encode(e[k], add_special_tokens=False)[0] for k in ("yes", "no")]
+            if self.ids[0] == self.ids[1]:
+                raise ConfigError(f"reward.models {self.name!r}: yes = {e['yes']!r} and no = {e['no']!r} "
+                                  f"start with the same token for {e['path']}'s tokenizer")
+        self.load_s = time.perf_counter() - t0
+
+    def text(self, response: str, sample: dict) -> str:
+        """What the model reads for one response (docs/reward_models.md)."""
+        e = self.e
+        fill = {"response": response, "gold": str(sample.get("answer", "")),
+                "problem": str(sample.get("problem", ""))}
+        if e["kind"] == "classifier":
+            if not e["chat"]:
+                return (e["template"] or "{problem}\n{response}").format(**fill)
+            return self.tok.apply_chat_template(
+                [{"role": "user", "content": fill["problem"]},
+                 {"role": "assistant", "content": response}], tokenize=False)
+        body = e["template"].format(**fill)
+        if not e["chat"]:
+            return body
+        return self.tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
+                                            add_generation_prompt=True)
+
+    @torch.no_grad()
+    def __call__(self, responses: list[str], samples: list[dict]) -> list[dict[str, float]]:
+        texts = [self.text(r, s) for r, s in zip(responses, samples)]
+        enc = self.tok(texts, return_tensors="pt", padding=True,
+                       add_special_tokens=not self.e["chat"]).to(self.device)
+        logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+        self.forwards += 1
+        if self.e["kind"] == "judge":
+            last = enc["attention_mask"].sum(1) - 1
+            pair = logits[torch.arange(len(texts), device=logits.device), last][:, self.ids].float()
+            scores = pair.softmax(-1)[:, 0]
+        else:
+            scores = logits[:, 0].float() if logits.shape[-1] == 1 else logits.float().softmax(-1)[:, -1]
+        return [{"reward": x, self.name: x} for x in scores.tolist()]
+
+
+def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None) -> dict[str, ModelReward]:
+    """Every entry loaded (a tiny name built under `run_dir`, as model.path's), timed: entry name
+    -> ModelReward. `say`: where the load line goes (one generation rank's console)."""
+    from model import resolve_path
+    out = {}
+    for raw in entries:
+        e = entry(raw)
+        m = out[e["name"]] = ModelReward(e, resolve_path(e["path"], run_dir, seed), device, seed)
+        if say:
+            say(f"reward model {e['name']!r} ({e['kind']}, {e['path']}, {e['dtype']}) loaded on "
+                f"{device} in {m.load_s:.2f} s (before step 1; not counted in reward.timeout_s)")
+    return out
+
+
+def runners(cfg, world, dev, live, lists: tuple) -> list:
+    """A generation rank's reward runner for each of `lists` (None elsewhere), sharing the
+    [[reward.models]], loaded here once (before step 1, timed apart from reward.timeout_s) on the
+    rank's accelerator, beside its engine."""
+    if not world.is_gen:
+        return [None] * len(lists)
+    rc, models = cfg.reward, {}
+    if rc.models:
+        live.phase(None, "start: loading the reward models")
+        try:
+            models = load(rc.models, Path(cfg.run.out_dir), D.torch_device(dev, world.local_rank),
+                          cfg.run.seed, say=(lambda m: print(m, flush=True)) if world.gen_index == 0 else None)
+        except ConfigError as e:  # found by the generation ranks alone: each says it (exit 4), not rank 0
+            raise failures.Fatal(str(e)) from None
+    return [rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts,
+                                 sources=data.own_functions(cfg.data), models=models) for fns in lists]
