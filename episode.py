@@ -61,6 +61,7 @@ class Completion:
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
     env_reward: float | None = None  # multi-turn: the environment's final reward (envs/), if it gives one
+    reprefilled: int = 0        # multiturn.generate: row tokens prefilled again after a weight arrival
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)

@@ -29,7 +29,8 @@ def _fake_rollout(calls, version=7):
             for k in range(G):
                 r = float(k % 2) if p.index % 3 == 0 else 0.5
                 eps.append(E.Episode(p.index, g, [1], [2], [0.0], r, {}, version, False))
-        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0}
+        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0,
+                     "reprefill_tokens": 2}
     return fake
 
 
@@ -89,7 +90,9 @@ def test_refill_problems_stream():
     assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 2, 1)]
     assert len(R.refill_problems(pool[:3], 10, 1, 1)) == 3
     assert R.refill_metrics([{"refill_rounds": 2, "prompts": 12}, {"refill_rounds": 0, "prompts": 4}]) == \
-        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16}
+        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16, "rollout/reprefill_tokens": 0}
+    assert R.refill_metrics([{"refill_rounds": 0, "prompts": 4, "reprefill_tokens": 30},
+                             {"refill_rounds": 0, "prompts": 4, "reprefill_tokens": 12}])["rollout/reprefill_tokens"] == 42
 
 
 def test_a_source_without_episodes_this_step_logs_frac_zero_and_no_mean():
