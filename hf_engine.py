@@ -79,7 +79,8 @@ class HFEngine:
             result[i // per_row].append(Completion(r[:n], l[:n], truncated=not stopped,
                                                    versions=[] if check is None else
                                                    stop.seen[:n] if self.keep else [version] * n,
-                                                   routing=None if x is None else x[:n], prompt_routing=b))
+                                                   routing=None if x is None else x[:n], prompt_routing=b,
+                                                   kv_kept=self.keep and check is not None))
         return result
 
     def _cut(self, r: list[int]) -> tuple[int, bool]:

@@ -53,7 +53,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=None if check else version), c.truncated, text, c.versions, info,
                                 routing=c.routing, prompt_routing=before, source=p.source,
-                                loss_mask=c.loss_mask, turns=c.turns, images=c.images))
+                                loss_mask=c.loss_mask, turns=c.turns, images=c.images, kv_kept=c.kv_kept))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0,
                       "reprefill_tokens": sum(c.reprefilled for cs in completions for c in cs)}

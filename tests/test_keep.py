@@ -60,6 +60,9 @@ def test_keep_decodes_on_over_the_kept_kv_and_recompute_prefills_again(setup):
     engine, before, c = _run(setup, keep=True)
     assert len(c.ids) >= 4, c.ids  # (seeded: no stop token before the switch)
     assert c.versions == [0] * (SWITCH - 1) + [1] * (len(c.ids) - SWITCH + 1) and c.reprefilled == 0
+    # logprob_diff compares a kept episode's tokens only when its oldest is the trainers' version
+    ep = E.Episode(0, 0, [1], c.ids, c.logprobs, 0.0, {}, 0, False, versions=c.versions, kv_kept=c.kv_kept)
+    assert c.kv_kept and I.compared_versions(ep) == [0] * len(c.ids) and I.token_versions(ep) == c.versions
     # token SWITCH - 1's logprob: the new weights on the KV the old ones computed
     prompt, ids, tk = setup[1][0], c.ids, engine.tokens
     model, after = engine.model, {k: v.clone() for k, v in engine.model.state_dict().items()}
@@ -79,7 +82,7 @@ def test_keep_decodes_on_over_the_kept_kv_and_recompute_prefills_again(setup):
     model.load_state_dict(before)
     _, _, r = _run(setup, keep=False)
     assert r.ids[:SWITCH - 1] == ids[:SWITCH - 1] and r.logprobs[:SWITCH - 1] == pytest.approx(c.logprobs[:SWITCH - 1])
-    assert r.reprefilled == len(prompt) + SWITCH - 1 and set(r.versions) == {0, 1}
+    assert r.reprefilled == len(prompt) + SWITCH - 1 and set(r.versions) == {0, 1} and not r.kv_kept
 
 
 def test_partial_modes_at_load():
