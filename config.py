@@ -198,7 +198,8 @@ class RolloutConfig:
     # k >= 1: "wait" (an engine starts no batch it could not deliver within k versions) or
     # "drop" (it never waits; groups older than k versions are dropped and counted)
     stale: str = one_of("wait", STALE)
-    partial: bool = False                    # k >= 1: new weights reach an engine between decode steps of its batch
+    # k >= 1, new weights between decode steps (docs/async.md): "recompute" (true) prefills again, "keep" (hf) not
+    partial: bool | str = one_of(False, (False, True, "recompute", "keep"))
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)

@@ -106,6 +106,19 @@ def check(lc) -> None:
         raise ConfigError(str(e)) from None
 
 
+def ahead_note(lc, max_staleness: int) -> str | None:
+    """The start-up summary's warning for SkyRL's geometric mask with engines running ahead
+    (`rollout.max_staleness >= 1`): its +-1% window on the geometric mean of w masks almost every
+    token once the behaviour policy is a version or more behind (docs/async.md); None otherwise."""
+    if lc.correction != "geometric_mask" or max_staleness < 1:
+        return None
+    low, high = mode_of(lc)[1:]
+    return (f"warning: loss.correction = \"geometric_mask\" (window [{low}, {high}]) with "
+            f"rollout.max_staleness = {max_staleness}: responses sampled a version or more behind "
+            f"fall outside the window and are masked almost entirely; consider \"token_mask\" or "
+            f"\"icepop\" (docs/async.md)")
+
+
 def weight(mode: str, low: float, high: float, proximal: Tensor, behaviour: Tensor,
            mask: Tensor) -> Tensor:
     """The detached per-token weight ``[B, T]`` of `mode` (rows: responses; `mask`: their kept

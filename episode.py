@@ -36,6 +36,7 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # pictures inserted turns showed (after the problem's)
+    kv_kept: bool = False       # its KV kept across weight loads ("keep"): logprob_diff skips it unless all fresh
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class Completion:
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
     env_reward: float | None = None  # multi-turn: the environment's final reward (envs/), if it gives one
+    reprefilled: int = 0        # multiturn.generate: row tokens prefilled again after a weight arrival
+    kv_kept: bool = False       # hf with rollout.partial = "keep": later tokens decoded over older weights' KV
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)

@@ -28,13 +28,28 @@ class _Changed(StoppingCriteria):
                           device=input_ids.device)
 
 
+class _Kept(StoppingCriteria):
+    """`rollout.partial = "keep"`: never ends the call; after each decode step calls `check()`,
+    which loads newer weights in place (pipeline.Producer.check), so the next step runs them on
+    the past key values as they are. `seen[t]`: the version token t was sampled with."""
+
+    def __init__(self, check: Check, version: int):
+        self.check, self.seen = check, [version]
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.seen.append(self.check())
+        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+
 class HFEngine:
     """transformers generation on this rank's device, with its own copy of the weights (an
     episode.LocalEngine)."""
     OWN_CHANNEL = False
 
-    def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device):
+    def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device,
+                 keep: bool = False):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
+        self.keep = keep  # rollout.partial = "keep": a check's new weights go on the KV as it is
         self.procs, self.tokens, self.device = procs, procs.tokens, device
         # MoE: what each generate call routed is recorded (routing.capture) and kept per token
         self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
@@ -47,21 +62,25 @@ class HFEngine:
     @classmethod
     def from_config(cls, cfg, path: str, procs: I.Processors, *, dev: D.Device,
                     device: torch.device, seed: int, max_images: int = 1) -> "HFEngine":
-        return cls(path, M.DTYPES[cfg.model.dtype], procs, device)
+        return cls(path, M.DTYPES[cfg.model.dtype], procs, device, keep=cfg.rollout.partial == "keep")
 
     def generate(self, rows: list[Prompt], sp: Sampling, seed: int,
                  check: Check | None = None) -> list[list[Completion]]:
         """episode.Engine.generate: one transformers generate call seeded with `seed`; a
-        check ends it at the decode step where its version changes."""
+        check ends it at the decode step where its version changes, or with `keep` its new
+        weights are decoded on with the past key values kept (each token its own version)."""
         version = None if check is None else check()
-        resp, lp, routes, before = self._sample(rows, sp, seed, None if check is None else _Changed(check, version))
+        stop = None if check is None else (_Kept if self.keep else _Changed)(check, version)
+        resp, lp, routes, before = self._sample(rows, sp, seed, stop)
         per_row = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in rows]
         for i, (r, l, x, b) in enumerate(zip(resp, lp, routes, before)):
             n, stopped = self._cut(r)
             result[i // per_row].append(Completion(r[:n], l[:n], truncated=not stopped,
-                                                   versions=[] if check is None else [version] * n,
-                                                   routing=None if x is None else x[:n], prompt_routing=b))
+                                                   versions=[] if check is None else
+                                                   stop.seen[:n] if self.keep else [version] * n,
+                                                   routing=None if x is None else x[:n], prompt_routing=b,
+                                                   kv_kept=self.keep and check is not None))
         return result
 
     def _cut(self, r: list[int]) -> tuple[int, bool]:

@@ -317,6 +317,16 @@ def token_versions(e) -> list[int]:
     return list(getattr(e, "versions", None) or [getattr(e, "version", -1)] * len(e.response_ids))
 
 
+def compared_versions(e) -> list[int]:
+    """What a micro-batch's `token_versions` holds, for logprob_diff (update.py: a token counts
+    where it equals the trainers' version): each token's version, or with the KV kept across a
+    weight load (`rollout.partial = "keep"`, Episode.kv_kept) the episode's oldest on every
+    token, since a later token's logprob also depends on the older weights' KV before it."""
+    if getattr(e, "kv_kept", False):
+        return [min(token_versions(e), default=-1)] * len(e.response_ids)
+    return token_versions(e)
+
+
 def collate(episodes, images: list[list], procs: Processors, device: torch.device,
             layout: RowLayout = RowLayout(), pixels: dict | None = None,
             vision: bool = False) -> MicroBatch:
@@ -380,7 +390,7 @@ def _padded(episodes, images: list[list], procs: Processors, pixels: dict | None
         slots[i, n:n + r] = 1
         resp[i, n:n + r] = torch.tensor(loss_mask(e))[w]
         engine_lp[i, n:n + r] = torch.tensor(e.logprobs, dtype=torch.float32)[w]
-        versions[i, n:n + r] = torch.tensor(token_versions(e))[w]
+        versions[i, n:n + r] = torch.tensor(compared_versions(e))[w]
     pred = slots[:, 1:].nonzero(as_tuple=True)                   # row-major; column t - 1 predicts t
     routed = _routing(ids.shape, [(getattr(e, "routing", None), w) for e, w in zip(episodes, where)],
                       pred, [(e, i, 0, len(p)) for i, (e, p) in enumerate(zip(episodes, prompts))])
@@ -513,7 +523,7 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> tuple:
             resp[i, :n] = torch.tensor(loss_mask(episodes[i]))
             slots[i, :n] = 1
             engine_lp[i, :n] = torch.tensor(episodes[i].logprobs, dtype=torch.float32)
-            versions[i, :n] = torch.tensor(token_versions(episodes[i]))
+            versions[i, :n] = torch.tensor(compared_versions(episodes[i]))
             pred_seq += [k] * n
             pred_col += [seq_col[k] + built[k][0] - 1] + list(range(s, s + n - 1))  # the first
             target_col += list(range(s, s + n))            # is predicted by the prompt's last

@@ -75,7 +75,7 @@ class MicroBatch:
     attention_mask: torch.Tensor        # [rows, W] 1 on real tokens
     response_mask: torch.Tensor         # [B, T] episode order: 1 on the tokens the engine sampled
     engine_logprobs: torch.Tensor       # [B, T] the engine's logprob of each
-    token_versions: torch.Tensor        # [B, T] the weight version each was sampled with, -1 elsewhere
+    token_versions: torch.Tensor        # [B, T] the weight version each was sampled with, -1 elsewhere (inputs.compared_versions)
     attention_pairs: torch.Tensor       # [] the query-key pairs the layout's kernel computes
     episode_tokens: torch.Tensor        # [] prompt + response tokens of every episode, however laid out
     episode_pairs: torch.Tensor         # [] the query-key pairs of one unpadded row per episode

@@ -50,6 +50,8 @@ class _Live:
     replies: int = 0      # the model's finished replies
     images: list = field(default_factory=list)  # pictures the inserted turns showed
     first: Completion | None = None  # the first call's Completion (its prompt routing)
+    cut: bool = False     # the check ended its last call (a new weight version): prefilled again next
+    reprefilled: int = 0  # row tokens prefilled again after weight arrivals (rollout/reprefill_tokens)
 
 
 def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, check: Check | None = None,
@@ -64,7 +66,11 @@ def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, che
     version) or when `turns` inserted a turn after its reply. Within a call an engine seeds as
     it always does (HF: the call's generator; vLLM: row r's samples seed + c * SEED_STRIDE +
     r * n + j), so a given schedule (which calls end where) reproduces its tokens on each engine.
-    Each reply has at most sp.max_new_tokens tokens (and what the episode budget leaves)."""
+    Each reply has at most sp.max_new_tokens tokens (and what the episode budget leaves).
+    A row continued after the check ended its call is prefilled again whole (prompt + tokens so
+    far, as the row holds them: an image one placeholder): `Completion.reprefilled` counts them.
+    An engine that keeps its KV across weight loads (hf with `rollout.partial = "keep"`) never
+    ends a call on a check, so none are."""
     per = 1 if sp.greedy else sp.n
     live = [_Live(p, problems[i] if problems else None) for i, p in enumerate(prompts) for _ in range(per)]
     call = 0
@@ -72,6 +78,8 @@ def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, che
         room = [sp.max_new_tokens - c.reply if turns is None else turns.room(c, sp) for c in todo]
         rows = (prompts if call == 0 else
                 [(c.prompt[0] + c.ids, list(c.prompt[1]) + c.images) for c in todo])
+        for c, (ids, _) in zip(todo, rows if call else ()):
+            c.reprefilled += len(ids) if c.cut else 0
         out = engine.generate(rows, replace(sp, n=sp.n if call == 0 else 1, max_new_tokens=max(room)),
                               seed + call * SEED_STRIDE, check)
         for c, comp, r in zip(todo, [x for cs in out for x in cs], room, strict=True):
@@ -96,7 +104,8 @@ def _add_tokens(c: _Live, comp: Completion, room: int) -> bool:
     c.mask += [1] * n
     c.routing.append((comp.routing[:n] if comp.routing is not None else None, n))
     c.reply += n
-    if comp.truncated and n == len(comp.ids) and n < room:
+    c.cut = comp.truncated and n == len(comp.ids) and n < room
+    if c.cut:
         return False  # ended by the check: the reply goes on in the next call
     c.truncated = comp.truncated or n < len(comp.ids)  # the last reply's: the episode's at its end
     return True
@@ -108,7 +117,7 @@ def _completion(c: _Live, turns: Turns | None) -> Completion:
     return replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
                    versions=_versions(c.versions), routing=_routing(c.routing, many),
                    loss_mask=c.mask if many else [], turns=c.turns, images=c.images,
-                   env_reward=turns.env_reward(c) if many else None)
+                   env_reward=turns.env_reward(c) if many else None, reprefilled=c.reprefilled)
 
 
 def turns(rc, procs: I.Processors) -> Turns | None:

@@ -150,7 +150,8 @@ class Producer:
         """What the engine is handed with partial rollouts (episode.Check): before a batch's
         first token and after each decode step. Raises to stop, or to end the batch on a pause;
         loads the newest weights received (an own-channel engine loaded them itself) and returns
-        their version, so the engine's call ends once newer weights are in."""
+        their version, so the engine's call ends once newer weights are in (or, with
+        `rollout.partial = "keep"`, decodes on under them over its KV as it is)."""
         self._checks += 1
         if self._checks == 2 and not self._held and fault_active("hold_for_weights"):
             self._hold_for_weights()
@@ -244,14 +245,14 @@ class Producer:
         Stats: the batches' summed timings, `dropped` (groups), `queue_groups` (left queued),
         `engine_idle_frac` (since the last take), `position`."""
         out, dropped, stats = [], 0, {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0,
-                                       "refill_rounds": 0}
+                                       "refill_rounds": 0, "reprefill_tokens": 0}
         with self.cv:
             while len(out) < n:
                 self._wait_for_queue()
                 entry = self.queue[0]
                 if entry[2] is not None:  # a batch's timings count once, at its first take
                     for key in stats:
-                        stats[key] = (max if key == "refill_rounds" else sum)((stats[key], entry[2][key]))
+                        stats[key] = (max if key == "refill_rounds" else sum)((stats[key], entry[2].get(key, 0)))
                     entry[2] = None
                 group = entry[1].pop(0)
                 entry[3] += 1

@@ -52,9 +52,10 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=None if check else version), c.truncated, text, c.versions, info,
                                 routing=c.routing, prompt_routing=before, source=p.source,
-                                loss_mask=c.loss_mask, turns=c.turns, images=c.images))
+                                loss_mask=c.loss_mask, turns=c.turns, images=c.images, kv_kept=c.kv_kept))
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
-                      "prompts": len(problems), "refill_rounds": 0}
+                      "prompts": len(problems), "refill_rounds": 0,
+                      "reprefill_tokens": sum(c.reprefilled for cs in completions for c in cs)}
 
 
 def engine_prompts(problems: list, procs: I.Processors, template: str) -> list[Prompt]:
@@ -97,7 +98,7 @@ def rollout_refilled(roll: Callable[..., tuple[list[Episode], dict]], problems: 
     need = len(problems)
     valid: list[list[Episode]] = []
     zero: list[list[Episode]] = []
-    stats = {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0, "refill_rounds": 0}
+    stats = {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0, "refill_rounds": 0, "reprefill_tokens": 0}
     batch, rnd = problems, 0
     while True:
         eps, st = roll(batch, seed=seed + rnd * 1_000_003)
@@ -105,7 +106,7 @@ def rollout_refilled(roll: Callable[..., tuple[list[Episode], dict]], problems: 
             for e in eps:
                 e.group += group_offset
             return eps, st
-        for k in ("generate_s", "reward_s", "prompts"):
+        for k in ("generate_s", "reward_s", "prompts", "reprefill_tokens"):
             stats[k] += st[k]
         if eps:
             flat = torch.tensor([e.reward for e in eps], dtype=torch.float64)
@@ -126,11 +127,13 @@ def rollout_refilled(roll: Callable[..., tuple[list[Episode], dict]], problems: 
 
 def refill_metrics(stats: list[dict]) -> dict[str, float]:
     """`rollout/refill_rounds` (the most any generation rank ran) and `rollout/prompts_drawn`
-    (all ranks, refills included) from the generation ranks' stats; with engines running ahead
+    (all ranks, refills included) and `rollout/reprefill_tokens` (tokens prefilled again after
+    a weight arrival, multiturn.generate; all ranks) from the generation ranks' stats; with engines running ahead
     (pipeline.Producer.take) `rollout/stale_dropped` and `rollout/queue_groups` (summed over the
     ranks) and `time/engine_idle_frac` (their mean)."""
     out = {"rollout/refill_rounds": max((s["refill_rounds"] for s in stats), default=0),
-           "rollout/prompts_drawn": sum(s["prompts"] for s in stats)}
+           "rollout/prompts_drawn": sum(s["prompts"] for s in stats),
+           "rollout/reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in stats)}
     ahead = [s for s in stats if "dropped" in s]
     if ahead:
         out["rollout/stale_dropped"] = sum(s["dropped"] for s in ahead)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import checkpoint as ckpt
 import config
+import correction
 import data
 import engines
 import episode
@@ -272,7 +273,8 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         note = engines.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
                                  cfg.run.steps)
-        for line in filter(None, (note, *s.notes, epochs)):
+        ahead = correction.ahead_note(cfg.loss, cfg.rollout.max_staleness)
+        for line in filter(None, (note, *s.notes, epochs, ahead)):
             rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)

@@ -20,15 +20,19 @@ TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer
 K4 = ["--rollout.max_staleness=4", "--loss.correction=token_mask"]
 
 
-def test_four_ahead_with_partial_rollouts_learns_within_the_bound(tmp_path, monkeypatch):
+@pytest.mark.parametrize("partial", ["true", "keep"])
+def test_four_ahead_with_partial_rollouts_learns_within_the_bound(tmp_path, monkeypatch, partial):
     """k = 4 with partial rollouts learns as the synchronous demo does, within the bound. The
     schedule is pinned on any machine (GRPO_FAULT's hooks, pipeline.py): batch 1 is held after
     its first decode step until version 1 arrives (it spans two versions), and step 1 finds the
-    engine run ahead to the bound (later steps train groups more than one version old)."""
+    engine run ahead to the bound (later steps train groups more than one version old).
+    "recompute" (true) prefills the continued rows again; "keep" never does."""
     monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
     torchrun(3, [*TINY, *TOY, *K4, "--run.steps=32", f"--run.out_dir={tmp_path}",
-                 "--rollout.partial=true"])
+                 f"--rollout.partial={partial}"])
     rows = metrics(tmp_path)
+    again = [r["rollout/reprefill_tokens"] for r in rows]
+    assert (again[1] > 0) if partial == "true" else not any(again), again
     assert all(r["rollout/staleness_max"] <= 4 for r in rows), [r["rollout/staleness_max"] for r in rows]
     assert max(r["rollout/staleness_max"] for r in rows) > 1          # it really ran ahead
     assert rows[1]["rollout/partial_frac"] > 0                        # episodes spanning versions

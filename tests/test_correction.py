@@ -201,3 +201,16 @@ def test_masked_tokens_leave_the_numerator_only(mode):
     masked = float(((w == 0) & mask.bool()).sum() / mask.sum())
     assert m["correction_masked_frac"] == pytest.approx(masked if peer.masks else 0.0)
     assert m["tis_weight_mean"] == pytest.approx(float((w * mask).sum() / mask.sum()))
+
+
+def test_geometric_mask_running_ahead_is_warned_at_start():
+    """SkyRL's +-1% geometric window with engines running ahead: one warning line in the start-up
+    notes (train.start); none for k = 0 or another mode."""
+    cfg = C.load(None, ["--loss.correction=geometric_mask", "--rollout.max_staleness=1"])
+    line = CR.ahead_note(cfg.loss, cfg.rollout.max_staleness)
+    assert line.startswith("warning: loss.correction = \"geometric_mask\" (window [0.99, 1.01])")
+    assert "rollout.max_staleness = 1" in line and "\n" not in line
+    sync = C.load(None, ["--loss.correction=geometric_mask"])
+    assert CR.ahead_note(sync.loss, sync.rollout.max_staleness) is None
+    other = C.load(None, ["--loss.correction=token_mask", "--rollout.max_staleness=4"])
+    assert CR.ahead_note(other.loss, other.rollout.max_staleness) is None

@@ -29,7 +29,8 @@ def _fake_rollout(calls, version=7):
             for k in range(G):
                 r = float(k % 2) if p.index % 3 == 0 else 0.5
                 eps.append(E.Episode(p.index, g, [1], [2], [0.0], r, {}, version, False))
-        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0}
+        return eps, {"generate_s": 1.0, "reward_s": 0.5, "prompts": len(problems), "refill_rounds": 0,
+                     "reprefill_tokens": 2}
     return fake
 
 
@@ -89,4 +90,26 @@ def test_refill_problems_stream():
     assert [p.index for p in a] != [p.index for p in R.refill_problems(pool, 10, 2, 1)]
     assert len(R.refill_problems(pool[:3], 10, 1, 1)) == 3
     assert R.refill_metrics([{"refill_rounds": 2, "prompts": 12}, {"refill_rounds": 0, "prompts": 4}]) == \
-        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16}
+        {"rollout/refill_rounds": 2, "rollout/prompts_drawn": 16, "rollout/reprefill_tokens": 0}
+    assert R.refill_metrics([{"refill_rounds": 0, "prompts": 4, "reprefill_tokens": 30},
+                             {"refill_rounds": 0, "prompts": 4, "reprefill_tokens": 12}])["rollout/reprefill_tokens"] == 42
+
+
+def test_a_source_without_episodes_this_step_logs_frac_zero_and_no_mean():
+    """data.sources' per-step metrics: every source's `data/<name>/frac` in every step (0.0 for
+    one with no episodes), `reward/<name>/mean` left out for it (docs/metrics.md), and
+    launch/plot.py's series skips the steps that lack it."""
+    import importlib.util
+    import pathlib
+    eps = [E.Episode(0, 0, [1], [2], [0.0], r, {}, 0, False, source="geo") for r in (1.0, 0.0)]
+    m = R.episode_metrics(eps, [{"generate_s": 1.0, "reward_s": 0.0, "prompts": 1, "refill_rounds": 0}],
+                          0, ["geo", "txt"])
+    assert m["data/geo/frac"] == 1.0 and m["data/txt/frac"] == 0.0
+    assert m["reward/geo/mean"] == 0.5 and "reward/txt/mean" not in m
+    path = pathlib.Path(__file__).parents[1] / "launch" / "plot.py"
+    spec = importlib.util.spec_from_file_location("plot", path)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    rows = [{"step": 0, **m}, {"step": 1, "reward/txt/mean": 0.25, "data/txt/frac": 0.5}]
+    assert plot.series(rows, "reward/txt/mean") == ([1], [0.25])
+    assert plot.series(rows, "data/txt/frac") == ([0, 1], [0.0, 0.5])
