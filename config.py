@@ -195,9 +195,8 @@ class RolloutConfig:
     # k >= 1: the engines generate up to k weight versions ahead of the trainers, into a queue
     # (pipeline.py, docs/async.md); 0: synchronous. Needs a loss.correction (or loss.tis_cap).
     max_staleness: int = num(0, ">= 0")
-    # k >= 1: "wait" (an engine starts no batch it could not deliver within k versions) or
-    # "drop" (it never waits; groups older than k versions are dropped and counted)
-    stale: str = one_of("wait", STALE)
+    # k >= 1: "wait" (no batch starts that could not be delivered within k versions) or "drop"
+    stale: str = one_of("wait", STALE)  # (it never waits; groups older than k are dropped and counted)
     # k >= 1, new weights between decode steps (docs/async.md): "recompute" (true) prefills again, "keep" (hf) not
     partial: bool | str = one_of(False, (False, True, "recompute", "keep"))
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine

@@ -10,6 +10,7 @@ import time
 
 import torch.distributed as dist
 
+import correction
 import envs
 import failures
 import multiturn
@@ -26,6 +27,13 @@ def engine_class(name: str) -> type:
         raise ConfigError(f"rollout.engine must be {' or '.join(map(repr, ENGINES))}, got {name!r}")
     module, _, cls = ENGINES[name].rpartition(".")
     return getattr(importlib.import_module(module), cls)
+
+
+def start_notes(cfg, config) -> list[str]:
+    """The start-up summary's lines on the engines: what the engine decided from the model's
+    `config` (vLLM: prefix caching) and a correction that cannot work running ahead."""
+    return [engine_class(cfg.rollout.engine).start_note(cfg.rollout, config),
+            correction.ahead_note(cfg.loss, cfg.rollout.max_staleness)]
 
 
 def check(cfg) -> None:

@@ -44,7 +44,6 @@ import torch.distributed as dist
 
 import checkpoint as ckpt
 import config
-import correction
 import data
 import engines
 import episode
@@ -270,11 +269,9 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         if s.eval_skipped:
             rec.say(f"   note: {s.eval_skipped} rows of the {cfg.eval.split} split skipped for "
                     "evaluation (prompts over data.max_prompt_len or bad rows; eval/skipped_rows)")
-        note = engines.engine_class(cfg.rollout.engine).start_note(cfg.rollout, model.load_config(s.model_path))
         epochs = data.epoch_line(len(s.problems), cfg.rollout.prompts_per_step, len(world.trainers),
                                  cfg.run.steps)
-        ahead = correction.ahead_note(cfg.loss, cfg.rollout.max_staleness)
-        for line in filter(None, (note, *s.notes, epochs, ahead)):
+        for line in filter(None, (*engines.start_notes(cfg, model.load_config(s.model_path)), *s.notes, epochs)):
             rec.say(f"   {line}")
     if cfg.eval.before_start and progress.step == 0:
         run_eval(cfg, world, s, rec, after=0, version=progress.version)
