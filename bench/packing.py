@@ -96,7 +96,8 @@ def run(a) -> dict:
     policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
-    tr = dict(policy=policy, ref=None, base_ref=False, device=device, pixels={}, kl_coef=None, version=0)
+    tr = dict(policy=policy, ref=None, base_ref=False, device=device, pixels={}, kl_coef=None, version=0,
+              teacher=None, base_teacher=False)
     base = [f"--rollout.max_new_tokens={a.max_new_tokens}", f"--rollout.group_size={a.group}",
             f"--train.micro_batch_size={a.rows}", f"--train.share_prompt={str(a.share_prompt).lower()}"]
     packed = f"--train.packing={a.layout or 'true'}"

@@ -338,16 +338,14 @@ def micro_batch_shapes(s, procs, device) -> list[dict]:
     """Each micro-batch of the step's one update as collated: tokens through the model, predicted
     tokens, query-key pairs, each image's patches."""
     import inputs as I
-    from microbatches import packing, shares_prompt
     u, out = s.updates[0], []
     for mb in u.plan:
         eps = [s.episodes[u.idx[j]] for j in mb]
         b = I.collate(eps, [I.episode_images(s.images, e) for e in eps], procs, device,
-                      share_prompt=shares_prompt(s.tc, procs), pixels=s.tr.pixels,
-                      packing=packing(s.tc, device))
-        grid = b.get("image_grid_thw")
-        out.append({"tokens": int(b["attention_mask"].sum()), "predicted": int(b["response_mask"].sum()),
-                    "pairs": int(b["attention_pairs"]), "rows": int(b["input_ids"].shape[0]),
+                      s.tr.layout, s.tr.pixels)
+        grid = b.image_grid_thw
+        out.append({"tokens": int(b.attention_mask.sum()), "predicted": int(b.response_mask.sum()),
+                    "pairs": int(b.attention_pairs), "rows": int(b.input_ids.shape[0]),
                     "patches": [] if grid is None else [int(g.prod()) for g in grid]})
     return out
 
@@ -400,16 +398,16 @@ def run_grpo(a) -> dict:
     T.quiet_view_warning()  # as trainer.build
     path, procs, eps, images, cfg, U, world = grpo_setup(a, device)
     model = grpo_model(a.model, path, device)
-    layout = MB.packing(cfg.train, device)
-    model.set_attn_implementation(M.attention_for(layout))
+    layout = MB.resolve_layout(cfg.train, procs, path, device)[0]  # as train.set_up decides it
+    model.set_attn_implementation(M.attention_for(layout.packed))
     policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(policy)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6,
                             **D.adamw_options(dev.kind))
     from types import SimpleNamespace
-    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, device=device, pixels={},
-                         kl_coef=None, version=0, opt=opt)
+    tr = SimpleNamespace(policy=policy, ref=None, base_ref=False, teacher=None, base_teacher=False,
+                         device=device, pixels={}, kl_coef=None, version=0, opt=opt, layout=layout)
     s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
     U.plan(s)
     U.denominators(s)
@@ -434,7 +432,7 @@ def run_grpo(a) -> dict:
     K = len(shapes)
     out = {"mode": "grpo", "model": a.model, "device": D.device_name(dev),
            "dtype": "bf16-mixed" if a.bf16 else "fp32", "checkpointing": a.checkpointing,
-           "layout": layout or "padded",
+           "layout": layout.packed or "padded",
            "adamw": D.TABLE[dev.kind].adamw, "episodes": len(eps), "micro_batches": K,
            "micro_batch_tokens": a.mb_tokens,
            "tokens": sum(b["tokens"] for b in shapes), "predicted_tokens": sum(b["predicted"] for b in shapes),
