@@ -31,7 +31,12 @@ def check(cfg) -> None:
         if not ok:
             raise ConfigError(msg)
     engine_class(ro.engine)
-    envs.check(ro.env, ro.tools)
+    envs.check(ro.env, ro.tools, ro.env_args)
+    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])
+           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        need(specs != [] or envs.grades(ro.env) or (key == "reward.functions" and lo.distill_coef > 0),
+             f"{key}: at least one reward function is needed (rollout.env = {ro.env!r} gives no reward)")
     need(not envs.extra_images(ro.env) or not (tc.share_prompt or tc.packing not in (False, "auto")),
          f"rollout.env={ro.env} shows images in its turns: they need one row per episode "
          "(train.share_prompt = false, train.packing = false)")

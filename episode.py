@@ -60,7 +60,7 @@ class Completion:
     loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
-    env_reward: float | None = None  # multi-turn: the environment's final reward (envs/), if it gives one
+    env_reward: float | None = None  # multi-turn: the environment's reward (its turns', envs.episode_reward), if any
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)

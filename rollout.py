@@ -26,12 +26,15 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     across steps). `version`: the engine's weight version, or the check an engine driven ahead
     is handed (episode.Check: each token then records its own). Returns (episodes, timings)."""
     tokenizer = procs.tokenizer
-    prompts = [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images)
-               for p in problems]
+    # an environment's episodes start from its reset: their states, and its first user text
+    firsts, states = (turns.start(problems, 1 if sp.greedy else sp.n, seed) if turns is not None
+                      else ([None] * len(problems), None))
+    prompts = [(I.prompt_ids(procs, data.user_text(p, template) if first is None else first,
+                             len(p.images)), p.images) for p, first in zip(problems, firsts)]
     t0 = time.perf_counter()
     check = version if callable(version) else None
     completions = (multiturn.generate(engine, prompts, sp, seed, check=check, turns=turns,
-                                      problems=problems) if prompts else [])
+                                      problems=problems, states=states) if prompts else [])
     t_gen = time.perf_counter() - t0
     rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
@@ -48,7 +51,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     episodes = []
     for (g, p, ids, c, before), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
-        if c.env_reward is not None:  # the environment's own grade: a part, added to the total
+        if c.env_reward is not None:  # the environment's (its turns' rewards): a part, added to the total
             parts["env"], total = c.env_reward, total + c.env_reward
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=None if check else version), c.truncated, text, c.versions, info,
