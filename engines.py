@@ -32,11 +32,7 @@ def check(cfg) -> None:
             raise ConfigError(msg)
     engine_class(ro.engine)
     envs.check(ro.env, ro.tools, ro.env_args)
-    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])
-           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
-    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
-        need(specs != [] or envs.grades(ro.env) or (key == "reward.functions" and lo.distill_coef > 0),
-             f"{key}: at least one reward function is needed (rollout.env = {ro.env!r} gives no reward)")
+    _check_rewarded(cfg, need)
     need(not envs.extra_images(ro.env) or not (tc.share_prompt or tc.packing not in (False, "auto")),
          f"rollout.env={ro.env} shows images in its turns: they need one row per episode "
          "(train.share_prompt = false, train.packing = false)")
@@ -53,6 +49,18 @@ def check(cfg) -> None:
          "one device)")
     if ro.engine == "vllm":
         _check_vllm(cfg, need)
+
+
+def _check_rewarded(cfg, need) -> None:
+    """Each reward-function list (training, evaluation, a source's own) holds a function, or the
+    environment grades (envs.grades), or reward.functions is empty for reward-free distillation."""
+    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])
+           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    env = cfg.rollout.env
+    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        need(specs != [] or envs.grades(env) or (key == "reward.functions" and cfg.loss.distill_coef > 0),
+             f"{key}: at least one reward function is needed"
+             + (f" (rollout.env = {env!r} gives no reward)" if env else ""))
 
 
 def _check_vllm(cfg, need) -> None:

@@ -51,18 +51,18 @@ def test_each_move_is_graded_and_the_goal_or_a_hole_ends_the_episode():
 
 
 def test_env_args_are_checked_at_load_in_one_line():
-    cfg = load_config([TEXT, PRESET], ["--rollout.env_args.size=6"])
+    cfg = load_config([TEXT, PRESET], ["--rollout.env_args={size=6}"])
     assert cfg.rollout.env_args == {"size": 6, "holes": 0.2, "turn_rewards": "sum", "goal_reward": 1.0,
                                     "hole_reward": 0.0, "step_reward": 0.0, "invalid_reward": -0.1}
     assert cfg.reward.functions == []                    # the environment grades: no function
-    for bad, match in (("--rollout.env_args.sise=6", r"rollout.env_args.sise: not a key of environment 'frozenlake' \(known: size, holes"),
-                       ("--rollout.env_args.size=4.5", "rollout.env_args.size: expected int, got 4.5"),
-                       ("--rollout.env_args.size=1", r"rollout.env_args.size must be in \[2, 16\], got 1"),
-                       ("--rollout.env_args.turn_rewards='mean'", "turn_rewards: unknown 'mean'")):
+    for bad, match in (("--rollout.env_args={sise=6}", r"rollout.env_args.sise: not a key of environment 'frozenlake' \(known: size, holes"),
+                       ("--rollout.env_args={size=4.5}", "rollout.env_args.size: expected int, got 4.5"),
+                       ("--rollout.env_args={size=1}", r"rollout.env_args.size must be in \[2, 16\], got 1"),
+                       ("--rollout.env_args={turn_rewards='mean'}", "turn_rewards: unknown 'mean'")):
         with pytest.raises(ConfigError, match=match):
             load_config([TEXT, PRESET], [bad])
     with pytest.raises(ConfigError, match=r"rollout.env_args \(size\) set without rollout.env"):
-        load_config(TEXT, ["--rollout.env_args.size=4"])
+        load_config(TEXT, ["--rollout.env_args={size=4}"])
     with pytest.raises(ConfigError, match="reward.functions: at least one reward function is needed "
                                           r"\(rollout.env = 'recheck' gives no reward\)"):
         load_config([TEXT, PRESET], ["--rollout.env=recheck", "--rollout.env_args={}"])
