@@ -57,7 +57,7 @@ class FrozenLake(Environment):
     def step(self, state: Board, conversation: list[dict]) -> tuple[str | None, float]:
         moves = _MOVE.findall(conversation[-1]["content"])
         if not moves:
-            return f"No move found. {RULES}\n{state.show()}", self.args.invalid_reward
+            return f"No move found: answer left, right, up or down.\n{state.show()}", self.args.invalid_reward
         dr, dc = MOVES[moves[-1].lower()]
         n = state.size
         state.pos = (min(max(state.pos[0] + dr, 0), n - 1), min(max(state.pos[1] + dc, 0), n - 1))

@@ -144,7 +144,8 @@ def test_a_frozenlake_run_with_no_reward_function_on_both_engines(tmp_path, monk
     assert len(rows) == 3
     for r in rows:
         assert r["reward/mean"] == pytest.approx(r["reward/env"]) and r["reward/errors"] == 0, r
-        assert 1.0 <= r["rollout/turns_mean"] <= 6.0 and "rollout/turn_reward_mean" in r, r
+        # the preset's 6 turns (a random tiny model names no move: it walks until max_turns)
+        assert 2.0 < r["rollout/turns_mean"] <= 6.0 and "rollout/turn_reward_mean" in r, r
         assert not any(k.startswith("reward/") and k not in ("reward/mean", "reward/env", "reward/errors")
                        for k in r), r
     assert max(r["logprob_diff/max"] for r in rows) <= 1e-4
