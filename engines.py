@@ -32,6 +32,7 @@ def check(cfg) -> None:
             raise ConfigError(msg)
     engine_class(ro.engine)
     envs.check(ro.env, ro.tools, ro.env_args)
+    envs.check_sources(ro.env, cfg.data.sources)  # a source's own env_args
     _check_rewarded(cfg, need)
     need(not envs.extra_images(ro.env) or not (tc.share_prompt or tc.packing not in (False, "auto")),
          f"rollout.env={ro.env} shows images in its turns: they need one row per episode "
@@ -102,7 +103,8 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
         engine = build_engine(cfg, model_path, procs, dev=dev, device=device,
                               seed=cfg.run.seed + world.gen_index,
                               max_images=max((len(p.images) for p in problems), default=0))
-        turns = multiturn.turns(cfg.rollout, procs)  # None for single-turn episodes
+        own = {e["name"]: e["env_args"] for e in cfg.data.sources if "env_args" in e}  # a source's env keys
+        turns = multiturn.turns(cfg.rollout, procs, own)  # None for single-turn episodes
     live.phase(None, "start: waiting for every engine to start")
     failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
     live.phase(None, "start-up")

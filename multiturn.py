@@ -116,17 +116,20 @@ def _completion(c: _Live, turns: Turns | None) -> Completion:
                    env_reward=turns.env_reward(c) if many else None)
 
 
-def turns(rc, procs: I.Processors) -> Turns | None:
-    """The turn rule of a run with an environment or tools (`[rollout]` rc), else None."""
-    return Turns(rc, procs) if (rc.env or rc.tools) else None
+def turns(rc, procs: I.Processors, sources: dict | None = None) -> Turns | None:
+    """The turn rule of a run with an environment or tools (`[rollout]` rc), else None;
+    `sources`: data.sources' own env_args (source name -> keys over rc.env_args)."""
+    return Turns(rc, procs, sources) if (rc.env or rc.tools) else None
 
 
 class Turns:
     """What follows a reply in a multi-turn rollout (see the module docstring)."""
 
-    def __init__(self, rc, procs: I.Processors):
+    def __init__(self, rc, procs: I.Processors, sources: dict | None = None):
         self.procs = procs
         self.env = envs.get(rc.env, rc.env_args) if rc.env else None
+        # a source with env_args of its own: an instance of its own, for its problems
+        self.envs = {name: envs.get(rc.env, {**rc.env_args, **args}) for name, args in (sources or {}).items()}
         self.env_name = rc.env
         self.runner = None
         if rc.tools:
@@ -142,7 +145,7 @@ class Turns:
             return [None] * len(problems), [None] * (len(problems) * per)
         texts, states = [], []
         for g, p in enumerate(problems):
-            starts = [self.env.reset(p, episode_seed(seed, g)) for _ in range(per)]
+            starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]
             texts.append(starts[0][1])
             states += [state for state, _ in starts]
         return texts, states
@@ -196,7 +199,7 @@ class Turns:
                 return out
         if self.env is None:
             return []
-        msg, reward = self.env.step(c.state, c.turns)
+        msg, reward = self._env(c.problem).step(c.state, c.turns)
         if reward is not None:
             c.turns[-1]["reward"] = envs.turn_reward(self.env_name, reward)
         if msg is None:
@@ -207,7 +210,12 @@ class Turns:
         """The episode's environment reward from its replies' (envs.episode_reward), if any."""
         if self.env is None:
             return None
-        return envs.episode_reward([t["reward"] for t in c.turns if "reward" in t], self.env.args.turn_rewards)
+        return envs.episode_reward([t["reward"] for t in c.turns if "reward" in t],
+                                   self._env(c.problem).args.turn_rewards)
+
+    def _env(self, problem) -> envs.Environment:
+        """The environment of `problem`'s source (its own env_args), else the run's."""
+        return self.envs.get(getattr(problem, "source", None), self.env)
 
     def close(self) -> None:
         if self.runner is not None:

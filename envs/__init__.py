@@ -24,7 +24,8 @@ For a VLM a message may show pictures: ``{"role": "user", "content": [{"type": "
 The per-turn rewards are kept on the assistant turns (``"reward"``) and make the episode's
 environment reward: their sum, or the last one, as the common key ``turn_rewards = "sum" |
 "last"`` says (every environment takes it). That reward is the reward part `env`, added to the
-reward functions' total; an environment that grades (``grades = True``) lets a run configure
+reward functions' total; a data.sources entry's own ``env_args`` table overrides the run's keys
+for its problems (one instance per such source); an environment that grades (``grades = True``) lets a run configure
 no reward function (reward.functions = []). Tool calls (`rollout.tools`, envs.tools) are
 answered before the environment is asked. Every module of this package is imported on first use,
 so a new environment is a new file here with ``@register("name")`` on its class
@@ -89,34 +90,45 @@ def check(env: str, tools: list, args: dict | None = None) -> None:
     if env and env not in names():
         raise ConfigError(f"rollout.env: unknown environment {env!r} (known: {', '.join(names())})")
     if args is not None:
-        _check_args(env, args)
+        _check_args(env, args, fill=True)
     if tools:
         load()
         from envs import tools as T
         T.check_tools(list(tools))
 
 
-def _check_args(env: str, args: dict) -> None:
+def _check_args(env: str, args: dict, where: str = "rollout.env_args", fill: bool = False) -> None:
+    """`args` (the table at `where`) holds keys of environment `env`, each of its type and range
+    (converted in place); `fill`: the defaults of the others added. ConfigError naming the key."""
     import config as C
     if not isinstance(args, dict):
-        raise ConfigError(f"rollout.env_args: expected a table of the environment's keys, got {args!r}")
+        raise ConfigError(f"{where}: expected a table of the environment's keys, got {args!r}")
     if args and not env:
-        raise ConfigError(f"rollout.env_args ({', '.join(args)}) set without rollout.env")
+        raise ConfigError(f"{where} ({', '.join(args)}) set without rollout.env")
     if not env:
         return
     keys = REGISTRY[env].keys
     for k, v in list(args.items()):
         if k == "turn_rewards":
             if v not in TURN_REWARDS:
-                raise ConfigError(f"rollout.env_args.turn_rewards: unknown {v!r} (known: {', '.join(TURN_REWARDS)})")
+                raise ConfigError(f"{where}.turn_rewards: unknown {v!r} (known: {', '.join(TURN_REWARDS)})")
             continue
         if k not in keys:
-            raise ConfigError(f"rollout.env_args.{k}: not a key of environment {env!r} (known: "
+            raise ConfigError(f"{where}.{k}: not a key of environment {env!r} (known: "
                               f"{', '.join([*keys, 'turn_rewards'])})")
-        args[k] = C.check_value(f"rollout.env_args.{k}", v, keys[k].default, keys[k].rule)
-    for k, key in keys.items():
+        args[k] = C.check_value(f"{where}.{k}", v, keys[k].default, keys[k].rule)
+    for k, key in keys.items() if fill else ():
         args.setdefault(k, key.default)
-    args.setdefault("turn_rewards", "sum")
+    if fill:
+        args.setdefault("turn_rewards", "sum")
+
+
+def check_sources(env: str, sources: list) -> None:
+    """Each data.sources entry's own `env_args` (its keys over `[rollout.env_args]`' for its
+    problems): keys of environment `env`; ConfigError naming the key otherwise."""
+    for i, e in enumerate(sources):
+        if isinstance(e, dict) and "env_args" in e:
+            _check_args(env, e["env_args"], f"data.sources[{i}].env_args")
 
 
 def schemas(tools: list) -> tuple:
@@ -142,7 +154,7 @@ def get(name: str, args: dict | None = None) -> Environment:
     """A new instance of environment `name` with its keys `args` (checked; defaults for the rest)."""
     load()
     args = dict(args or {})
-    _check_args(name, args)
+    _check_args(name, args, fill=True)
     return REGISTRY[name](SimpleNamespace(**args))
 
 

@@ -119,6 +119,24 @@ def test_the_last_move_is_graded_when_max_turns_ends_the_episode(tiny_dir):
     assert states[0].pos == (1, 0)
 
 
+def test_a_source_with_env_args_of_its_own_gets_an_instance_of_its_own(tiny_dir):
+    """data.sources' own env_args override [rollout.env_args] for that source's problems (its
+    board size here); checked at load naming the entry's key."""
+    import dataclasses
+    procs = I.load_processors(tiny_dir("qwen3"), 56 * 56, 112 * 112)
+    rc = C.RolloutConfig(env="frozenlake", env_args={"size": 3})
+    turns = MT.turns(rc, procs, {"big": {"size": 6}})
+    small, big = (dataclasses.replace(p, source=s) for p, s in
+                  zip(synthetic.make_synthetic_text(2, seed=1), ("other", "big")))
+    texts, states = turns.start([small, big], 2, 0)
+    assert [b.size for b in states] == [3, 3, 6, 6] and len(texts[1].splitlines()) == 1 + 6
+    entry = '{name = "a", source = "synthetic-text", weight = 1, env_args = {%s}}'
+    cfg = load_config([TEXT, PRESET], [f"--data.sources=[{entry % 'size = 6'}]"])
+    assert cfg.data.sources[0]["env_args"] == {"size": 6}
+    with pytest.raises(ConfigError, match=r"^data.sources\[0\].env_args.size must be in \[2, 16\], got 20$"):
+        load_config([TEXT, PRESET], [f"--data.sources=[{entry % 'size = 20'}]"])
+
+
 def test_an_environment_must_subclass_the_base_and_give_finite_rewards():
     with pytest.raises(ValueError, match="must subclass envs.Environment"):
         envs.register("test_not_an_env")(type("X", (), {}))
