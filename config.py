@@ -218,6 +218,7 @@ class RolloutConfig:
     # max_turns replies of max_new_tokens with an inserted turn of at most 1,024 tokens between
     # each two: multiturn.episode_budget). Inserted tokens never train.
     env: str = ""
+    env_args: dict = field(default_factory=dict)  # [rollout.env_args]: the environment's own keys (envs/)
     tools: list = field(default_factory=list)
     tool_timeout_s: float = num(5.0, "> 0")
     max_tool_calls: int = num(4, ">= 1")
@@ -494,9 +495,8 @@ def _check_functions(cfg: Config, need) -> None:
     own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])  # a source's own
            for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
     for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
-        if key == "reward.functions" and specs == [] and cfg.loss.distill_coef > 0:
-            continue  # reward-free distillation: the teacher's per-token signal alone
-        need(isinstance(specs, list) and len(specs) > 0, f"{key}: at least one reward function is needed")
+        # an empty list: engines.check (allowed for reward-free distillation, an environment that grades)
+        need(isinstance(specs, list), f"{key}: expected a list of reward-function tables, got {specs!r}")
         for i, spec in enumerate(specs):
             need(isinstance(spec, dict) and isinstance(spec.get("name"), str),
                  f"{key}[{i}]: expected a table with a 'name', got {spec!r}")

@@ -358,7 +358,7 @@ def prepare_problem(p: Problem, dc) -> Problem:
 
 # ---------------------------------------------------------------- several sources (data.sources)
 SOURCE_KEYS = ("name", "source", "weight", "problem_column", "answer_column", "images_column",
-               "reward_functions", "splits")  # the keys of one data.sources entry (docs/data.md, Mixing)
+               "reward_functions", "splits", "env_args")  # the keys of one data.sources entry (docs/data.md, Mixing)
 
 
 class Source(NamedTuple):

@@ -46,7 +46,9 @@ def check(cfg) -> None:
         if not ok:
             raise ConfigError(msg)
     engine_class(ro.engine)
-    envs.check(ro.env, ro.tools)
+    envs.check(ro.env, ro.tools, ro.env_args)
+    envs.check_sources(ro.env, cfg.data.sources)  # a source's own env_args
+    _check_rewarded(cfg, need)
     need(not envs.extra_images(ro.env) or not (tc.share_prompt or tc.packing not in (False, "auto")),
          f"rollout.env={ro.env} shows images in its turns: they need one row per episode "
          "(train.share_prompt = false, train.packing = false)")
@@ -66,6 +68,18 @@ def check(cfg) -> None:
          "one device)")
     if ro.engine == "vllm":
         _check_vllm(cfg, need)
+
+
+def _check_rewarded(cfg, need) -> None:
+    """Each reward-function list (training, evaluation, a source's own) holds a function, or the
+    environment grades (envs.grades), or reward.functions is empty for reward-free distillation."""
+    own = [(f"data.sources[{i}].reward_functions", e["reward_functions"])
+           for i, e in enumerate(cfg.data.sources) if isinstance(e, dict) and "reward_functions" in e]
+    env = cfg.rollout.env
+    for key, specs in (("reward.functions", cfg.reward.functions), ("eval.functions", cfg.eval.functions), *own):
+        need(specs != [] or envs.grades(env) or (key == "reward.functions" and cfg.loss.distill_coef > 0),
+             f"{key}: at least one reward function is needed"
+             + (f" (rollout.env = {env!r} gives no reward)" if env else ""))
 
 
 def _check_vllm(cfg, need) -> None:
@@ -110,7 +124,8 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
         engine = build_engine(cfg, model_path, procs, dev=dev, device=device,
                               seed=cfg.run.seed + world.gen_index,
                               max_images=max((len(p.images) for p in problems), default=0))
-        turns = multiturn.turns(cfg.rollout, procs)  # None for single-turn episodes
+        own = {e["name"]: e["env_args"] for e in cfg.data.sources if "env_args" in e}  # a source's env keys
+        turns = multiturn.turns(cfg.rollout, procs, own)  # None for single-turn episodes
         live.phase(None, "start: the engine's warm-up request")
         seconds = warm_up(engine, sp, prompt, seed=cfg.run.seed)
     live.phase(None, "start: waiting for every engine to start")

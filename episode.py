@@ -61,7 +61,7 @@ class Completion:
     loss_mask: list[int] = field(default_factory=list)  # multi-turn (multiturn.py); [] = all sampled
     turns: list[dict] = field(default_factory=list)
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
-    env_reward: float | None = None  # multi-turn: the environment's final reward (envs/), if it gives one
+    env_reward: float | None = None  # multi-turn: the environment's reward (its turns', envs.episode_reward), if any
     reprefilled: int = 0        # multiturn.generate: row tokens prefilled again after a weight arrival
     kv_kept: bool = False       # hf with rollout.partial = "keep": later tokens decoded over older weights' KV
 

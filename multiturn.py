@@ -38,6 +38,7 @@ class _Live:
     """One sample being generated: its prompt (ids, images) and what follows it."""
     prompt: Prompt
     problem: object
+    state: object = None  # the environment's per-episode state (envs.Environment.reset)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list = field(default_factory=list)
@@ -55,7 +56,8 @@ class _Live:
 
 
 def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, check: Check | None = None,
-             turns: Turns | None = None, problems: list | None = None) -> list[list[Completion]]:
+             turns: Turns | None = None, problems: list | None = None,
+             states: list | None = None) -> list[list[Completion]]:
     """sp.n samples of each prompt (1 when greedy), each continued until it ends: the one loop
     that grows rows, for partial rollouts and multi-turn episodes alike, on any engine.
 
@@ -70,9 +72,12 @@ def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, che
     A row continued after the check ended its call is prefilled again whole (prompt + tokens so
     far, as the row holds them: an image one placeholder): `Completion.reprefilled` counts them.
     An engine that keeps its KV across weight loads (hf with `rollout.partial = "keep"`) never
-    ends a call on a check, so none are."""
+    ends a call on a check, so none are. `states`: each sample's environment state, in sample
+    order (Turns.start; None: none)."""
     per = 1 if sp.greedy else sp.n
     live = [_Live(p, problems[i] if problems else None) for i, p in enumerate(prompts) for _ in range(per)]
+    for c, state in zip(live, states or [], strict=bool(states)):
+        c.state = state
     call = 0
     while todo := [c for c in live if not c.done]:
         room = [sp.max_new_tokens - c.reply if turns is None else turns.room(c, sp) for c in todo]
@@ -120,41 +125,59 @@ def _completion(c: _Live, turns: Turns | None) -> Completion:
                    env_reward=turns.env_reward(c) if many else None, reprefilled=c.reprefilled)
 
 
-def turns(rc, procs: I.Processors) -> Turns | None:
-    """The turn rule of a run with an environment or tools (`[rollout]` rc), else None."""
-    return Turns(rc, procs) if (rc.env or rc.tools) else None
+def turns(rc, procs: I.Processors, sources: dict | None = None) -> Turns | None:
+    """The turn rule of a run with an environment or tools (`[rollout]` rc), else None;
+    `sources`: data.sources' own env_args (source name -> keys over rc.env_args)."""
+    return Turns(rc, procs, sources) if (rc.env or rc.tools) else None
 
 
 class Turns:
     """What follows a reply in a multi-turn rollout (see the module docstring)."""
 
-    def __init__(self, rc, procs: I.Processors):
+    def __init__(self, rc, procs: I.Processors, sources: dict | None = None):
         self.procs = procs
-        self.env = envs.get(rc.env) if rc.env else None
+        self.env = envs.get(rc.env, rc.env_args) if rc.env else None
+        # a source with env_args of its own: an instance of its own, for its problems
+        self.envs = {name: envs.get(rc.env, {**rc.env_args, **args}) for name, args in (sources or {}).items()}
+        self.env_name = rc.env
         self.runner = None
         if rc.tools:
             from envs import tools as T
             self.parse, self.runner = T.parse_calls, T.ToolRunner(list(rc.tools), rc.tool_timeout_s)
         self.max_turns, self.budget, self.max_calls = rc.max_turns, episode_budget(rc), rc.max_tool_calls
 
+    def start(self, problems: list, per: int, seed: int) -> tuple[list, list]:
+        """(each problem's first user text, None for its own; each of its `per` episodes' state,
+        in sample order) from the environment's reset, with the group's seed
+        :func:`episode_seed` (None and None without an environment)."""
+        if self.env is None:
+            return [None] * len(problems), [None] * (len(problems) * per)
+        texts, states = [], []
+        for g, p in enumerate(problems):
+            starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]
+            texts.append(starts[0][1])
+            states += [state for state, _ in starts]
+        return texts, states
+
     def room(self, c: _Live, sp: Sampling) -> int:
         """The tokens the conversation's reply in progress may still take."""
         return max(1, min(sp.max_new_tokens - c.reply, self.budget - len(c.ids)))
 
     def after_reply(self, c: _Live) -> None:
-        """The reply just ended: record it, then insert the next turn or end the conversation."""
+        """The reply just ended: record it, then insert the next turn or end the conversation
+        (the environment grades the reply even when the turn limits end the episode)."""
         reply, c.reply, c.replies = c.ids[len(c.ids) - c.reply:], 0, c.replies + 1
         c.turns.append({"role": "assistant",
                         "content": self.procs.tokenizer.decode(reply, skip_special_tokens=True)})
         c.done = len(c.ids) >= self.budget or c.replies >= self.max_turns
+        # tool calls are read with special tokens kept (a tokenizer may mark <tool_call> special)
+        messages = self._respond(c, self.procs.tokenizer.decode(reply, skip_special_tokens=False))
         if not c.done:
-            # tool calls are read with special tokens kept (a tokenizer may mark <tool_call> special)
-            self._next_turn(c, self.procs.tokenizer.decode(reply, skip_special_tokens=False))
+            self._insert(c, messages)
 
-    def _next_turn(self, c: _Live, raw: str) -> None:
-        """The tool results of the last reply (`raw`), else the environment's next message;
-        inserted after it, or the conversation ends."""
-        messages = self._respond(c, raw)
+    def _insert(self, c: _Live, messages: list[dict]) -> None:
+        """The tool results or the environment's next message, inserted after the reply; none:
+        the conversation ends."""
         if not messages:
             c.done = True
             return
@@ -172,7 +195,9 @@ class Turns:
         c.turns += [{k: v for k, v in m.items() if k != "images"} for m in messages]
 
     def _respond(self, c: _Live, raw: str) -> list[dict]:
-        if self.runner is not None:
+        """The tool turns of the reply `raw` (its calls, while the episode goes on), else the
+        environment's step: its message, its reward kept on the reply's turn."""
+        if self.runner is not None and not c.done:
             calls = self.parse(raw)[:self.max_calls]  # rollout.max_tool_calls per reply
             if calls:
                 out = []
@@ -183,19 +208,32 @@ class Turns:
                 return out
         if self.env is None:
             return []
-        msg = self.env.step(c.problem, c.turns)
+        msg, reward = self._env(c.problem).step(c.state, c.turns)
+        if reward is not None:
+            c.turns[-1]["reward"] = envs.turn_reward(self.env_name, reward)
         if msg is None:
             return []
         return [msg if isinstance(msg, dict) else {"role": "user", "content": str(msg)}]
 
     def env_reward(self, c: _Live) -> float | None:
-        """The environment's own grade of a finished conversation, if it gives one."""
-        graded = getattr(self.env, "reward", None)
-        return None if graded is None else float(graded(c.problem, c.turns))
+        """The episode's environment reward from its replies' (envs.episode_reward), if any."""
+        if self.env is None:
+            return None
+        return envs.episode_reward([t["reward"] for t in c.turns if "reward" in t],
+                                   self._env(c.problem).args.turn_rewards)
+
+    def _env(self, problem) -> envs.Environment:
+        """The environment of `problem`'s source (its own env_args), else the run's."""
+        return self.envs.get(getattr(problem, "source", None), self.env)
 
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+def episode_seed(seed: int, group: int) -> int:
+    """The environment's reset seed of a call's group `group` (its prompt's G samples share it)."""
+    return seed * 100_003 + group
 
 
 INSERTED_TOKENS = 1024  # an inserted turn's allowance in the derived episode budget
@@ -302,11 +340,16 @@ def max_sampled_tokens(rc) -> int:
 
 def turn_metrics(episodes: list) -> dict[str, float]:
     """rollout/turns_mean (the model's turns), rollout/tool_calls_mean and rollout/tool_errors
-    (a count) of a step's episodes: {} for single-turn ones."""
+    (a count) of a step's episodes, and rollout/turn_reward_mean (the mean of the replies'
+    environment rewards, where the environment gave any): {} for single-turn ones."""
     if not any(getattr(e, "turns", None) for e in episodes):
         return {}
     n = max(1, len(episodes))
     roles = [[t["role"] for t in e.turns] for e in episodes]
-    return {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / n,
-            "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / n,
-            "rollout/tool_errors": float(sum(bool(t.get("error")) for e in episodes for t in e.turns))}
+    out = {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / n,
+           "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / n,
+           "rollout/tool_errors": float(sum(bool(t.get("error")) for e in episodes for t in e.turns))}
+    graded = [t["reward"] for e in episodes for t in e.turns if "reward" in t]
+    if graded:
+        out["rollout/turn_reward_mean"] = sum(graded) / len(graded)
+    return out

@@ -26,11 +26,14 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     across steps). `version`: the engine's weight version, or the check an engine driven ahead
     is handed (episode.Check: each token then records its own). Returns (episodes, timings)."""
     tokenizer = procs.tokenizer
-    prompts = engine_prompts(problems, procs, template)
+    # an environment's episodes start from its reset: their states, and its first user text
+    firsts, states = (turns.start(problems, 1 if sp.greedy else sp.n, seed) if turns is not None
+                      else ([None] * len(problems), None))
+    prompts = engine_prompts(problems, procs, template, firsts)
     t0 = time.perf_counter()
     check = version if callable(version) else None
     completions = (multiturn.generate(engine, prompts, sp, seed, check=check, turns=turns,
-                                      problems=problems) if prompts else [])
+                                      problems=problems, states=states) if prompts else [])
     t_gen = time.perf_counter() - t0
     rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
@@ -47,7 +50,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     episodes = []
     for (g, p, ids, c, before), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
-        if c.env_reward is not None:  # the environment's own grade: a part, added to the total
+        if c.env_reward is not None:  # the environment's (its turns' rewards): a part, added to the total
             parts["env"], total = c.env_reward, total + c.env_reward
         episodes.append(Episode(p.index, group_offset + g, ids, c.ids, c.logprobs, total, parts,
                                 min(c.versions, default=None if check else version), c.truncated, text, c.versions, info,
@@ -58,10 +61,14 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
                       "reprefill_tokens": sum(c.reprefilled for cs in completions for c in cs)}
 
 
-def engine_prompts(problems: list, procs: I.Processors, template: str) -> list[Prompt]:
-    """Each problem as an engine's input: its chat prompt's ids (`template` filled in, ONE
-    unexpanded placeholder per image) and its images."""
-    return [(I.prompt_ids(procs, data.user_text(p, template), len(p.images)), p.images) for p in problems]
+def engine_prompts(problems: list, procs: I.Processors, template: str,
+                   firsts: list | None = None) -> list[Prompt]:
+    """Each problem as an engine's input: its chat prompt's ids (`template` filled in, or an
+    environment's first user text from `firsts` where not None; ONE unexpanded placeholder per
+    image) and its images."""
+    firsts = firsts or [None] * len(problems)
+    return [(I.prompt_ids(procs, data.user_text(p, template) if first is None else first, len(p.images)),
+             p.images) for p, first in zip(problems, firsts)]
 
 
 def sampling(ro) -> Sampling:

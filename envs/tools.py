@@ -186,7 +186,7 @@ class _Worker(rewards._Function):
     def __init__(self, t: Tool, workers: int) -> None:
         # not super().__init__: it looks the name up among the rewards; these are the fields
         # that submit / _work / collect / close use
-        self.name, self.params, self.workers = t.name, {}, workers
+        self.name, self.params, self.workers, self.batch = t.name, {}, workers, 0
         self.fn = lambda arguments, _sample: str(t.fn(**arguments))  # str() under the timeout too
         self.cond = threading.Condition()
         self.queue: collections.deque = collections.deque()
@@ -247,7 +247,8 @@ class ToolRunner:
                     f"ran past the {self.timeout_s:g} s timeout"))
             return self._logged_error(call.name, "timeout",
                                       f"timed out: no result within {self.timeout_s:g} s")
-        result, exc = outcome
+        result, exc = outcome  # (result of the call's one response: a list of one, exception)
+        result = result[0] if exc is None else None
         if isinstance(exc, ToolError):
             return _error(call.name, one_line(exc, typed=False))
         if exc is not None:

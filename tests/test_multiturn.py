@@ -201,7 +201,8 @@ class _Conv:
         self.engine, self.turns = engine, MT.turns(rc, procs)
 
     def generate(self, prompts, sp, seed, problems=None):
-        return MT.generate(self.engine, prompts, sp, seed, turns=self.turns, problems=problems)
+        states = self.turns.start(problems, 1 if sp.greedy else sp.n, seed)[1] if problems else None
+        return MT.generate(self.engine, prompts, sp, seed, turns=self.turns, problems=problems, states=states)
 
     def shutdown(self):
         self.turns.close()
@@ -508,15 +509,18 @@ def test_engines_running_ahead_with_partial_rollouts_take_conversations(tmp_path
 
 
 @envs.register("test_look_again")
-class _LookAgain:
+class _LookAgain(envs.Environment):
     """A test environment that shows the problem's picture again after the first reply."""
     images_per_episode = 1
 
+    def reset(self, problem, seed):
+        return problem, None  # the state: the problem, whose picture it shows
+
     def step(self, problem, conversation):
         if sum(t["role"] == "assistant" for t in conversation) > 1:
-            return None
+            return None, None
         return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Look again."}],
-                "images": [problem.images[0]]}
+                "images": [problem.images[0]]}, None
 
 
 def test_a_turn_that_shows_an_image_trains_with_the_engines_logprobs(tiny_dir):
@@ -547,16 +551,15 @@ def test_a_turn_that_shows_an_image_trains_with_the_engines_logprobs(tiny_dir):
 
 
 @envs.register("test_graded")
-class _Graded:
-    """A test environment that asks once and grades the conversation by its number of turns."""
-    def step(self, problem, conversation):
-        return "Again." if len(conversation) == 1 else None
+class _Graded(envs.Environment):
+    """A test environment that asks once and grades each reply by the turns so far."""
+    grades = True
 
-    def reward(self, problem, conversation):
-        return 0.25 * len(conversation)
+    def step(self, state, conversation):
+        return ("Again." if len(conversation) == 1 else None), 0.25 * len(conversation)
 
 
-def test_an_environments_final_reward_is_a_part_added_to_the_total(tiny_dir):
+def test_an_environments_turn_rewards_sum_to_a_part_added_to_the_total(tiny_dir):
     import rewards
     path, procs = _procs(tiny_dir, "qwen3")
     rc = C.RolloutConfig(env="test_graded", max_turns=3, max_new_tokens=16)
@@ -565,8 +568,10 @@ def test_an_environments_final_reward_is_a_part_added_to_the_total(tiny_dir):
     scorer = rewards.RewardRunner([{"name": "target_fraction", "weight": 1.0, "target": "<answer>"}], 5.0)
     eps, _ = R.rollout(eng.engine, problems, procs, E.Sampling(n=2, max_new_tokens=16), template=C.DataConfig().template,
                        scorer=scorer, version=0, group_offset=0, seed=0, turns=eng.turns)
-    assert [e.parts["env"] for e in eps] == [0.75, 0.75]          # assistant, user, assistant
+    assert [e.parts["env"] for e in eps] == [1.0, 1.0]          # 0.25 (one turn) + 0.75 (three)
+    assert [[t.get("reward") for t in e.turns] for e in eps] == [[0.25, None, 0.75]] * 2
     assert all(e.reward == e.parts["env"] + e.parts["target_fraction"] for e in eps)
+    assert MT.turn_metrics(eps)["rollout/turn_reward_mean"] == 0.5
     scorer.close()
 
 
