@@ -1,7 +1,8 @@
 """train.packing: sequences of different prompts side by side in rows (inputs.pack, planned by
 microbatches.plan_share, ranks balanced by microbatches.rank_shares) give the loss and every
 gradient of unpacked rows, for every family that packs exactly, each aggregation, LoRA and the
-KL; a linear-attention family is refused, and the leak that refusal prevents is shown."""
+KL; a linear-attention family packs one sequence per episode, each from a zero state (the leak
+that once made it refuse packing is gone), and "varlen" hands flash-attention its boundaries."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from tests.util import TINY, layout_of, metrics, torchrun
 from train import load_config
 
 CPU = torch.device("cpu")
-PACKING = [f for f, fam in F.FAMILIES.items() if not fam.linear_attention]
+PACKING = list(F.FAMILIES)  # linear attention too: one sequence per episode, each from zero
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -166,7 +167,7 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
 
 def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     """train.packing = "segments" / "varlen" packs with that layout on any device (true: the
-    device's own); a linear-attention model refuses a named layout as it refuses true; an
+    device's own); a linear-attention model packs with either, one sequence per episode; an
     unknown value is one config error naming the key."""
     qwen = tiny_dir("qwen2_5_vl")
     vl_procs = I.load_processors(qwen, 56 * 56, 112 * 112)
@@ -180,8 +181,10 @@ def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
-        MB.resolve_layout(load_config(None, ["--train.packing=segments"]).train, procs, path, CPU)
+    for value in ("segments", "true"):
+        layout, [note] = MB.resolve_layout(load_config(None, [f"--train.packing={value}"]).train,
+                                           procs, path, CPU)
+        assert layout == M.RowLayout("segments", False) and "one sequence per episode" in note
     with pytest.raises(ConfigError, match="train.packing: unknown 'dense' \\(known: true, false, auto, "
                                           "segments, varlen\\)"):
         load_config(None, ["--train.packing=dense"])
@@ -195,28 +198,34 @@ def test_a_layout_can_be_named(tiny_dir, monkeypatch):
         M.RowLayout("varlen", True), [])
 
 
-def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
+def test_a_linear_attention_family_packs_each_sequence_from_a_zero_state(tiny_dir, gloo_world):
+    """Qwen3.5 packs (auto and true): one sequence per episode; in a row where sequences follow
+    one another each one's logprobs equal it alone (its recurrent state and short convolution
+    start at its first token), as they do for a family that packs exactly; without the boundary
+    (the plain mixer) the leak is real, which is what this test would catch."""
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     tc = load_config(None, ["--train.packing=true", "--train.micro_batch_tokens=4096"]).train
-    with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
-        MB.resolve_layout(tc, procs, path, CPU)
-    auto = load_config(None, []).train                    # the default: off for it, saying why
+    assert MB.resolve_layout(tc, procs, path, CPU)[0] == M.RowLayout("segments", False)
+    auto = load_config(None, []).train                    # the default: on for it, as for the others
     layout, notes = MB.resolve_layout(auto, procs, path, CPU)
-    assert notes[0] == "train.packing off (auto: the model has linear-attention layers)"
-    assert layout == M.RowLayout(None, False)             # and one row per episode
-    # the leak: sequences sharing a packed row differ from each alone (the recurrent state runs
-    # across the boundary, which a 4-D mask cannot stop); the same check passes for a family
-    # that packs exactly
-    assert _packed_gap(path, procs, eps, images) > 1e-3
+    assert notes[0].startswith("train.packing on (auto:") and layout == M.RowLayout("segments", False)
+    assert _packed_gap(path, procs, eps, images) < 1e-5
     exact = tiny_dir("qwen3")
     assert _packed_gap(exact, *_episodes(exact, False)) < 1e-5
+    plain = M.load_model(path)
+    M.bind_sequences(plain)
+    for m in plain.modules():                              # the mixers' forwards without boundaries
+        mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
+        if mixer is not None:
+            mixer.forward = lambda *a, _f=mixer._grpo_forward, grpo_packed=None, **k: _f(*a, **k)
+    assert _packed_gap(path, procs, eps, images, plain) > 1e-3
 
 
-def _packed_gap(path, procs, eps, images) -> float:
+def _packed_gap(path, procs, eps, images, policy=None) -> float:
     """Largest |logprob packed - logprob alone| over the response tokens of `eps`."""
-    policy = M.load_model(path).eval()
+    policy = (policy or M.load_model(path)).eval()
     with torch.no_grad():
         both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments"))
         policy.set_attn_implementation(M.attention_for("segments"))
