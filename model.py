@@ -229,18 +229,32 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
 
 def bind_sequences(model) -> None:
     """Make `model`'s layers read a packed batch's boundaries from the forward's keyword
-    `grpo_packed` (a Packed; it rides every layer's kwargs, activation checkpointing's
-    recomputation included): each linear-attention mixer (families.LINEAR_ATTENTION_MODULE)
-    runs every sequence alone (:func:`_alone_forward`), each text attention (`is_causal`) gets
+    `grpo_packed` (a Packed; it rides every decoder layer's kwargs, activation checkpointing's
+    recomputation included): each linear-attention mixer (families.LINEAR_ATTENTION_MODULE) runs
+    every sequence alone (:func:`_alone_forward`; its decoder layer hands it the batch, as
+    5.5.4's layer passes the mixer no kwargs), each text attention (`is_causal`) gets
     flash-attention's precomputed kwargs (Packed.fa_kwargs, "varlen"). Idempotent."""
     for m in list(model.modules()):
         mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
         if isinstance(mixer, torch.nn.Module) and not hasattr(mixer, "_grpo_forward"):
-            mixer._grpo_forward = mixer.forward
-            mixer.forward = _alone_forward(mixer._grpo_forward)
+            now: dict = {}
+            mixer._grpo_forward, m._grpo_forward = mixer.forward, m.forward
+            mixer.forward = _alone_forward(mixer._grpo_forward, now)
+            m.forward = _handing(m._grpo_forward, now)
         if getattr(m, "is_causal", False) and not hasattr(m, "_grpo_forward"):
             m._grpo_forward = m.forward
             m.forward = _varlen_forward(m._grpo_forward)
+
+
+def _handing(forward, now: dict):
+    """A linear-attention decoder layer's forward: its batch's Packed in `now` for its mixer."""
+    def run(*args, grpo_packed: Packed | None = None, **kwargs):
+        now["packed"] = grpo_packed
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            now.clear()
+    return run
 
 
 def _varlen_forward(forward):
@@ -252,21 +266,21 @@ def _varlen_forward(forward):
     return run
 
 
-def _alone_forward(forward):
-    """A linear-attention mixer's forward over a packed batch: its rows [rows, W, D] regathered
-    into one right-padded row per sequence [S, longest, D] (Packed.seq_index), run from a zero
-    state with its short causal convolution starting at the sequence (exactly the sequence alone:
-    padding past its end reaches nothing before it), and put back; columns outside every
-    sequence get zeros. Without a packed batch: the plain forward."""
-    def run(*args, grpo_packed: Packed | None = None, **kwargs):
-        if grpo_packed is None or grpo_packed.seq_index is None:
+def _alone_forward(forward, now: dict):
+    """A linear-attention mixer's forward over a packed batch (`now`, from its decoder layer):
+    its rows [rows, W, D] regathered into one right-padded row per sequence [S, longest, D]
+    (Packed.seq_index), run from a zero state with its short causal convolution starting at the
+    sequence (exactly the sequence alone: padding past its end reaches nothing before it), and
+    put back; columns outside every sequence get zeros. Without a packed batch: as it was."""
+    def run(*args, **kwargs):
+        p = now.get("packed")
+        if p is None or p.seq_index is None:
             return forward(*args, **kwargs)
         hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         args = args if not args or args[0] is not hidden else args[1:]
         for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "attention_mask"):
             kwargs.pop(k, None)  # the sequences now lie one per row, unpadded up to their ends
-        index = grpo_packed.seq_index
-        valid = index >= 0
+        index, valid = p.seq_index, p.seq_index >= 0
         flat = hidden.reshape(-1, hidden.shape[-1])
         alone = flat[index.clamp(min=0)] * valid[..., None].to(flat.dtype)     # [S, L, D]
         out = forward(alone, *args, **kwargs)                                  # [S, L, D]

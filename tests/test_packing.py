@@ -67,8 +67,8 @@ def _grads(policy, ref, procs, eps, images, over: list[str]):
     layout = layout_of(cfg.train, procs)
     _attend(layout, policy, ref)
     policy.zero_grad(set_to_none=True)
-    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None,
-                         version=0, layout=layout)
+    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, teacher=None, base_teacher=False,
+                         replay_ref=False, device=CPU, pixels={}, kl_coef=None, version=0, layout=layout)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
     U.plan(s)
@@ -219,7 +219,7 @@ def test_a_linear_attention_family_packs_each_sequence_from_a_zero_state(tiny_di
     for m in plain.modules():                              # the mixers' forwards without boundaries
         mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
         if mixer is not None:
-            mixer.forward = lambda *a, _f=mixer._grpo_forward, grpo_packed=None, **k: _f(*a, **k)
+            mixer.forward = mixer._grpo_forward
     assert _packed_gap(path, procs, eps, images, plain) > 1e-3
 
 
