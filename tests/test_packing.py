@@ -370,3 +370,40 @@ def test_packing_with_every_option_equals_unpacked(tmp_path):
     for k in ("loss", "grad_norm", "kl", "train/approx_kl", "train/kl_coef"):
         assert runs["packed"][0][k] == pytest.approx(runs["flat"][0][k], rel=1e-4, abs=1e-7), k
     assert runs["packed"][0]["train/updates"] == 4
+
+
+def test_varlen_boundaries_are_transformers_own_and_reach_every_attention_call(tiny_dir, gloo_world):
+    """Issue 52 V2: a "varlen" micro-batch carries flash-attention's kwargs (model.Packed.fa_kwargs,
+    built once by inputs.pack): equal to transformers' own helper's from the position ids (which
+    it would otherwise rerun, with a host sync, in every layer; max lengths plain ints), and handed
+    to every text attention call (recorded by an attention function registered with transformers)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    seen = []
+
+    def record(module, q, k, v, attention_mask=None, **kw):
+        if getattr(module, "is_causal", False):
+            seen.append({n: kw.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+        kw = {n: x for n, x in kw.items() if not n.startswith(("cu_seq", "max_length"))}
+        return sdpa_attention_forward(module, q, k, v, attention_mask, **kw)
+    AttentionInterface.register("grpo_test_record", record)
+    for family in ("qwen3", "qwen2_5_vl"):
+        path = tiny_dir(family)
+        procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+        batch = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("varlen"))
+        policy = M.load_model(path).eval()
+        pos = M.packed_positions(policy, batch, procs.tokens)
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(pos[0] if pos.dim() == 3 else pos)
+        fa = batch.packed.fa_kwargs
+        assert batch.input_ids.shape[0] == 1 and len(fa["cu_seq_lens_q"]) == len(eps) + 1
+        assert torch.equal(fa["cu_seq_lens_q"], cu_q) and torch.equal(fa["cu_seq_lens_k"], cu_k)
+        assert (fa["max_length_q"], fa["max_length_k"]) == (int(max_q), int(max_k))
+        assert type(fa["max_length_q"]) is int
+        seen.clear()
+        policy.set_attn_implementation("grpo_test_record")
+        with torch.no_grad():
+            M.sequence_logprobs(policy, batch, procs.tokens, 1.0)
+        layers = M.text_config(policy.config).num_hidden_layers
+        assert len(seen) == layers and all(s == fa for s in seen), (family, len(seen))
