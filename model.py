@@ -247,13 +247,13 @@ def bind_sequences(model) -> None:
 
 
 def _handing(forward, now: dict):
-    """A linear-attention decoder layer's forward: its batch's Packed in `now` for its mixer."""
+    """A linear-attention decoder layer's forward: its batch's Packed (None: not packed) in `now`
+    for its mixer. Kept after the call: activation checkpointing's recomputation in the backward
+    (inside the layer's own forward in transformers 5.24, past this wrapper) reads the batch the
+    layer last saw, that of the forward it recomputes (a micro-batch's forward then backward)."""
     def run(*args, grpo_packed: Packed | None = None, **kwargs):
         now["packed"] = grpo_packed
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            now.clear()
+        return forward(*args, **kwargs)
     return run
 
 

@@ -407,3 +407,26 @@ def test_varlen_boundaries_are_transformers_own_and_reach_every_attention_call(t
             M.sequence_logprobs(policy, batch, procs.tokens, 1.0)
         layers = M.text_config(policy.config).num_hidden_layers
         assert len(seen) == layers and all(s == fa for s in seen), (family, len(seen))
+
+
+@pytest.mark.slow
+def test_linear_attention_packing_survives_activation_checkpointing(tiny_dir):
+    """The recomputation in the backward (inside the decoder layer's own forward in transformers
+    5.24) runs each packed sequence alone as the forward did: logprobs and every gradient equal
+    those without checkpointing."""
+    path = tiny_dir(next(f for f, fam in F.FAMILIES.items() if fam.linear_attention))
+    procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+    batch = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments"))
+    out = []
+    for checkpointing in (False, True):
+        policy = M.load_model(path).train()
+        _attend(M.RowLayout("segments"), policy)
+        if checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lp = M.sequence_logprobs(policy, batch, procs.tokens, 1.0)[0]
+        lp.sum().backward()
+        out.append((lp.detach(), {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
+    assert set(out[0][1]) == set(out[1][1]) and out[0][1]
+    for n, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][n], g, atol=1e-6, rtol=1e-5, msg=n)
