@@ -49,12 +49,11 @@ def resolve_layout(tc: TrainConfig, procs: I.Processors, model_path: str, device
                    env: str = "") -> tuple[M.RowLayout, list[str]]:
     """At start, the trainer's row layout (model.RowLayout; the config is left as written):
     `train.packing = "auto"` decided (on where the device's packed layout was measured faster for
-    this kind of micro-batch (:func:`_auto`), the model packs exactly and the environment `env`
-    (rollout.env) shows no images in its turns) and said; `true` or a layout's name refused
-    packs too for a model whose layers take no 4-D mask (linear attention: each packed sequence
-    runs from a zero state, model.bind_sequences), one sequence per episode (its prompt copied:
-    a recurrent state cannot let G responses read one prompt), with the note that
-    `train.share_prompt` falls back to that. Returns the layout and the lines to print."""
+    this kind of micro-batch (:func:`_auto`) and the environment `env` (rollout.env) shows no
+    images in its turns) and said. A model whose layers take no 4-D mask (linear attention)
+    packs too, each sequence from a zero state (model.bind_sequences), one sequence per episode
+    (its prompt copied: a recurrent state cannot let G responses read one prompt), with the note
+    that `train.share_prompt` falls back to that. Returns the layout and the lines to print."""
     row, notes, packing = D.TABLE[device.type], [], tc.packing
     if packing == "auto":
         on, why = _auto(row, tc)
