@@ -245,10 +245,10 @@ class TrainConfig:
     # Packed rows: a micro-batch's sequences (a prompt with its G responses under share_prompt,
     # else one episode each) side by side in one row, no padding, each attending only within
     # itself (positions restarted); the step's episodes go to the trainer ranks balanced by token
-    # count. true: refused at start for a model with linear-attention layers (state would cross
-    # sequences); "auto": on where the device's layout was measured faster than the padded
-    # micro-batches this config asks for (device.Device.auto_packing) and the model packs
-    # exactly, else off (said at start). true uses the device's layout (device.Device.packed_attention); "segments"
+    # count. A model with linear-attention layers packs one sequence per episode, each run
+    # from a zero state (model.bind_sequences); "auto": on where the device's layout was
+    # measured faster than the padded micro-batches this config asks for
+    # (device.Device.auto_packing), else off (said at start). true uses the device's layout (device.Device.packed_attention); "segments"
     # (attention.py's kernel: SDPA per piece, prompts shared) or "varlen" (flash_attention_2:
     # the flash-attn package on CUDA, torch_npu's fused op on NPU) names one.
     packing: bool | str = one_of("auto", (True, False, "auto", *PACKED_LAYOUTS))

@@ -167,7 +167,8 @@ class Family:
 
 _QWEN2_VL_SYSTEM = "You are a helpful assistant."
 _QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-_ONE_ROW = "linear-attention layers: one row per episode (train.share_prompt off)"
+_ONE_ROW = ("linear-attention layers: one sequence per episode, its prompt copied (train.share_prompt "
+            "off); packed rows run each sequence from a zero state")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("qwen2_vl", _tiny_qwen2_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2VLProcessor"),
@@ -188,6 +189,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
 ]}
 
 DEFAULT_TINY = "qwen2_5_vl"  # what `model.path = "tiny"` builds
+# the attribute under which transformers' decoder layers hold a linear-attention mixer (Gated
+# DeltaNet: Qwen3.5's, in 5.5.4, 5.17 and 5.24), whose forward model.py runs per packed sequence
+LINEAR_ATTENTION_MODULE = "linear_attn"
+
 TINY = "tiny"  # `model.path = "tiny"`: the default family's tiny model; "tiny-<model_type>" any
 # The one image processor class, in the trainer and every vLLM process (vllm_engine.checked_processor):
 # the torchvision-backed one cannot import beside the CPU torch build, and its pixels differ.

@@ -480,6 +480,8 @@ def pack(episodes, images: list[list], procs: Processors, device: torch.device,
         pairs = torch.tensor(attention.pairs(p.plan))
     elif packing is None:
         p = replace(p, mask_4d=_block_mask(p, len(rows), W))
+    p = replace(p, **_bounds([len(built[k][1]) for k in range(len(seqs))], seq_row, seq_col, W,
+                             packing == "varlen"))
     routed = _routing(ids.shape, [(getattr(episodes[i], "routing", None),
                                    range(len(episodes[i].response_ids))) for u in seqs for i in u],
                       (p.pred_row, p.pred_col),
@@ -534,6 +536,24 @@ def _response_index(episodes, seqs, built, seq_row, seq_col) -> tuple:
         slots, seq_row_t, torch.tensor(seq_col), torch.tensor([built[k][0] for k in range(len(seqs))]),
         pred_seq_t, seq_row_t[pred_seq_t], torch.tensor(pred_col), torch.tensor(target_col),
         torch.tensor(offset))
+
+
+def _bounds(lengths: list[int], seq_row: list[int], seq_col: list[int], W: int,
+            varlen: bool) -> dict:
+    """model.Packed's sequence boundaries: `seq_index` [S, longest], each sequence's columns in
+    the rows flattened (row * W + column), -1 past its end; with `varlen` (one row, sequences
+    side by side from column 0) flash-attention's kwargs: cu_seq_lens_q/k [S + 1] int32 and
+    max_length_q/k (ints: no host sync where flash-attention wants them)."""
+    L = max(lengths)
+    start = torch.tensor([r * W + c for r, c in zip(seq_row, seq_col)])
+    steps = torch.arange(L)
+    index = torch.where(steps[None] < torch.tensor(lengths)[:, None], start[:, None] + steps[None], -1)
+    if not varlen:
+        return dict(seq_index=index)
+    order = sorted(range(len(lengths)), key=lambda k: (seq_row[k], seq_col[k]))
+    cu = torch.tensor([0] + [seq_col[k] + lengths[k] for k in order], dtype=torch.int32)
+    return dict(seq_index=index, fa_kwargs=dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                                max_length_q=L, max_length_k=L))
 
 
 def _segments(p: Packed) -> torch.Tensor:

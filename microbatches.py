@@ -49,18 +49,15 @@ def resolve_layout(tc: TrainConfig, procs: I.Processors, model_path: str, device
                    env: str = "") -> tuple[M.RowLayout, list[str]]:
     """At start, the trainer's row layout (model.RowLayout; the config is left as written):
     `train.packing = "auto"` decided (on where the device's packed layout was measured faster for
-    this kind of micro-batch (:func:`_auto`), the model packs exactly and the environment `env`
-    (rollout.env) shows no images in its turns) and said; `true` or a layout's name refused
-    (ConfigError) for a model whose layers take no 4-D mask (linear attention: its recurrent
-    state would run from one packed sequence into the next); the note that `train.share_prompt`
-    falls back to one row per episode for such a model. Returns the layout and the lines to
-    print."""
+    this kind of micro-batch (:func:`_auto`) and the environment `env` (rollout.env) shows no
+    images in its turns) and said. A model whose layers take no 4-D mask (linear attention)
+    packs too, each sequence from a zero state (model.bind_sequences), one sequence per episode
+    (its prompt copied: a recurrent state cannot let G responses read one prompt), with the note
+    that `train.share_prompt` falls back to that. Returns the layout and the lines to print."""
     row, notes, packing = D.TABLE[device.type], [], tc.packing
     if packing == "auto":
         on, why = _auto(row, tc)
-        if not procs.packs_exactly:
-            on, why = False, "the model has linear-attention layers"
-        elif envs.extra_images(env) > 0:
+        if envs.extra_images(env) > 0:
             on, why = False, "the environment's turns show images: one row per episode"
         packing = on
         notes.append(f"train.packing {'on' if on else 'off'} (auto: {why})")
@@ -70,14 +67,9 @@ def resolve_layout(tc: TrainConfig, procs: I.Processors, model_path: str, device
                           f"needs the {row.varlen_package} package on {device.type} (not installed); "
                           "train.packing = \"segments\" packs without it")
     layout = M.RowLayout(packed, tc.share_prompt and procs.packs_exactly)
-    if procs.packs_exactly:
-        return layout, notes
-    if packed:
-        raise ConfigError(f"train.packing: {model_path} has linear-attention layers, whose state "
-                          "would cross packed sequences; use train.packing = false")
-    if tc.share_prompt:
+    if not procs.packs_exactly and tc.share_prompt:
         notes.append(f"note: {model_path} has layers that take no 4D mask (linear attention): "
-                     "train.share_prompt falls back to one row per episode")
+                     "train.share_prompt falls back to one sequence per episode")
     return layout, notes
 
 

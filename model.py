@@ -43,6 +43,8 @@ def _to(record, device: torch.device):
             return v.to(device)
         if isinstance(v, tuple):
             return tuple(move(x) for x in v)
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
         return _to(v, device) if isinstance(v, Packed) else v
     return replace(record, **{f.name: move(getattr(record, f.name)) for f in fields(record)})
 
@@ -64,6 +66,12 @@ class Packed:
     offset: torch.Tensor
     mask_4d: torch.Tensor | None = None  # [rows, 1, W, W] bool: one row per prompt (no packing)
     plan: attention.Plan | None = None   # "segments": the kernel's calls, built once (inputs.pack)
+    # per sequence its columns in the flattened rows [S, longest] (-1 past its end): linear-
+    # attention layers run each sequence alone from a zero state (_alone_forward)
+    seq_index: torch.Tensor | None = None
+    # "varlen": flash-attention's kwargs (cu_seq_lens_q/k int32 [S + 1], max_length_q/k ints),
+    # computed once here rather than from the position ids in every layer (a host sync each)
+    fa_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,9 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
             raise ValueError(f"a packed batch's segments need a model built with attn_implementation="
                              f"{attention.NAME!r} (trainer.build), not {got!r}")
         layout = {"grpo_segments": p.plan}  # the calls every layer makes, built once (inputs.pack)
+    if p.fa_kwargs is not None or has_linear_attention(model.config):
+        bind_sequences(model)  # the layers that read the boundaries below (once per model)
+        layout["grpo_packed"] = p
     # (pred_row, pred_col): a shared prompt's last position once per response it starts
     lp_sel, ent_sel = _logprobs_at(model, (p.pred_row, p.pred_col), ids[p.pred_row, p.target_col], tokens,
                                    temperature, entropy_grad, batch, input_ids=ids, attention_mask=p.mask_4d,
@@ -214,6 +225,68 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                                    **_model_inputs(batch, tokens), **layout)
     # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
     return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
+
+
+def bind_sequences(model) -> None:
+    """Make `model`'s layers read a packed batch's boundaries from the forward's keyword
+    `grpo_packed` (a Packed; it rides every decoder layer's kwargs, activation checkpointing's
+    recomputation included): each linear-attention mixer (families.LINEAR_ATTENTION_MODULE) runs
+    every sequence alone (:func:`_alone_forward`; its decoder layer hands it the batch, as
+    5.5.4's layer passes the mixer no kwargs), each text attention (`is_causal`) gets
+    flash-attention's precomputed kwargs (Packed.fa_kwargs, "varlen"). Idempotent."""
+    for m in list(model.modules()):
+        mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
+        if isinstance(mixer, torch.nn.Module) and not hasattr(mixer, "_grpo_forward"):
+            now: dict = {}
+            mixer._grpo_forward, m._grpo_forward = mixer.forward, m.forward
+            mixer.forward = _alone_forward(mixer._grpo_forward, now)
+            m.forward = _handing(m._grpo_forward, now)
+        if getattr(m, "is_causal", False) and not hasattr(m, "_grpo_forward"):
+            m._grpo_forward = m.forward
+            m.forward = _varlen_forward(m._grpo_forward)
+
+
+def _handing(forward, now: dict):
+    """A linear-attention decoder layer's forward: its batch's Packed (None: not packed) in `now`
+    for its mixer. Kept after the call: activation checkpointing's recomputation in the backward
+    (inside the layer's own forward in transformers 5.24, past this wrapper) reads the batch the
+    layer last saw, that of the forward it recomputes (a micro-batch's forward then backward)."""
+    def run(*args, grpo_packed: Packed | None = None, **kwargs):
+        now["packed"] = grpo_packed
+        return forward(*args, **kwargs)
+    return run
+
+
+def _varlen_forward(forward):
+    """An attention module's forward given a packed batch's flash-attention kwargs, if any."""
+    def run(*args, grpo_packed: Packed | None = None, **kwargs):
+        if grpo_packed is not None and grpo_packed.fa_kwargs is not None:
+            kwargs.update(grpo_packed.fa_kwargs)
+        return forward(*args, **kwargs)
+    return run
+
+
+def _alone_forward(forward, now: dict):
+    """A linear-attention mixer's forward over a packed batch (`now`, from its decoder layer):
+    its rows [rows, W, D] regathered into one right-padded row per sequence [S, longest, D]
+    (Packed.seq_index), run from a zero state with its short causal convolution starting at the
+    sequence (exactly the sequence alone: padding past its end reaches nothing before it), and
+    put back; columns outside every sequence get zeros. Without a packed batch: as it was."""
+    def run(*args, **kwargs):
+        p = now.get("packed")
+        if p is None or p.seq_index is None:
+            return forward(*args, **kwargs)
+        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        args = args if not args or args[0] is not hidden else args[1:]
+        for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "attention_mask"):
+            kwargs.pop(k, None)  # the sequences now lie one per row, unpadded up to their ends
+        index, valid = p.seq_index, p.seq_index >= 0
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        alone = flat[index.clamp(min=0)] * valid[..., None].to(flat.dtype)     # [S, L, D]
+        out = forward(alone, *args, **kwargs)                                  # [S, L, D]
+        back = out.new_zeros(flat.shape[0], out.shape[-1]).index_put((index[valid],), out[valid])
+        return back.reshape(*hidden.shape[:-1], out.shape[-1])
+    return run
 
 
 def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,

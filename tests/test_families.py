@@ -82,6 +82,13 @@ def test_engine_and_trainer_agree_and_packing_is_exact_where_it_applies(tiny_dir
         assert gap <= 1e-5, gap
     else:  # a linear-attention layer lets a response see the ones before it in the row
         assert gap > 1e-4, gap
+        # its layout instead: one sequence per episode side by side, each from a zero state
+        # ("varlen" positions restart per sequence, which SDPA's causal mask follows here)
+        alone = I.collate(eps, images, procs, CPU, M.RowLayout("varlen", False))
+        with torch.no_grad():
+            alp, _ = M.sequence_logprobs(engine.model, alone, procs.tokens, 1.0)
+        assert alone.input_ids.shape[0] == 1
+        assert float((alp[alone.response_mask.bool()] - lp[fm]).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize("t", FAMILIES)

@@ -108,7 +108,7 @@ def test_four_steps_in_a_world_of_one_and_the_export_loads(runs, t):
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)   # it trained
     # where one packed row per prompt is not exact, the run says once that it falls back
     out = (runs / f"{t}.stdout.txt").read_text()
-    note = "train.share_prompt falls back to one row per episode"
+    note = "train.share_prompt falls back to one sequence per episode"
     assert out.count(note) == (0 if M.packs_exactly(trained.config) else 1), out[:2000]
 
 

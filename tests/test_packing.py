@@ -1,7 +1,8 @@
 """train.packing: sequences of different prompts side by side in rows (inputs.pack, planned by
 microbatches.plan_share, ranks balanced by microbatches.rank_shares) give the loss and every
 gradient of unpacked rows, for every family that packs exactly, each aggregation, LoRA and the
-KL; a linear-attention family is refused, and the leak that refusal prevents is shown."""
+KL; a linear-attention family packs one sequence per episode, each from a zero state (the leak
+that once made it refuse packing is gone), and "varlen" hands flash-attention its boundaries."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from tests.util import TINY, layout_of, metrics, torchrun
 from train import load_config
 
 CPU = torch.device("cpu")
-PACKING = [f for f, fam in F.FAMILIES.items() if not fam.linear_attention]
+PACKING = list(F.FAMILIES)  # linear attention too: one sequence per episode, each from zero
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -66,8 +67,8 @@ def _grads(policy, ref, procs, eps, images, over: list[str]):
     layout = layout_of(cfg.train, procs)
     _attend(layout, policy, ref)
     policy.zero_grad(set_to_none=True)
-    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, device=CPU, pixels={}, kl_coef=None,
-                         version=0, layout=layout)
+    tr = SimpleNamespace(policy=policy, ref=ref, base_ref=False, teacher=None, base_teacher=False,
+                         replay_ref=False, device=CPU, pixels={}, kl_coef=None, version=0, layout=layout)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     s = U.Step(tr, world, procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, eps, images)
     U.plan(s)
@@ -166,7 +167,7 @@ def test_auto_packs_only_where_the_layout_was_measured_faster(tiny_dir, monkeypa
 
 def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     """train.packing = "segments" / "varlen" packs with that layout on any device (true: the
-    device's own); a linear-attention model refuses a named layout as it refuses true; an
+    device's own); a linear-attention model packs with either, one sequence per episode; an
     unknown value is one config error naming the key."""
     qwen = tiny_dir("qwen2_5_vl")
     vl_procs = I.load_processors(qwen, 56 * 56, 112 * 112)
@@ -180,8 +181,10 @@ def test_a_layout_can_be_named(tiny_dir, monkeypatch):
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
     procs = I.load_processors(path, 56 * 56, 112 * 112)
-    with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
-        MB.resolve_layout(load_config(None, ["--train.packing=segments"]).train, procs, path, CPU)
+    for value in ("segments", "true"):
+        layout, [note] = MB.resolve_layout(load_config(None, [f"--train.packing={value}"]).train,
+                                           procs, path, CPU)
+        assert layout == M.RowLayout("segments", False) and "one sequence per episode" in note
     with pytest.raises(ConfigError, match="train.packing: unknown 'dense' \\(known: true, false, auto, "
                                           "segments, varlen\\)"):
         load_config(None, ["--train.packing=dense"])
@@ -195,28 +198,34 @@ def test_a_layout_can_be_named(tiny_dir, monkeypatch):
         M.RowLayout("varlen", True), [])
 
 
-def test_a_linear_attention_family_is_refused_and_the_leak_it_prevents_is_real(tiny_dir, gloo_world):
+def test_a_linear_attention_family_packs_each_sequence_from_a_zero_state(tiny_dir, gloo_world):
+    """Qwen3.5 packs (auto and true): one sequence per episode; in a row where sequences follow
+    one another each one's logprobs equal it alone (its recurrent state and short convolution
+    start at its first token), as they do for a family that packs exactly; without the boundary
+    (the plain mixer) the leak is real, which is what this test would catch."""
     linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
     path = tiny_dir(linear)
     procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
     tc = load_config(None, ["--train.packing=true", "--train.micro_batch_tokens=4096"]).train
-    with pytest.raises(ConfigError, match="train.packing: .* linear-attention layers"):
-        MB.resolve_layout(tc, procs, path, CPU)
-    auto = load_config(None, []).train                    # the default: off for it, saying why
+    assert MB.resolve_layout(tc, procs, path, CPU)[0] == M.RowLayout("segments", False)
+    auto = load_config(None, []).train                    # the default: on for it, as for the others
     layout, notes = MB.resolve_layout(auto, procs, path, CPU)
-    assert notes[0] == "train.packing off (auto: the model has linear-attention layers)"
-    assert layout == M.RowLayout(None, False)             # and one row per episode
-    # the leak: sequences sharing a packed row differ from each alone (the recurrent state runs
-    # across the boundary, which a 4-D mask cannot stop); the same check passes for a family
-    # that packs exactly
-    assert _packed_gap(path, procs, eps, images) > 1e-3
+    assert notes[0].startswith("train.packing on (auto:") and layout == M.RowLayout("segments", False)
+    assert _packed_gap(path, procs, eps, images) < 1e-5
     exact = tiny_dir("qwen3")
     assert _packed_gap(exact, *_episodes(exact, False)) < 1e-5
+    plain = M.load_model(path)
+    M.bind_sequences(plain)
+    for m in plain.modules():                              # the mixers' forwards without boundaries
+        mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
+        if mixer is not None:
+            mixer.forward = mixer._grpo_forward
+    assert _packed_gap(path, procs, eps, images, plain) > 1e-3
 
 
-def _packed_gap(path, procs, eps, images) -> float:
+def _packed_gap(path, procs, eps, images, policy=None) -> float:
     """Largest |logprob packed - logprob alone| over the response tokens of `eps`."""
-    policy = M.load_model(path).eval()
+    policy = (policy or M.load_model(path)).eval()
     with torch.no_grad():
         both = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments"))
         policy.set_attn_implementation(M.attention_for("segments"))
@@ -361,3 +370,63 @@ def test_packing_with_every_option_equals_unpacked(tmp_path):
     for k in ("loss", "grad_norm", "kl", "train/approx_kl", "train/kl_coef"):
         assert runs["packed"][0][k] == pytest.approx(runs["flat"][0][k], rel=1e-4, abs=1e-7), k
     assert runs["packed"][0]["train/updates"] == 4
+
+
+def test_varlen_boundaries_are_transformers_own_and_reach_every_attention_call(tiny_dir, gloo_world):
+    """Issue 52 V2: a "varlen" micro-batch carries flash-attention's kwargs (model.Packed.fa_kwargs,
+    built once by inputs.pack): equal to transformers' own helper's from the position ids (which
+    it would otherwise rerun, with a host sync, in every layer; max lengths plain ints), and handed
+    to every text attention call (recorded by an attention function registered with transformers)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    seen = []
+
+    def record(module, q, k, v, attention_mask=None, **kw):
+        if getattr(module, "is_causal", False):
+            seen.append({n: kw.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+        kw = {n: x for n, x in kw.items() if not n.startswith(("cu_seq", "max_length"))}
+        return sdpa_attention_forward(module, q, k, v, attention_mask, **kw)
+    AttentionInterface.register("grpo_test_record", record)
+    for family in ("qwen3", "qwen2_5_vl"):
+        path = tiny_dir(family)
+        procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+        batch = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("varlen"))
+        policy = M.load_model(path).eval()
+        pos = M.packed_positions(policy, batch, procs.tokens)
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(pos[0] if pos.dim() == 3 else pos)
+        fa = batch.packed.fa_kwargs
+        assert batch.input_ids.shape[0] == 1 and len(fa["cu_seq_lens_q"]) == len(eps) + 1
+        assert torch.equal(fa["cu_seq_lens_q"], cu_q) and torch.equal(fa["cu_seq_lens_k"], cu_k)
+        assert (fa["max_length_q"], fa["max_length_k"]) == (int(max_q), int(max_k))
+        assert type(fa["max_length_q"]) is int
+        seen.clear()
+        policy.set_attn_implementation("grpo_test_record")
+        with torch.no_grad():
+            M.sequence_logprobs(policy, batch, procs.tokens, 1.0)
+        layers = M.text_config(policy.config).num_hidden_layers
+        assert len(seen) == layers and all(s == fa for s in seen), (family, len(seen))
+
+
+@pytest.mark.slow
+def test_linear_attention_packing_survives_activation_checkpointing(tiny_dir):
+    """The recomputation in the backward (inside the decoder layer's own forward in transformers
+    5.24) runs each packed sequence alone as the forward did: logprobs and every gradient equal
+    those without checkpointing."""
+    path = tiny_dir(next(f for f, fam in F.FAMILIES.items() if fam.linear_attention))
+    procs, eps, images = _episodes(path, F.is_vlm(M.load_config(path)))
+    batch = I.collate(eps, [images[e.index] for e in eps], procs, CPU, M.RowLayout("segments"))
+    out = []
+    for checkpointing in (False, True):
+        policy = M.load_model(path).train()
+        _attend(M.RowLayout("segments"), policy)
+        if checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lp = M.sequence_logprobs(policy, batch, procs.tokens, 1.0)[0]
+        lp.sum().backward()
+        out.append((lp.detach(), {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-6, rtol=0)
+    assert set(out[0][1]) == set(out[1][1]) and out[0][1]
+    for n, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][n], g, atol=1e-6, rtol=1e-5, msg=n)
