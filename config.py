@@ -113,6 +113,7 @@ class ClusterConfig:
     # gen_ranks / nodes ranks (ROLL's trainers on NPUs 0-3 and engines on 4-7 of each node;
     # gen_ranks must spread evenly over equal nodes)
     layout: str = one_of("by_node", ("by_node", "per_node"))
+    colocate: bool = False  # every rank trains and owns an engine on its device, time-shared (docs/colocate.md)
     timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
     nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
     nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node

@@ -394,6 +394,15 @@ def peak_memory_gb(dev: Device) -> float:
     return 0.0
 
 
+def empty_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks on `device` back to the driver (a colocated
+    engine's sleep); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "npu":
+        torch.npu.empty_cache()
+
+
 def reset_peak_memory(dev: Device) -> None:
     """Start :func:`peak_memory_gb` over from what is allocated now (a no-op on CPU)."""
     if dev.kind == "cuda":

@@ -36,6 +36,7 @@ class HFEngine:
     def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device):
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.procs, self.tokens, self.device = procs, procs.tokens, device
+        self.asleep = False  # colocated: the weights are in host memory (sleep / wake_up)
         # MoE: what each generate call routed is recorded (routing.capture) and kept per token
         self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
                         if families.moe_routers(self.model) else 0)
@@ -133,6 +134,22 @@ class HFEngine:
                     p.data = t
             else:
                 (p[index] if index else p).copy_(t)
+
+    def sleep(self) -> None:
+        """Colocated (cluster.colocate): free the device for the train phase. transformers keeps
+        no KV cache between generate calls, so the weights alone move to host memory."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            D.empty_cache(self.device)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back on the device: "weights" brings them back (a no-op on CPU), "kv_cache" has
+        nothing to allocate (made per generate call); None: both."""
+        if tags is None or "weights" in tags:
+            if self.device.type != "cpu":
+                self.model.to(self.device)
+            self.asleep = False
 
     def receive_weights(self, source: WeightSource) -> int:
         """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's

@@ -9,6 +9,8 @@ mesh, `cluster.gen_ranks` ranks own one inference engine each. One step:
     3. train     trainer ranks (update.py): plan -> proximal pass -> filters -> denominators
                  -> advantages -> train.mini_batches x train.ppo_epochs optimizer steps
     4. sync      trainer rank 0 -- buckets over the sync group --> every engine (version + 1)
+                 (cluster.colocate: every rank trains and owns an engine; the engine sleeps from
+                 the exchange to the sync, which loads its own rank's gathered tensors in-process)
     5. eval / checkpoint / log
 
 A world of 1 plays both roles in one process. With `rollout.max_staleness = 1` the engines
@@ -123,7 +125,8 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     try:
         own = engines.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
         world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
-                            cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout)
+                            cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout,
+                            cfg.cluster.colocate)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
@@ -237,7 +240,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                                          verbose=cfg.run.verbose)
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
-    receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
+    receiver = (sync.Receiver(world.sync_group, 0, device)
+                if world.is_gen and world.size > 1 and not world.colocated else None)
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
     scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
@@ -308,7 +312,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         # 2. episodes to every rank (gloo object exchange)
         live.phase(step, "exchange")
         episodes, stats, t_wait = exchange(world, local, progress)
-        gen.after_exchange(step, progress.version, live)
+        gen.after_exchange(step, progress.version, live)  # colocated: the engine sleeps
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
                    "data/skipped": s.n_skipped,
@@ -412,6 +416,8 @@ def sync_phase(cfg: config.Config, world: World, s: Setup, progress: ckpt.Progre
         out["sync/bytes"] = float(sync.sync_weights(world, tr and tr.sender, s.receiver, loader,
                                                  progress.version + 1))
         progress.version += 1
+    elif world.colocated:
+        s.engine.wake_up()
     out["time/sync_s"] = time.perf_counter() - t0
     if cfg.sync.enabled and cfg.sync.verify:
         out["sync/checksum_ok"] = float(sync.verify(world, tr and tr.policy, s.engine, cfg.model.dtype))
