@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
             engine = engines.engine_class(cfg.rollout.engine)
-            code = dry_run(cfg, engine.OWN_CHANNEL)
-            note = engine.start_note(cfg.rollout, model.peek_config(cfg.model.path))
+            peek = model.peek_config(cfg.model.path)
+            code = dry_run(cfg, engine.OWN_CHANNEL, peek)
+            note = engine.start_note(cfg.rollout, peek)
             if note:  # what the engine decides from the model (vLLM: prefix caching)
                 print(note)
             return code

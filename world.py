@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import config as C
 import device as D
+import memplan
 from errors import ConfigError, NodeConfigError
 
 
@@ -343,10 +344,11 @@ def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
                           f"({n} % ({n_train} x {mb}) != 0)")
 
 
-def dry_run(cfg: C.Config, own_channel: bool) -> int:
-    """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
-    group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL); nothing is
-    initialised."""
+def dry_run(cfg: C.Config, own_channel: bool, config=None) -> int:
+    """`train.py --dry-run`: the resolved config, one JSON line per rank, one with every
+    group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL), then the memory
+    plan (memplan.py; `config`: the model's, None where not read yet; a plan that cannot fit:
+    ConfigError); nothing is initialised."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
     validate_world(cfg, n, D.planned_kind(), dry_run=True)
@@ -354,4 +356,7 @@ def dry_run(cfg: C.Config, own_channel: bool) -> int:
                          cfg.rollout.tensor_parallel_size, own_channel and not c.colocate,
                          c.layout, c.colocate):
         print(json.dumps(row))
+    trainers, _ = split_roles(n, c.gen_ranks, c.layout, c.nnodes, c.colocate)
+    for line in memplan.plan_lines(cfg, len(trainers), config):
+        print(line)
     return 0
