@@ -90,6 +90,8 @@ def terms(cfg, shape: Shape, trainers: int) -> dict[str, float]:
         "activations": act + 3 * CHUNK_BYTES,
         "engine weights": engine_weights,
         "kv cache (hf)": kv_hf,
+        # transformers' generate keeps every step's logits (output_logits), then stacks them
+        "logits (hf)": 2 * rows * ro.max_new_tokens * shape.vocab * BYTES[mc.dtype],
         "sync buffers": 2 * cfg.sync.bucket_mb * 2**20,
     }
 
@@ -109,7 +111,7 @@ def phases(cfg, shape: Shape, trainers: int, memory: float) -> dict[str, dict[st
     elif vllm:  # the device not given: its weights, the KV cache not known
         engine = {"engine weights (+ kv cache to gpu_memory_utilization)": t["engine weights"]}
     else:
-        engine = {"engine weights": t["engine weights"], "kv cache (hf)": t["kv cache (hf)"]}
+        engine = {k: t[k] for k in ("engine weights", "kv cache (hf)", "logits (hf)")}
     train = {k: t[k] for k in ("parameters", "reference", "gradients", "optimizer", "gathered", "activations")}
     if not cfg.cluster.colocate:
         return {"train (trainer device)": train, "generate (engine device)": engine}
@@ -128,8 +130,8 @@ def knob(phase: str, parts: dict[str, float], cfg, room: float) -> str:
     if big == "activations":
         return ("lower train.micro_batch_tokens (or set model.activation_checkpointing = true)"
                 if cfg.model.activation_checkpointing is False else "lower train.micro_batch_tokens")
-    if big == "kv cache (hf)":
-        return "lower rollout.prompts_per_step or data.max_prompt_len"
+    if big in ("kv cache (hf)", "logits (hf)"):
+        return "lower rollout.prompts_per_step or rollout.max_new_tokens (or use rollout.engine = 'vllm')"
     return "set model.lora_rank > 0 (LoRA), or launch more ranks"
 
 
