@@ -401,6 +401,11 @@ def _ties(config) -> bool:
                 getattr(getattr(config, "text_config", None), "tie_word_embeddings", False))
 
 
+def qkv_bias(text_config) -> bool:
+    """Whether the family's attention projections q, k, v carry biases (Qwen2 and Qwen2.5's do)."""
+    return getattr(text_config, "model_type", "").startswith("qwen2")
+
+
 # The memory plan's shapes (memplan.py) for the configs' hub ids, read from each model's
 # config.json on the hub; `vision_params`: the vision tower's parameter count (0: text-only;
 # Qwen2.5-VL-3B's counted on its architecture, Qwen3-VL-4B's estimated from its vision_config:

@@ -63,7 +63,7 @@ def shape_of(path: str, config=None) -> Shape | None:
     return Shape(t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.vocab_size,
                  t.num_attention_heads, t.num_key_value_heads, head_dim,
                  bool(getattr(config, "tie_word_embeddings", False) or getattr(t, "tie_word_embeddings", False)),
-                 "qwen2" in getattr(t, "model_type", ""), vision)
+                 F.qkv_bias(t), vision)
 
 
 def terms(cfg, shape: Shape, trainers: int) -> dict[str, float]:

@@ -9,8 +9,7 @@ mesh, `cluster.gen_ranks` ranks own one inference engine each. One step:
     3. train     trainer ranks (update.py): plan -> proximal pass -> filters -> denominators
                  -> advantages -> train.mini_batches x train.ppo_epochs optimizer steps
     4. sync      trainer rank 0 -- buckets over the sync group --> every engine (version + 1)
-                 (cluster.colocate: every rank trains and owns an engine; the engine sleeps from
-                 the exchange to the sync, which loads its own rank's gathered tensors in-process)
+                 (cluster.colocate: every rank's engine sleeps from 2. to 4.: docs/colocate.md)
     5. eval / checkpoint / log
 
 A world of 1 plays both roles in one process. With `rollout.max_staleness = 1` the engines
@@ -241,8 +240,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                                          verbose=cfg.run.verbose)
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
-    receiver = (sync.Receiver(world.sync_group, 0, device)
-                if world.is_gen and world.size > 1 and not world.colocated else None)
+    receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.sync_group is not None else None
     rc, own = cfg.reward, data.own_functions(cfg.data)  # a source's own grade its episodes alone
     scorer, eval_scorer = ([rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts, sources=own)
                             for fns in (rc.functions, cfg.eval.functions)] if world.is_gen else (None, None))
