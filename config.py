@@ -108,15 +108,15 @@ class RunConfig:
 @dataclass
 class ClusterConfig:
     gen_ranks: int = num(1, ">= 1")          # ranks that generate (one engine each); the others train
-    # where the generation ranks sit (world.split_roles): "by_node" = the LAST gen_ranks ranks of
-    # the world (vl3b: node 0 trains, node 1 generates); "per_node" = on every node, its last
-    # gen_ranks / nodes ranks (ROLL's trainers on NPUs 0-3 and engines on 4-7 of each node;
-    # gen_ranks must spread evenly over equal nodes)
+    # where they sit (world.split_roles): "by_node" = the LAST gen_ranks ranks of the world (vl3b); "per_node"
+    # = each node's last gen_ranks / nodes ranks (ROLL's trainers on NPUs 0-3, engines on 4-7; even spread)
     layout: str = one_of("by_node", ("by_node", "per_node"))
+    colocate: bool = False  # every rank trains and owns an engine on its device, time-shared (docs/colocate.md)
     timeout_s: float = num(300.0, "> 0")     # every collective and the engine: a dead peer ends the job after this
     nnodes: int = num(1, ">= 1")             # for --dry-run only: the nodes the rank plan is drawn for
     nproc_per_node: int = num(3, ">= 1")     # for --dry-run only: processes per node
     devices_per_node: int = num(8, ">= 1")   # for --dry-run only: GPUs/NPUs per node (a run counts the node's own)
+    device_memory_gib: float = num(0.0, ">= 0")  # the memory plan's device memory (docs/memory.md; 0: not judged)
 
 
 @dataclass

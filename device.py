@@ -394,6 +394,24 @@ def peak_memory_gb(dev: Device) -> float:
     return 0.0
 
 
+def empty_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks on `device` back to the driver (a colocated
+    engine's sleep); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "npu":
+        torch.npu.empty_cache()
+
+
+def allocated_gb(dev: Device) -> float:
+    """Accelerator memory this process's tensors hold now (0 on CPU)."""
+    if dev.kind == "cuda":
+        return torch.cuda.memory_allocated() / 2**30
+    if dev.kind == "npu":
+        return torch.npu.memory_allocated() / 2**30
+    return 0.0
+
+
 def reset_peak_memory(dev: Device) -> None:
     """Start :func:`peak_memory_gb` over from what is allocated now (a no-op on CPU)."""
     if dev.kind == "cuda":

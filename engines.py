@@ -66,6 +66,9 @@ def check(cfg) -> None:
     need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
          "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
          "one device)")
+    need(not (cfg.cluster.colocate and ro.engine == "vllm"),
+         "cluster.colocate with rollout.engine = 'vllm' is not built yet (its sleep/wake and "
+         "in-process weight load; docs/colocate.md): use rollout.engine = 'hf'")
     if ro.engine == "vllm":
         _check_vllm(cfg, need)
 

@@ -129,6 +129,14 @@ class LocalEngine(Engine, Protocol):
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights by HF name (sync.verify)."""
 
+    def sleep(self) -> None:
+        """cluster.colocate: give the device up for the train phase (weights to host memory,
+        KV cache freed); the engine generates nothing until :meth:`wake_up`."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """cluster.colocate: back on the device; tags "weights" (before a sync loads them) and
+        "kv_cache" (after), None for both; on an awake engine a no-op."""
+
 
 class AheadEngine(Engine, Protocol):
     """An engine with its own weight channel (OWN_CHANNEL) driven from pipeline.Producer's worker

@@ -404,3 +404,24 @@ def write_weights(folder: Path, model, state: dict, dtype) -> None:
 def _ties(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False) or
                 getattr(getattr(config, "text_config", None), "tie_word_embeddings", False))
+
+
+def qkv_bias(text_config) -> bool:
+    """Whether the family's attention projections q, k, v carry biases (Qwen2 and Qwen2.5's do)."""
+    return getattr(text_config, "model_type", "").startswith("qwen2")
+
+
+# The memory plan's shapes (memplan.py) for the configs' hub ids, read from each model's
+# config.json on the hub; `vision_params`: the vision tower's parameter count (0: text-only;
+# Qwen2.5-VL-3B's counted on its architecture, Qwen3-VL-4B's estimated from its vision_config:
+# 24 blocks of 1024 with MLPs of 4096, four patch mergers, the position table).
+REFERENCE_SHAPES: dict[str, dict] = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": dict(hidden=2048, layers=36, intermediate=11008, vocab=151936,
+                                        heads=16, kv_heads=2, head_dim=128, tied=True, qkv_bias=True,
+                                        vision_params=668_684_288),
+    "Qwen/Qwen3-VL-4B-Instruct": dict(hidden=2560, layers=36, intermediate=9728, vocab=151936,
+                                      heads=32, kv_heads=8, head_dim=128, tied=True, qkv_bias=False,
+                                      vision_params=412_000_000),
+    "Qwen/Qwen3-4B": dict(hidden=2560, layers=36, intermediate=9728, vocab=151936, heads=32,
+                          kv_heads=8, head_dim=128, tied=True, qkv_bias=False, vision_params=0),
+}

@@ -51,6 +51,7 @@ class HFEngine:
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.keep = keep  # rollout.partial = "keep": a check's new weights go on the KV as it is
         self.procs, self.tokens, self.device = procs, procs.tokens, device
+        self.asleep = False  # colocated: the weights are in host memory (sleep / wake_up)
         # MoE: what each generate call routed is recorded (routing.capture) and kept per token
         self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
                         if families.moe_routers(self.model) else 0)
@@ -152,6 +153,22 @@ class HFEngine:
                     p.data = t
             else:
                 (p[index] if index else p).copy_(t)
+
+    def sleep(self) -> None:
+        """Colocated (cluster.colocate): free the device for the train phase. transformers keeps
+        no KV cache between generate calls, so the weights alone move to host memory."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            D.empty_cache(self.device)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back on the device: "weights" brings them back (a no-op on CPU), "kv_cache" has
+        nothing to allocate (made per generate call); None: both."""
+        if tags is None or "weights" in tags:
+            if self.device.type != "cpu":
+                self.model.to(self.device)
+            self.asleep = False
 
     def receive_weights(self, source: WeightSource) -> int:
         """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's

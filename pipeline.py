@@ -380,7 +380,11 @@ class Generation:
 
     def after_exchange(self, step: int, version: int, live) -> None:
         """k = 1 in this thread: step + 1's batch with the current weights while the trainers
-        train on this one; the sync waits for both."""
+        train on this one; the sync waits for both. Colocated (cluster.colocate, never ahead):
+        the engine sleeps, the device the trainer's until the sync wakes it."""
+        if self.world.colocated:
+            self.engine.sleep()
+            return
         if (self.world.is_gen and self.producer is None and self.cfg.rollout.max_staleness
                 and step + 1 < self.cfg.run.steps):
             live.phase(step, f"rollout of step {step + 1} (overlap)")

@@ -345,8 +345,15 @@ class LocalControl:
 
 def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", engine,
                  version: int) -> int:
-    """One sync of weight `version`: trainer ranks send, generation ranks load into their engine.
-    Returns the bytes sent (trainer rank 0; 0 elsewhere)."""
+    """One sync of weight `version`: trainer ranks send, generation ranks load into their engine
+    (colocated: every rank gathers the full tensors and loads its own engine, bucket by bucket,
+    between the engine's wake-ups of its weights and of its KV cache). Returns the bytes sent
+    (rank 0; 0 elsewhere)."""
+    if world.colocated:  # this rank's own engine, asleep since the train phase (cluster.colocate)
+        engine.wake_up(["weights"])
+        sent = sender.send(version, sink=engine.load_weights)  # gathered buckets, in-process
+        engine.wake_up(["kv_cache"])
+        return sent if world.is_root else 0
     if world.size == 1:  # both ends in this process
         if sender.channel is None:  # the engine lives here: buckets handed straight over
             return sender.send(version, sink=engine.load_weights)

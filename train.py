@@ -9,10 +9,11 @@ mesh, `cluster.gen_ranks` ranks own one inference engine each. One step:
     3. train     trainer ranks (update.py): plan -> proximal pass -> filters -> denominators
                  -> advantages -> train.mini_batches x train.ppo_epochs optimizer steps
     4. sync      trainer rank 0 -- buckets over the sync group --> every engine (version + 1)
+                 (cluster.colocate: every rank's engine sleeps from 2. to 4.: docs/colocate.md)
     5. eval / checkpoint / log
 
-A world of 1 plays both roles in one process. With `rollout.max_staleness = 1` the engines
-generate step k+1's batch while the trainers train on step k (corrected by TIS).
+A world of 1 plays both roles in one process. With `rollout.max_staleness = k` the engines run k
+versions ahead of the trainers (pipeline.py, docs/async.md).
 
 `python train.py --help` lists the flags (and the launch); every config key is documented in
 config.py. Where things live: the update in update.py and loss.py (objectives and filters:
@@ -82,10 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         configs, flags, overrides = config.split_argv(argv)
         cfg = load_config(configs, overrides)
         if flags.get("--dry-run"):
-            engine = engines.engine_class(cfg.rollout.engine)
-            code = dry_run(cfg, engine.OWN_CHANNEL)
-            note = engine.start_note(cfg.rollout, model.peek_config(cfg.model.path))
-            if note:  # what the engine decides from the model (vLLM: prefix caching)
+            peek = model.peek_config(cfg.model.path)
+            code = dry_run(cfg, engines.engine_class(cfg.rollout.engine).OWN_CHANNEL, peek)
+            for note in filter(None, engines.start_notes(cfg, peek)):  # what the engines decide from the model
                 print(note)
             return code
         if flags.get("--eval-only") and not flags.get("--checkpoint"):
@@ -122,8 +122,9 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     validate_world(cfg, launched_size(), dev.kind)  # before any process group exists
     try:
         own = engines.engine_class(cfg.rollout.engine).OWN_CHANNEL  # asked once; world.own_channel
-        world = setup_world(cfg.cluster.gen_ranks, cfg.cluster.timeout_s, dev.backend, dev,
-                            cfg.rollout.tensor_parallel_size if own else None, check, cfg.cluster.layout)
+        c = cfg.cluster
+        world = setup_world(c.gen_ranks, c.timeout_s, dev.backend, dev, cfg.rollout.tensor_parallel_size
+                            if own else None, check, c.layout, c.colocate)
     except ConfigError:  # too few devices on this node (NodeConfigError): main() prints it, exit 2
         raise
     except Exception as e:  # noqa: BLE001 - an unreachable master, ...: one line, exit 4
@@ -132,12 +133,10 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
     live = failures.Liveness(world.rank, [world.role(r) for r in range(world.size)])
     failures.on_signals(live)
     if check:  # --check-channel: the weight channel alone, then exit (channel.check_channel)
-        return failures.guarded(live, lambda: check_channel(world, dev, cfg.sync,
-                                                                  cfg.cluster.timeout_s))
+        return failures.guarded(live, lambda: check_channel(world, dev, cfg.sync, cfg.cluster.timeout_s))
     ckpt.claim_run_dir(cfg.run, world, resume, eval_checkpoint)  # one job per run folder; writable
     if eval_checkpoint:
-        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live,
-                                                                  eval_checkpoint))
+        return failures.guarded(live, lambda: evaluate_checkpoint(cfg, world, dev, live, eval_checkpoint))
     return failures.guarded(live, lambda: train(cfg, world, dev, live, resume, sources))
 
 
@@ -235,7 +234,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
                                          verbose=cfg.run.verbose)
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
-    receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.size > 1 else None
+    receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.sync_group is not None else None
     scorer, eval_scorer = reward_models.runners(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions))
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
@@ -300,7 +299,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         # 2. episodes to every rank (gloo object exchange)
         live.phase(step, "exchange")
         episodes, stats, t_wait = exchange(world, local, progress)
-        gen.after_exchange(step, progress.version, live)
+        gen.after_exchange(step, progress.version, live)  # colocated: the engine sleeps
         metrics = {"step": step, "weight_version": min((e.version for e in episodes),
                                                        default=progress.version),
                    "data/skipped": s.n_skipped,
@@ -403,6 +402,8 @@ def sync_phase(cfg: config.Config, world: World, s: Setup, progress: ckpt.Progre
         out["sync/bytes"] = float(sync.sync_weights(world, tr and tr.sender, s.receiver, loader,
                                                  progress.version + 1))
         progress.version += 1
+    elif world.colocated:
+        s.engine.wake_up()
     out["time/sync_s"] = time.perf_counter() - t0
     if cfg.sync.enabled and cfg.sync.verify:
         out["sync/checksum_ok"] = float(sync.verify(world, tr and tr.policy, s.engine, cfg.model.dtype))

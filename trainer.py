@@ -102,7 +102,7 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
                             **D.adamw_options(device.type))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, tc, total_steps))
     sender = S.Sender(policy, mc.dtype, cfg.sync.bucket_mb, group=world.sync_group, src=0,
-                      is_root=world.is_root, device=device, channel=channel)
+                      is_root=world.is_root or world.colocated, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device, layout,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref,
                    teacher=teacher, base_teacher=mc.teacher_path == "base")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import config as C
 import device as D
+import memplan
 from errors import ConfigError, NodeConfigError
 
 
@@ -32,14 +33,15 @@ LAYOUTS = ("by_node", "per_node")
 
 
 def split_roles(world_size: int, gen_ranks: int, layout: str = "by_node",
-                nnodes: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(trainer ranks, generation ranks); a world of one does both. "by_node": the LAST
+                nnodes: int = 1, colocate: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(trainer ranks, generation ranks); a world of one, and every rank with `colocate`
+    (`cluster.colocate`), does both. "by_node": the LAST
     `gen_ranks` ranks generate. "per_node": `gen_ranks` spread evenly over the `nnodes` nodes
     (equal nodes of world_size / nnodes ranks), each node's last ones generating. Raises
     ValueError (one line naming the key) when no trainer rank would be left or the spread is
     uneven."""
-    if world_size == 1:
-        return (0,), (0,)
+    if world_size == 1 or colocate:
+        return tuple(range(world_size)), tuple(range(world_size))
     if not 1 <= gen_ranks < world_size:
         raise ValueError(f"cluster.gen_ranks={gen_ranks} leaves no trainer rank in a world of "
                          f"{world_size}" if gen_ranks >= world_size else
@@ -74,8 +76,9 @@ class World:
     gens: tuple[int, ...]
     ctrl: Any = None         # gloo group of every rank: episodes, metrics, control objects
     train_group: Any = None  # the trainer ranks: the FSDP2 mesh and the loss reductions
-    sync_group: Any = None   # trainer rank 0 + every generation rank (None in a world of one)
+    sync_group: Any = None   # trainer rank 0 + every generation rank (None in a world of one, colocated)
     own_channel: bool = False  # the engines receive weights over a channel of their own (vLLM)
+    colocated: bool = False  # cluster.colocate: every rank trains and owns an engine, time-shared
 
     @property
     def is_root(self) -> bool:
@@ -146,7 +149,7 @@ def check_node_devices(node: int, first_rank: int, n_local: int, trainers,
 
 def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
           engine_devices: int | None = None, claim_engine_devices: bool = False,
-          layout: str = "by_node") -> World:
+          layout: str = "by_node", colocate: bool = False) -> World:
     """Initialise the one process group and every subgroup, on every rank, in the same order.
 
     With an accelerator `dev`, each rank first checks its node's device count
@@ -155,7 +158,9 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
     processes of its own (`engine_devices` each; None: an in-process engine) only narrows the
     visible devices and joins with gloo alone (device.world_backend). `claim_engine_devices`
     (`--check-channel`): such a rank claims its engine's first device itself. `layout`:
-    `cluster.layout` (:func:`split_roles`)."""
+    `cluster.layout` (:func:`split_roles`). `colocate` (`cluster.colocate`): every rank trains
+    and owns an in-process engine on its own device; no sync group (the weights never leave
+    the rank) and no engine channel."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -164,7 +169,8 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
     if layout == "per_node" and size != launched_nodes() * n_local:  # this node differs from the others
         raise NodeConfigError(f"cluster.layout = \"per_node\" needs the same processes on every node: this "
                               f"node runs {n_local} of a world of {size} over {launched_nodes()} nodes")
-    trainers, gens = split_roles(size, gen_ranks, layout, launched_nodes())
+    trainers, gens = split_roles(size, gen_ranks, layout, launched_nodes(), colocate)
+    engine_devices = None if colocate else engine_devices  # the engine is in this process's hands
     kind = dev.kind if dev is not None else "cpu"
     timeout_s, note = D.group_timeout(kind, timeout_s)
     if note and rank == 0:
@@ -197,40 +203,47 @@ def setup(gen_ranks: int, timeout_s: float, backend: str, dev=None,
     # An engine with a channel of its own gets only control messages (CPU) over the sync group.
     sync_group = (dist.new_group([0, *gens], timeout=timeout,
                                  backend="gloo" if engine_devices is not None else None)
-                  if size > 1 else None)
+                  if size > 1 and not colocate else None)
     return World(dist.get_rank(), size, local_rank, trainers, gens, ctrl, train_group, sync_group,
-                 own_channel=engine_devices is not None)
+                 own_channel=engine_devices is not None, colocated=colocate)
 
 
 def rank_plan(world_size: int, gen_ranks: int, nproc_per_node: int,
-              engine_devices: int = 1, layout: str = "by_node") -> list[dict]:
+              engine_devices: int = 1, layout: str = "by_node", colocate: bool = False) -> list[dict]:
     """Every rank's role, node and devices (the dry run prints it; nothing is initialised).
     `engine_devices`: devices each generation rank's engine spans (see :func:`local_devices`);
-    `layout`: `cluster.layout` over nodes of `nproc_per_node` ranks."""
-    trainers, gens = split_roles(world_size, gen_ranks, layout, max(1, world_size // nproc_per_node))
+    `layout`: `cluster.layout` over nodes of `nproc_per_node` ranks; `colocate`: every rank both."""
+    trainers, gens = split_roles(world_size, gen_ranks, layout, max(1, world_size // nproc_per_node),
+                                 colocate)
     rows = []
     for r in range(world_size):
         local = r % nproc_per_node
         devs = local_devices(r, local, nproc_per_node, trainers,
                              engine_devices if world_size > 1 else 1)
         rows.append({"rank": r, "node": r // nproc_per_node, "local_rank": local,
-                     "role": role_of(r, trainers, gens) if world_size > 1 else "trainer",
+                     "role": role_of(r, trainers, gens) if world_size > 1 or colocate else "trainer",
                      "device": "{dev}:" + ",".join(map(str, devs))})
     return rows
 
 
 def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind: str,
-              engine_devices: int, own_channel: bool, layout: str = "by_node") -> list[dict]:
+              engine_devices: int, own_channel: bool, layout: str = "by_node",
+              colocate: bool = False) -> list[dict]:
     """The dry run's lines: one per rank, then one with every group's members (`own_channel`:
-    the engines' workers, `engine_devices` each, join their own weight channel)."""
-    plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices, layout)
+    the engines' workers, `engine_devices` each, join their own weight channel; `colocate`:
+    every rank trains and generates, its weights going to its own engine in-process)."""
+    plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices, layout, colocate)
     for row in plan:
         row["device"] = row["device"].format(dev=device_kind)
     trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
     gens = [r["rank"] for r in plan if r["role"] == "generation"]
     groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
               "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
-    if own_channel:
+    if colocate:
+        groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
+                  "trainers (FSDP2 mesh)": [r["rank"] for r in plan],
+                  "sync": "none: each rank loads its own engine in-process (colocated)"}
+    elif own_channel:
         groups["vLLM weight channel (outside torch's world)"] = (
             ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(engine_devices)])
     return plan + [{"groups": groups}]
@@ -284,7 +297,7 @@ def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
     c, ro = cfg.cluster, cfg.rollout
     try:
         trainers, gens = split_roles(world_size, c.gen_ranks, c.layout,
-                                     c.nnodes if dry_run else launched_nodes())
+                                     c.nnodes if dry_run else launched_nodes(), c.colocate)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for kind in (device or "").split("|"):
@@ -292,18 +305,23 @@ def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
         if refusal:
             raise ConfigError(refusal)
     n_train, n_gen = len(trainers), len(gens)
+    if ro.max_staleness and c.colocate:
+        raise ConfigError(f"rollout.max_staleness={ro.max_staleness} with cluster.colocate: engines "
+                          "cannot run ahead on devices they time-share with the trainers; set 0")
     if ro.max_staleness and world_size == 1:
         raise ConfigError(f"rollout.max_staleness={ro.max_staleness} needs separate generation "
                           "ranks (a world of 1 cannot overlap generation with training)")
-    if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1:
+    if device not in (None, "cpu") and ro.engine == "vllm" and world_size == 1 and not c.colocate:
         raise ConfigError(f"rollout.engine='vllm' in a world of 1 on {device}: trainer and engine "
                           "would share one device (NCCL/HCCL refuse that; vLLM takes "
-                          "rollout.gpu_memory_utilization of it); launch 2+ ranks or use engine 'hf'")
+                          "rollout.gpu_memory_utilization of it); set cluster.colocate = true, launch "
+                          "2+ ranks or use engine 'hf'")
     if dry_run and device not in (None, "cpu") and world_size > 1:
         per = c.nproc_per_node
         for node in range(world_size // per):
             try:  # tensor_parallel_size > 1 is vLLM's alone (validate), so it is the engine's span
-                check_node_devices(node, node * per, per, trainers, ro.tensor_parallel_size,
+                check_node_devices(node, node * per, per, trainers,
+                                   1 if c.colocate else ro.tensor_parallel_size,
                                    c.devices_per_node, "cluster.devices_per_node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
@@ -326,14 +344,19 @@ def validate_world(cfg: C.Config, world_size: int, device: str | None = None,
                           f"({n} % ({n_train} x {mb}) != 0)")
 
 
-def dry_run(cfg: C.Config, own_channel: bool) -> int:
-    """`train.py --dry-run`: the resolved config, one JSON line per rank, and one with every
-    group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL); nothing is
-    initialised."""
+def dry_run(cfg: C.Config, own_channel: bool, config=None) -> int:
+    """`train.py --dry-run`: the resolved config, one JSON line per rank, one with every
+    group's members (`own_channel`: the engine's, episode.Engine.OWN_CHANNEL), then the memory
+    plan (memplan.py; `config`: the model's, None where not read yet; a plan that cannot fit:
+    ConfigError); nothing is initialised."""
     print(C.dump_toml(cfg))
     c, n = cfg.cluster, cfg.cluster.nnodes * cfg.cluster.nproc_per_node
     validate_world(cfg, n, D.planned_kind(), dry_run=True)
     for row in plan_rows(n, c.gen_ranks, c.nproc_per_node, D.planned_kind(),
-                         cfg.rollout.tensor_parallel_size, own_channel, c.layout):
+                         cfg.rollout.tensor_parallel_size, own_channel and not c.colocate,
+                         c.layout, c.colocate):
         print(json.dumps(row))
+    trainers, _ = split_roles(n, c.gen_ranks, c.layout, c.nnodes, c.colocate)
+    for line in memplan.plan_lines(cfg, len(trainers), config):
+        print(line)
     return 0

@@ -37,10 +37,15 @@
 #             no `model.compile` option yet.)
 # head        bench/step.py --head HEAD_TOKENS: the LM head's peak memory, forward + backward, at
 #             the 151,936-token vocabulary, chunked (head.py) against the full [N, V] computation.
+# colocate    bench/colocate.py: a colocated step in a world of one, the HF engine and a trainer
+#             sharing the device, Qwen2.5-VL-3B's architecture (tiny on CPU), bf16: the peak
+#             device memory of the generate and of the train phase, the memory the engine's
+#             sleep freed (its weights to host memory), the seconds of sleep, wake and load
+#             (docs/colocate.md; memory figures are 0 on CPU).
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
 # CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), GRPO_PROMPTS (8; 1 on CPU),
 # HEAD_TOKENS (8192; 64 on CPU), STEPS (the steps to run, in this order; default all:
-# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head"; e.g. STEPS=step to rerun one on
+# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head colocate"; e.g. STEPS=step to rerun one on
 # a short lease).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -52,11 +57,13 @@ if [ "$GRPO_DEVICE" = cpu ]; then
   STEP_MODEL=${STEP_MODEL:-tiny}; STEP_SEQ=${STEP_SEQ:-256}; PACK_LAYERS=${PACK_LAYERS:-1}
   PACK_SIZE=(--prompts 4 --max-new-tokens 64 --reps 1)
   GRPO_PROMPTS=${GRPO_PROMPTS:-1}; HEAD_TOKENS=${HEAD_TOKENS:-64}; GRPO_SIZE=(--steps 1 --warmup 0)
+  COLOC_SIZE=(--prompts 2 --prompt-len 16 --new-tokens 8 --seq-len 64)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
   STEP_MODEL=${STEP_MODEL:-3b}; STEP_SEQ=${STEP_SEQ:-2048}; PACK_LAYERS=${PACK_LAYERS:-36}
   PACK_SIZE=(--reps 3)
   GRPO_PROMPTS=${GRPO_PROMPTS:-8}; HEAD_TOKENS=${HEAD_TOKENS:-8192}; GRPO_SIZE=(--steps 3 --warmup 1)
+  COLOC_SIZE=(--prompts 8 --prompt-len 512 --new-tokens 256 --seq-len 2048)
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  # no network there
 mkdir -p "$OUT"
@@ -91,7 +98,7 @@ if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/version
   exit 3
 fi
 
-ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head"
+ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head colocate"
 STEPS=${STEPS:-$ALL_STEPS}
 for name in $STEPS; do
   case " $ALL_STEPS " in *" $name "*) ;;
@@ -126,6 +133,7 @@ stage grpo 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO
 stage grpo_ckpt 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
   --checkpointing "${GRPO_SIZE[@]}"
 stage head 120 "$PY" bench/step.py --head "$HEAD_TOKENS"
+stage colocate 180 "$PY" bench/colocate.py --model "${STEP_MODEL%-depth}" "${COLOC_SIZE[@]}"
 
 # --- one JSON object: what each step gave ---------------------------------------------------
 "$PY" - "$OUT" "${failed[@]}" <<'EOF'
@@ -161,6 +169,7 @@ print(json.dumps({
     "step": step, "demo": d, "demo_packed": demo("demo_packed"),
     "pack_3b": last_json("pack_3b"), "pack_tiny": last_json("pack_tiny"),
     "grpo": last_json("grpo"), "grpo_ckpt": last_json("grpo_ckpt"), "head": last_json("head"),
+    "colocate": last_json("colocate"),
 }))
 EOF
 [ ${#failed[@]} = 0 ]

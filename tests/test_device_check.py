@@ -47,6 +47,10 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     assert g["checkpoint_calls_per_step"] == 0 and gc["checkpoint_calls_per_step"] == 4 * gc["micro_batches"]
     assert g["aten_ops_per_microbatch"] > 0 and g["forward_backward_s"] > 0 and g["optimizer_s"] > 0
     assert r["head"]["tokens"] == 64 and 0 < r["head"]["head_peak_mb"] and 0 < r["head"]["head_peak_mb_full"]
+    # the colocated step: both phases ran, its figures present (memory: 0 on CPU)
+    c = r["colocate"]
+    assert c["model"] == "tiny" and c["dtype"] == "bf16" and c["load_s"] > 0
+    assert {"peak_generate_gb", "peak_train_gb", "sleep_freed_gb", "sleep_s", "wake_s"} <= set(c)
 
 
 @pytest.mark.slow
