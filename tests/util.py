@@ -62,6 +62,14 @@ def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def lpdiff(rows: list[dict]) -> list[float]:
+    """`logprob_diff/max` of the steps that measured one (a step whose every token was sampled
+    with an older version logs none: logprob_diff/tokens 0); at least one step must have."""
+    got = [r["logprob_diff/max"] for r in rows if "logprob_diff/max" in r]
+    assert got and all(r["logprob_diff/tokens"] == 0 for r in rows if "logprob_diff/max" not in r), rows
+    return got
+
+
 TINY = ["--config", str(ROOT / "configs" / "tiny.toml")]
 TINY_TEXT = ["--config", str(ROOT / "configs" / "tiny_text.toml")]
 
