@@ -18,7 +18,7 @@ from tests.util import ROOT, env, torchrun_parts
 BENCH = ROOT / "bench"
 # script -> where its smoke test is
 SMOKED = {"sync.py": "here", "step.py": "here", "e2e.py": "here", "verifier.py": "here",
-          "sync_memory.py": "here", "packing.py": "here",
+          "sync_memory.py": "here", "packing.py": "here", "colocate.py": "here",
           "vs_trl.py": "here + tests/test_bench_vs_trl.py",
           "device_check.sh": "tests/test_device_check.py"}
 
@@ -158,3 +158,14 @@ def test_step_head():
     r = run(BENCH / "step.py", "--head", "8192", "--head-measure", "fake")
     assert r["mode"] == "head" and r["vocab"] == 151936 and r["hidden"] == 2048
     assert r["head_peak_mb"] <= r["head_peak_mb_full"] / 8          # issue 51's acceptance
+
+
+@pytest.mark.slow  # a fresh interpreter, as the other scripts
+def test_colocate():
+    """bench/colocate.py at device_check.sh's CPU size: one colocated step (generate, sleep,
+    train, wake, load) in one process; its memory figures are 0 on the CPU, its load time not."""
+    r = run(BENCH / "colocate.py", "--model", "tiny", "--prompts", "2", "--prompt-len", "16",
+            "--new-tokens", "8", "--seq-len", "64")
+    assert r["model"] == "tiny" and r["prompts"] == 2 and r["load_s"] > 0
+    assert {"peak_generate_gb", "peak_train_gb", "sleep_freed_gb", "sleep_s", "wake_s"} <= set(r)
+
