@@ -394,7 +394,7 @@ def peak_memory_gb(dev: Device) -> float:
     return 0.0
 
 
-def empty_cache(device: torch.device) -> None:
+def release_cached_memory(device: torch.device) -> None:
     """Hand the caching allocator's free blocks on `device` back to the driver (a colocated
     engine's sleep); a no-op on CPU."""
     if device.type == "cuda":

@@ -159,7 +159,7 @@ class HFEngine:
         no KV cache between generate calls, so the weights alone move to host memory."""
         if self.device.type != "cpu":
             self.model.to("cpu")
-            D.empty_cache(self.device)
+            D.release_cached_memory(self.device)
         self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
