@@ -33,6 +33,7 @@ so a new environment is a new file here with ``@register("name")`` on its class
 """
 from __future__ import annotations
 
+import abc
 import importlib
 import math
 import pkgutil
@@ -45,8 +46,9 @@ REGISTRY: dict[str, type] = {}
 TURN_REWARDS = ("sum", "last")  # how the per-turn rewards make the episode's (turn_rewards)
 
 
-class Environment:
-    """The base of every environment: its keys, whether it grades, and defaults for reset."""
+class Environment(abc.ABC):
+    """The base of every environment: its keys, whether it grades, and defaults for reset; a
+    subclass must define :meth:`step` (one without it cannot be built)."""
     keys: dict = {}               # its [rollout.env_args] keys: name -> registry.Key
     grades = False                # True: step returns rewards; a run may have no reward function
     images_per_episode = 0        # the most pictures its messages show in one episode
@@ -57,8 +59,9 @@ class Environment:
     def reset(self, problem, seed: int) -> tuple[Any, str | None]:
         return None, None
 
+    @abc.abstractmethod
     def step(self, state, conversation: list[dict]) -> tuple[str | dict | None, float | None]:
-        raise NotImplementedError
+        """The environment's answer to the conversation's last reply: (message | None, reward | None)."""
 
 
 def register(name: str) -> Callable[[type], type]:
