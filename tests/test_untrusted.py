@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import checkpoint_read
-from tests.util import ROOT, TINY, env, train_py
+from tests.util import ROOT, TINY, end_group, env, train_py
 
 
 class Planted:
@@ -139,11 +139,7 @@ def test_a_one_node_run_listens_on_the_loopback_only_but_for_torchruns_own_store
                 seen.setdefault(addr, set()).update(pids)
             time.sleep(0.2)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # it and whatever it left behind
-        except ProcessLookupError:
-            pass
-        p.wait()
+        end_group(p)
     assert p.returncode == 0
     ranks = {a: pids - {p.pid} for a, pids in seen.items() if pids - {p.pid}}
     assert len(ranks) >= 3 and all(a[0].startswith(("127.", "::1")) for a in ranks), seen

