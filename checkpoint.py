@@ -7,7 +7,6 @@ intact one; rank 0 locks the run folder. Layout and protocol: docs/checkpoints.m
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,7 @@ import config as C
 import device as D
 import families as F
 import lora
+import resume_rules
 from checkpoint_read import (MANIFEST, Refused, crc as _crc, eval_problem as _eval_problem,  # noqa: F401
                              eval_step, file_problem as _file_problem, read_meta)
 from errors import ConfigError, StartError, causes, one_line
@@ -121,55 +121,6 @@ def _claim(out_dir: Path, checkpoints: bool, resume: str | None,
 def _unwritable(d: Path, e: OSError) -> str:
     return (f"cannot write to {d} ({type(e).__name__}: {e.strerror or e}); fix its permissions "
             "or pass another --run.out_dir")
-
-
-# ----------------------------------------------------------------------------- the base weights
-PIECES, PIECE = 64, 64  # per tensor: this many evenly spaced pieces of this many bytes
-
-
-def fingerprint(model_path: str) -> str:
-    """A fingerprint of the weights in `model_path`'s safetensors files, read without loading
-    them: every tensor's name, dtype, shape and PIECES evenly spaced PIECE-byte pieces of its
-    data (all of it when smaller). A retrained or re-initialised tensor changes it; a few values
-    changed inside one large tensor may not. "" for a folder without safetensors."""
-    h, parts = hashlib.blake2b(digest_size=8), []
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-            for name in sorted(k for k in header if k != "__metadata__"):
-                t = header[name]
-                start, end = t["data_offsets"]
-                size = end - start
-                spots = [0] if size <= PIECES * PIECE else [i * (size - PIECE) // (PIECES - 1)
-                                                             for i in range(PIECES)]
-                chunk = b""
-                for at in spots:
-                    fh.seek(8 + n + start + at)
-                    chunk += fh.read(min(size, PIECE) if size > PIECES * PIECE else size)
-                h.update(f"{name}:{t['dtype']}:{t['shape']}".encode() + chunk)
-                parts.append(name)
-    return f"{h.hexdigest()}-{len(parts)}" if parts else ""
-
-
-def check_base(cfg: C.Config, world, model_path: str, progress: Progress, resumed: str | None) -> None:
-    """Collective over the world: rank 0 fingerprints `model_path`; a resume whose checkpoint
-    records another base stops every rank with one line naming both, unless
-    `run.allow_new_base`. Then `progress.base` is the base this run trains on."""
-    verdict = [None, None]
-    if world.is_root:
-        now = {"path": model_path, "fingerprint": fingerprint(model_path)}
-        old = progress.base
-        if resumed and old and old.get("fingerprint") != now["fingerprint"] and not cfg.run.allow_new_base:
-            verdict[0] = (f"resuming {resumed}: its base weights were {old.get('path')} (fingerprint "
-                          f"{old.get('fingerprint')}); model.path={model_path} now holds other "
-                          f"weights ({now['fingerprint']}); set --run.allow_new_base=true to go on "
-                          "on the new base, or use another run.out_dir")
-        verdict[1] = now
-    dist.broadcast_object_list(verdict, 0, group=world.ctrl)
-    if verdict[0]:
-        raise ConfigError(verdict[0])
-    progress.base = verdict[1]
 
 
 # ----------------------------------------------------------------------------- saving
@@ -345,48 +296,13 @@ class Resumed(NamedTuple):
     rng: dict | None  # this trainer rank's RNG state; None: keep the seeded one (resharded)
 
 
-def resume_plan(cfg: C.Config, picked: tuple[Path, dict] | None, world_size: int, n_trainers: int) -> dict:
-    """Where a run starts (rank 0): the picked checkpoint, its progress, whether the run is
-    finished, and what changed: "meaning_changes" (config.MEANING_KEYS, the rank split; "error"
-    unless `run.allow_config_change`), "optimizer_changes" (config.OPTIMIZER_KEYS, and run.steps
-    under a decaying schedule), "other_changes" (docs/checkpoints.md, "Resume")."""
-    plan = {"path": None, "meta": None, "finished": False, "meaning_changes": [],
-            "optimizer_changes": [], "other_changes": [], "error": None}
-    if picked is None:
-        return plan
-    path, meta = picked
-    old = meta.get("config", {})
-    changes = C.changed_keys(old, cfg, C.MEANING_KEYS)
-    saved = (meta.get("trainers", n_trainers), meta.get("world_size", world_size))
-    if saved != (n_trainers, world_size):  # resharding works, but it is another experiment
-        changes.append(("the rank split (trainers of ranks)", f"{saved[0]} of {saved[1]}",
-                        f"{n_trainers} of {world_size}"))
-    schedule = C.OPTIMIZER_KEYS + (("run.steps",) if cfg.train.lr_schedule != "constant" else ())
-    listed = set(C.MEANING_KEYS + schedule)
-    # A checkpoint written before optimizer_steps was kept: its steps times the updates configured.
-    n_opt = meta["step"] * cfg.train.mini_batches * cfg.train.ppo_epochs
-    plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
-                optimizer_changes=C.changed_keys(old, cfg, schedule),
-                other_changes=C.changed_keys(old, cfg, tuple(k for k in C.all_keys(cfg)
-                                                             if k not in listed)),
-                meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
-                                              "skipped_total")},
-                      "optimizer_steps": meta.get("optimizer_steps", n_opt),
-                      "kl_coef": meta.get("kl_coef"), "stream": meta.get("stream", []),
-                      "base": meta.get("base", {})})
-    if changes and not cfg.run.allow_config_change:
-        plan["error"] = (f"resuming {path}: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
-                         + " would change what the run means; set --run.allow_config_change=true "
-                         "to resume anyway, or use another run.out_dir")
-    return plan
-
 def plan(cfg: C.Config, world, out_dir: Path, named: str | None) -> dict:
     """Collective over the world, before anything is built: :func:`pick`, then
-    :func:`resume_plan` on rank 0, on every rank with its :class:`Progress` under "progress"; a
+    :func:`resume_rules.resume_plan` on rank 0, on every rank with its :class:`Progress` under "progress"; a
     refused resume is a ConfigError on every rank."""
     picked = pick(out_dir, named, ctrl=world.ctrl, train_group=world.train_group,
                   is_root=world.is_root, is_trainer=world.is_trainer)
-    p = _bcast(resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None,
+    p = _bcast(resume_rules.resume_plan(cfg, picked, world.size, len(world.trainers)) if world.is_root else None,
                world.ctrl)
     if p["error"]:
         raise ConfigError(p["error"])

@@ -58,6 +58,7 @@ import model
 import multiturn
 import pipeline
 import registry
+import resume_rules
 import reward_models
 import rewards
 import rollout
@@ -257,7 +258,7 @@ def start(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         return None
     rec = tracking.Recorder.open(cfg, out_dir, progress.step) if world.is_root else None  # a tracker: Fatal
     s = set_up(cfg, world, dev, live)
-    ckpt.check_base(cfg, world, s.model_path, progress, plan["path"])
+    resume_rules.check_base(cfg, world, s.model_path, progress, plan["path"])
     if plan["path"]:
         restore(cfg, world, s, dev, plan)
     if rec:

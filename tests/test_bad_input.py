@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import config as C
+import resume_rules
 import data
 import loss as L
 import rewards
@@ -242,11 +243,11 @@ def _perturb_one_tensor(folder: Path) -> str:
 def test_the_base_fingerprint_sees_one_changed_tensor(tiny_dir, tmp_path):
     import checkpoint as ckpt
     a = _model_copy(tiny_dir, tmp_path)
-    before = ckpt.fingerprint(str(a))
-    assert before and before == ckpt.fingerprint(tiny_dir("qwen2_5_vl"))
+    before = resume_rules.fingerprint(str(a))
+    assert before and before == resume_rules.fingerprint(tiny_dir("qwen2_5_vl"))
     _perturb_one_tensor(a)
-    assert ckpt.fingerprint(str(a)) != before
-    assert ckpt.fingerprint(str(tmp_path)) == ""  # no safetensors: nothing to compare
+    assert resume_rules.fingerprint(str(a)) != before
+    assert resume_rules.fingerprint(str(tmp_path)) == ""  # no safetensors: nothing to compare
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import config as C
+import resume_rules
 import data
 import rewards
 from train import load_config  # config.load + the checks of the modules config.py does not import
@@ -53,7 +54,7 @@ def test_a_later_config_replaces_data_source_and_a_later_data_source_the_list(tm
     # the resolved config (config.toml) loads again as it was written
     (tmp_path / "resolved.toml").write_text(C.dump_toml(cfg))
     assert load_config(str(tmp_path / "resolved.toml")).data.sources == cfg.data.sources
-    assert "data.sources" in C.MEANING_KEYS  # another mixture does not resume silently
+    assert "data.sources" in resume_rules.MEANING_KEYS  # another mixture does not resume silently
 
 
 @pytest.mark.parametrize("text, match", [

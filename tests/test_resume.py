@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import checkpoint as ckpt
 import failures
+import resume_rules
 
 
 class _Saves:
@@ -306,7 +307,7 @@ def _plan(old_overrides: list[str], new_overrides: list[str]) -> dict:
     meta = {"step": 2, "version": 2, "skipped_in_row": 0, "skipped_total": 0.0,
             "config": C.to_dict(old), "world_size": 3, "trainers": 2}
     new = C.load(str(Path(__file__).parents[1] / "configs" / "tiny.toml"), new_overrides)
-    return ckpt.resume_plan(new, (Path("runs/x/checkpoints/step_000002"), meta), 3, 2)
+    return resume_rules.resume_plan(new, (Path("runs/x/checkpoints/step_000002"), meta), 3, 2)
 
 
 @pytest.mark.parametrize("override, shown", [

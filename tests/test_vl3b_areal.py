@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import config as C
+import resume_rules
 import data
 from tests.util import ROOT
 
@@ -68,7 +69,7 @@ AREAL = {
 def test_every_value_is_areals():
     tree = C.to_dict(C.load(PATH))
     for key, want in AREAL.items():
-        assert C.lookup(tree, key) == want, key
+        assert resume_rules.lookup(tree, key) == want, key
 
 
 def test_the_epoch_is_65_steps_as_areal_counts_it():
@@ -86,4 +87,4 @@ def test_dry_run_shows_every_value(capsys):
     tree = C.to_dict(C.load(PATH))
     printed = __import__("tomllib").loads(out.split("\n{")[0])
     for key in AREAL:
-        assert C.lookup(printed, key) == C.lookup(tree, key), key
+        assert resume_rules.lookup(printed, key) == resume_rules.lookup(tree, key), key
