@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import threading
 import time
 from types import SimpleNamespace
@@ -184,6 +185,63 @@ def test_a_staging_call_keeps_the_batch_and_a_stop_aborts_it():
     with pytest.raises(Stop):
         A.stepped(eng2, PROMPTS, SP, seed=1, check=check)
     assert fake2.reqs == {} and eng2.owner.holder is None    # nothing left in flight or held
+
+
+class AheadEngine(FakeEngine):
+    """FakeEngine with vLLM's pause (`sleep(level=0, mode="keep")` / `wake_up(["scheduling"])`)
+    and its engine core one step ahead of the front end: when paused it has made one more step
+    than `step()` handed, queued on `engine_core.outputs_queue` (vLLM 0.23's SyncMPClient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine_core = SimpleNamespace(outputs_queue=queue.Queue())
+        self.paused, self.log = False, []
+
+    def step(self):
+        q = self.engine_core.outputs_queue
+        if not q.empty():
+            return q.get()
+        assert not self.paused, "stepped while paused"
+        return super().step()
+
+    def sleep(self, level, mode):
+        self.log.append(("sleep", level, mode))
+        self.engine_core.outputs_queue.put(super().step())  # the core's step before the pause
+        self.paused = True
+
+    def wake_up(self, tags):
+        self.log.append(("wake_up", tags))
+        self.paused = False
+
+
+def test_keep_loads_with_the_requests_kept_and_decodes_on():
+    """rollout.partial = "keep": a load posted mid-batch (not `empty`, as VLLMEngine.receive_ahead
+    posts it with keep) runs with vLLM's scheduler paused and the requests in flight; the step
+    the core made before the pause keeps the old version, later steps carry the new one and its
+    logprob; nothing is aborted or added again (no second prefill), every completion is marked
+    kv_kept, and the caches are reset only once the call's requests are gone."""
+    fake = AheadEngine()
+    eng = _eng(fake)
+    eng.keep = True
+    eng.llm.sleep, eng.llm.wake_up = fake.sleep, fake.wake_up
+    seen, fresh = [], []
+    eng.fresh_caches = lambda: fresh.append(len(fake.reqs))
+
+    def load():
+        seen.append((fake.paused, len(fake.reqs)))
+        fake.version = eng.weight_version = 1
+    _post_at(eng, fake, 3, load, empty=False)
+    out = MT.generate(eng, PROMPTS, SP, seed=100, check=lambda: eng.weight_version)
+    assert seen == [(True, 2)] and len(fake.added) == 2          # loaded paused, requests kept
+    assert fake.log == [("sleep", 0, "keep"), ("wake_up", ["scheduling"])] and fresh == [0]
+    for i, cs in enumerate(out):
+        for j, c in enumerate(cs):
+            s, n = 100 + i * 2 + j, len(PROMPTS[i][0])
+            assert c.ids == [_token(s, n + k) for k in range(6)]  # one seeded stream, not restarted
+            assert c.versions == [0] * 4 + [1] * 2 and c.logprobs == [-0.1] * 4 + [-0.2] * 2
+            assert c.kv_kept and c.reprefilled == 0
+    with pytest.raises(RuntimeError, match="no outputs_queue"):
+        A.queued_steps(SimpleNamespace(engine_core=SimpleNamespace()))
 
 
 def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
