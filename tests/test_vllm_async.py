@@ -410,6 +410,7 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     assert [r["step"] for r in rows] == list(range(8)) and rows[0]["data/skipped"] == 0
     assert all(r["rollout/staleness_max"] <= 4 for r in rows)
     assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
+    assert rows[1]["rollout/reprefill_tokens"] > 0                             # "recompute": prefilled again
     assert max(r["rollout/staleness_max"] for r in rows[2:6]) > 1             # it ran ahead
     assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
     assert rows[0]["logprob_diff/tokens"] > 0 and rows[6]["logprob_diff/tokens"] > 0
@@ -421,6 +422,37 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     assert _prompts_by_step(tmp_path) == want
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all([t["role"] for t in s["turns"]] == ["assistant", "user", "assistant"] for s in samples)
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("partial", ["keep", "true"])
+def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatch, partial):
+    """The k = 4 partial demo on vLLM (tests/test_async.py's on hf) learns with "keep" as with
+    "recompute" (true), within the bound; the schedule pinned as there (batch 1 held after its
+    first decode step until version 1 arrives: it spans two versions). "keep" loads with the
+    requests kept (vllm_ahead.load_kept): nothing prefilled again (rollout/reprefill_tokens 0);
+    "recompute" aborts and prefills the continued rows again (> 0). Engine == trainer on the
+    tokens of the trainers' own version (logprob_diff/max <= 1e-4, fp32; a kept episode counts
+    only when all its tokens have it: inputs.compared_versions)."""
+    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
+    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32",
+                 f"--run.out_dir={tmp_path}"], timeout=1200)
+    rows = metrics(tmp_path)
+    again = [r["rollout/reprefill_tokens"] for r in rows]
+    rewards = [r["reward/mean"] for r in rows]
+    print(f"vLLM k=4 partial={partial}:", [(r["step"], r["rollout/staleness_max"], round(r["rollout/partial_frac"], 2),
+                                           r["rollout/reprefill_tokens"], r.get("logprob_diff/max"),
+                                           round(r["reward/mean"], 3)) for r in rows])
+    assert [r["step"] for r in rows] == list(range(32))
+    assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
+    assert (again[1] > 0) if partial == "true" else not any(again), again
+    assert all(r["rollout/staleness_max"] <= 4 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) > 1                   # it ran ahead
+    assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
+    assert sum(r["logprob_diff/tokens"] for r in rows) > 0
+    assert sum(rewards[:4]) / 4 < 0.05
+    assert sum(rewards[-4:]) / 4 > 0.4, rewards
 
 
 @pytest.mark.slow
