@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from episode import Check, Completion, Prompt, Sampling
+from failures import fault_active
 
 class _Task:
     __slots__ = ("fn", "empty", "done", "result", "error")
@@ -188,6 +189,10 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -
     each token recording the version `check()` gave before its step. What `check` raises ends
     the call the same way."""
     engine, keep = eng.llm.llm_engine, getattr(eng, "keep", False)
+    # tests (GRPO_FAULT=hold_for_weights, pipeline.Producer.check): a check may hold this thread
+    # until weights come; vLLM's core, a process of its own, would decode on meanwhile, so with
+    # keep every check runs with the core paused too (the schedule the hold pins, on any machine)
+    lockstep = keep and fault_active("hold_for_weights")
     with eng.owner.hold():
         eng.owner.run_tasks()
         version = check()
@@ -197,8 +202,8 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -
             while batch.live:
                 batch.absorb(engine.step())
                 if keep and batch.live:
-                    if eng.owner.tasks:
-                        load_kept(eng, batch)
+                    if eng.owner.tasks or lockstep:
+                        load_kept(eng, batch, check if lockstep else None)
                     batch.version = check()
                     continue
                 if not batch.live or eng.owner.needs_empty() or check() != version:
@@ -213,14 +218,17 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -
     return batch.completions()
 
 
-def load_kept(eng, batch: Batch) -> None:
+def load_kept(eng, batch: Batch, check: Check | None = None) -> None:
     """The posted calls (weight loads) between two decode steps with `batch`'s requests kept:
     vLLM's scheduler paused with them held (`LLM.sleep(level=0, mode="keep")`), what its core
     had stepped before the pause taken in under the batch's version (:func:`queued_steps`),
-    the calls run, scheduling resumed (`LLM.wake_up(tags=["scheduling"])`)."""
+    the calls run, scheduling resumed (`LLM.wake_up(tags=["scheduling"])`). `check`: called
+    first, paused (the tests' lockstep in :func:`stepped`)."""
     engine = eng.llm.llm_engine
     eng.llm.sleep(level=0, mode="keep")
     try:
+        if check is not None:
+            check()
         for _ in range(queued_steps(engine)):
             batch.absorb(engine.step())
         eng.owner.run_tasks()
