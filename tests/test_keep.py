@@ -1,7 +1,9 @@
 """rollout.partial = "keep" on the hf engine (hf_engine._Kept): a weight version that arrives
 between two decode steps is decoded on with the past key values as they are (no second prefill,
 `Completion.reprefilled` 0), each token its own version and the logprob of the weights it was
-sampled with over the KV as it was; "recompute" prefills the row again (reprefilled > 0)."""
+sampled with over the KV as it was; "recompute" prefills the row again (reprefilled > 0). The
+same on the vllm engine (slow, the CPU build: vllm_ahead.load_kept), checked token by token
+against a hand-run cache."""
 from __future__ import annotations
 
 import pytest
@@ -163,17 +165,7 @@ def test_vllm_keep_decodes_on_over_the_kept_kv(tiny_dir, monkeypatch):
     tk = procs.tokens
     for c in out[0]:
         assert c.kv_kept and c.reprefilled == 0 and c.versions == sorted(c.versions)
-        got, past = [], None
-        with torch.no_grad():
-            for k, (tok, v) in enumerate(zip(c.ids, c.versions)):
-                policy.load_state_dict(after if v else before)
-                ids = prompt if k == 0 else [c.ids[k - 1]]
-                width = len(prompt) + k
-                o = policy(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True,
-                           attention_mask=torch.ones(1, width, dtype=torch.long))
-                past = o.past_key_values
-                lp, _ = M.token_logprobs(o.logits[:, -1:], torch.tensor([[tok]]), tk, 1.0)
-                got.append(lp.item())
+        got = _cache_run(policy, [before, after], prompt, c, tk)
         diff = max(abs(a - b) for a, b in zip(got, c.logprobs))
         print(f"vLLM keep: versions {c.versions}, max |engine - hand-run cache| {diff:.2e}")
         assert diff <= 1e-4
@@ -184,3 +176,19 @@ def test_vllm_keep_decodes_on_over_the_kept_kv(tiny_dir, monkeypatch):
         fresh = policy(input_ids=torch.tensor([prompt + c.ids[:k]])).logits  # a second prefill
     other, _ = M.token_logprobs(fresh[:, -1:], torch.tensor([[c.ids[k]]]), tk, 1.0)
     assert abs(other.item() - c.logprobs[k]) > 1e-3
+
+
+@torch.no_grad()
+def _cache_run(model, weights: list[dict], prompt: list[int], c, tk) -> list[float]:
+    """The logprob of each of `c`'s tokens from a forward token by token over one growing cache,
+    each step under the weights of that token's version (`weights[v]`): token k's step writes
+    the key and value of token k - 1 (the prompt's at k = 0) with them, as an engine does."""
+    got, past = [], None
+    for k, (tok, v) in enumerate(zip(c.ids, c.versions)):
+        model.load_state_dict(weights[v])
+        o = model(input_ids=torch.tensor([prompt if k == 0 else [c.ids[k - 1]]]), past_key_values=past,
+                  use_cache=True, attention_mask=torch.ones(1, len(prompt) + k, dtype=torch.long))
+        past = o.past_key_values
+        lp, _ = M.token_logprobs(o.logits[:, -1:], torch.tensor([[tok]]), tk, 1.0)
+        got.append(lp.item())
+    return got
