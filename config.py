@@ -197,7 +197,7 @@ class RolloutConfig:
     max_staleness: int = num(0, ">= 0")
     # k >= 1: "wait" (no batch starts that could not be delivered within k versions) or "drop"
     stale: str = one_of("wait", STALE)  # (it never waits; groups older than k are dropped and counted)
-    # k >= 1, new weights between decode steps (docs/async.md): "recompute" (true) prefills again, "keep" (hf) not
+    # k >= 1, new weights between decode steps (docs/async.md): "recompute" (true) prefills again, "keep" not
     partial: bool | str = one_of(False, (False, True, "recompute", "keep"))
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens

@@ -57,9 +57,6 @@ def check(cfg) -> None:
          f"between the trainers' and the engines' logprobs for the stale samples")
     need(not ro.partial or ro.max_staleness >= 1, "rollout.partial needs rollout.max_staleness >= 1 "
          "(synchronous engines never hold a batch across a weight update)")
-    need(not (ro.partial == "keep" and ro.engine == "vllm"),
-         "rollout.partial = \"keep\" needs rollout.engine = 'hf': the vllm engine's stepped path loads "
-         "weights with its requests aborted (\"recompute\"); keeping their KV is not built yet (docs/async.md)")
     need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
          "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
          "its own check points, not at the sync")

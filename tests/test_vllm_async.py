@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import threading
 import time
 from types import SimpleNamespace
@@ -186,6 +187,63 @@ def test_a_staging_call_keeps_the_batch_and_a_stop_aborts_it():
     assert fake2.reqs == {} and eng2.owner.holder is None    # nothing left in flight or held
 
 
+class AheadEngine(FakeEngine):
+    """FakeEngine with vLLM's pause (`sleep(level=0, mode="keep")` / `wake_up(["scheduling"])`)
+    and its engine core one step ahead of the front end: when paused it has made one more step
+    than `step()` handed, queued on `engine_core.outputs_queue` (vLLM 0.23's SyncMPClient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine_core = SimpleNamespace(outputs_queue=queue.Queue())
+        self.paused, self.log = False, []
+
+    def step(self):
+        q = self.engine_core.outputs_queue
+        if not q.empty():
+            return q.get()
+        assert not self.paused, "stepped while paused"
+        return super().step()
+
+    def sleep(self, level, mode):
+        self.log.append(("sleep", level, mode))
+        self.engine_core.outputs_queue.put(super().step())  # the core's step before the pause
+        self.paused = True
+
+    def wake_up(self, tags):
+        self.log.append(("wake_up", tags))
+        self.paused = False
+
+
+def test_keep_loads_with_the_requests_kept_and_decodes_on():
+    """rollout.partial = "keep": a load posted mid-batch (not `empty`, as VLLMEngine.receive_ahead
+    posts it with keep) runs with vLLM's scheduler paused and the requests in flight; the step
+    the core made before the pause keeps the old version, later steps carry the new one and its
+    logprob; nothing is aborted or added again (no second prefill), every completion is marked
+    kv_kept, and the caches are reset only once the call's requests are gone."""
+    fake = AheadEngine()
+    eng = _eng(fake)
+    eng.keep = True
+    eng.llm.sleep, eng.llm.wake_up = fake.sleep, fake.wake_up
+    seen, fresh = [], []
+    eng.fresh_caches = lambda: fresh.append(len(fake.reqs))
+
+    def load():
+        seen.append((fake.paused, len(fake.reqs)))
+        fake.version = eng.weight_version = 1
+    _post_at(eng, fake, 3, load, empty=False)
+    out = MT.generate(eng, PROMPTS, SP, seed=100, check=lambda: eng.weight_version)
+    assert seen == [(True, 2)] and len(fake.added) == 2          # loaded paused, requests kept
+    assert fake.log == [("sleep", 0, "keep"), ("wake_up", ["scheduling"])] and fresh == [0]
+    for i, cs in enumerate(out):
+        for j, c in enumerate(cs):
+            s, n = 100 + i * 2 + j, len(PROMPTS[i][0])
+            assert c.ids == [_token(s, n + k) for k in range(6)]  # one seeded stream, not restarted
+            assert c.versions == [0] * 4 + [1] * 2 and c.logprobs == [-0.1] * 4 + [-0.2] * 2
+            assert c.kv_kept and c.reprefilled == 0
+    with pytest.raises(RuntimeError, match="no outputs_queue"):
+        A.queued_steps(SimpleNamespace(engine_core=SimpleNamespace()))
+
+
 def test_owner_runs_a_call_itself_when_free_and_times_out_naming_the_key():
     owner = A.Owner("rank 2 (generation)", 0.3)
     assert owner.call(lambda: threading.current_thread().name, empty=True) == threading.current_thread().name
@@ -352,6 +410,7 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     assert [r["step"] for r in rows] == list(range(8)) and rows[0]["data/skipped"] == 0
     assert all(r["rollout/staleness_max"] <= 4 for r in rows)
     assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
+    assert rows[1]["rollout/reprefill_tokens"] > 0                             # "recompute": prefilled again
     assert max(r["rollout/staleness_max"] for r in rows[2:6]) > 1             # it ran ahead
     assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
     assert rows[0]["logprob_diff/tokens"] > 0 and rows[6]["logprob_diff/tokens"] > 0
@@ -363,6 +422,37 @@ def test_vllm_four_ahead_with_partial_rollouts_and_a_resume(tmp_path, shim, monk
     assert _prompts_by_step(tmp_path) == want
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all([t["role"] for t in s["turns"]] == ["assistant", "user", "assistant"] for s in samples)
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("partial", ["keep", "true"])
+def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatch, partial):
+    """The k = 4 partial demo on vLLM (tests/test_async.py's on hf) learns with "keep" as with
+    "recompute" (true), within the bound; the schedule pinned as there (batch 1 held after its
+    first decode step until version 1 arrives: it spans two versions). "keep" loads with the
+    requests kept (vllm_ahead.load_kept): nothing prefilled again (rollout/reprefill_tokens 0);
+    "recompute" aborts and prefills the continued rows again (> 0). Engine == trainer on the
+    tokens of the trainers' own version (logprob_diff/max <= 1e-4, fp32; a kept episode counts
+    only when all its tokens have it: inputs.compared_versions)."""
+    monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
+    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32",
+                 f"--run.out_dir={tmp_path}"], timeout=1200)
+    rows = metrics(tmp_path)
+    again = [r["rollout/reprefill_tokens"] for r in rows]
+    rewards = [r["reward/mean"] for r in rows]
+    print(f"vLLM k=4 partial={partial}:", [(r["step"], r["rollout/staleness_max"], round(r["rollout/partial_frac"], 2),
+                                           r["rollout/reprefill_tokens"], r.get("logprob_diff/max"),
+                                           round(r["reward/mean"], 3)) for r in rows])
+    assert [r["step"] for r in rows] == list(range(32))
+    assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
+    assert (again[1] > 0) if partial == "true" else not any(again), again
+    assert all(r["rollout/staleness_max"] <= 4 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) > 1                   # it ran ahead
+    assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
+    assert sum(r["logprob_diff/tokens"] for r in rows) > 0
+    assert sum(rewards[:4]) / 4 < 0.05
+    assert sum(rewards[-4:]) / 4 > 0.4, rewards
 
 
 @pytest.mark.slow
