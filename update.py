@@ -39,6 +39,7 @@ import inputs as I
 import loss as L
 import model as M
 import registry
+import reward_models
 import routing
 from config import LossConfig, RolloutConfig, TrainConfig
 from failures import fault_active
@@ -90,6 +91,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     episodes. Returns the step's training metrics (the same on every trainer rank), averaged
     over the updates, and every episode's advantage."""
     s = Step(tr, world, procs, tc, lc, rc, step, seed, episodes, images)
+    s.metrics |= reward_models.score_on_trainers(episodes, world)  # role = "trainer" models' rewards
     plan(s)
     missing = routing.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
     if missing is not None:

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from errors import ConfigError, one_line
 
@@ -49,10 +49,11 @@ def get(name: str) -> RewardFn:
     return REGISTRY[name]
 
 
-def check_functions(key: str, specs: list, models: tuple[str, ...] = ()) -> None:
+def check_functions(key: str, specs: list, models: Mapping[str, str] | tuple[str, ...] = ()) -> None:
     """`reward.functions` / `eval.functions` (`key`) name registered reward functions or the
-    run's reward models (`models`: the `[[reward.models]]` entries' names), which take no
-    params beside the weight."""
+    run's reward models (`models`: the `[[reward.models]]` entries' names, or name -> role),
+    which take no params beside the weight; a `role = "trainer"` model grades training only
+    (`reward.functions`: the generation ranks evaluate, and a source's list grades both)."""
     import importlib.util
     for i, spec in enumerate(specs):
         if spec["name"] in models:
@@ -60,6 +61,10 @@ def check_functions(key: str, specs: list, models: tuple[str, ...] = ()) -> None
             if extra:
                 raise ConfigError(f"{key}[{i}]: reward model {spec['name']!r} takes only a weight, "
                                   f"got {', '.join(extra)} (its settings are in its [[reward.models]] entry)")
+            if isinstance(models, Mapping) and models[spec["name"]] == "trainer" and key != "reward.functions":
+                raise ConfigError(f"{key}[{i}]: reward model {spec['name']!r} has role = 'trainer': it "
+                                  "scores training steps only; name it in reward.functions alone, or "
+                                  "give it role = 'generation' (docs/reward_models.md)")
             continue
         if spec["name"] not in names():
             raise ConfigError(f"{key}[{i}].name: unknown reward {spec['name']!r} "
