@@ -1,6 +1,10 @@
 """One rollout step's update on the trainer ranks, in named phases over one record (:class:`Step`):
 
-    plan -> proximal pass -> response filters -> denominators -> advantages -> updates -> metrics
+    [trainer-side rewards] -> plan -> proximal pass -> response filters -> denominators
+    -> advantages -> updates -> metrics
+
+- `role = "trainer"` reward models (reward_models.score_on_trainers), if any, first add their
+  scores to the step's rewards, as the generation side's functions would have.
 
 - :func:`plan`: which responses count (:func:`loss.keep_mask`, on the task reward), this rank's
   share of each of `[train] mini_batches` mini-batches and its micro-batches (the same count on
