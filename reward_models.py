@@ -4,12 +4,14 @@
 asked a yes/no question (its `template` with the response, the gold answer and the problem
 filled in); its reward is P(yes) / (P(yes) + P(no)) at the position after the prompt (each
 word's first token), from
-one forward, no sampling. A `classifier` is a sequence-classification model; its reward is
+one forward, no sampling; or, with `parse` naming a rule of :data:`PARSE`, what that rule
+reads in the text the judge generates (greedy, the HF engine). A `classifier` is a sequence-classification model; its reward is
 the one logit of a one-label head, else the probability of the last label. Either scores
 a batch of `batch_size` responses per forward (rewards.RewardRunner calls it).
 """
 from __future__ import annotations
 
+import re
 import string
 import time
 from pathlib import Path
@@ -30,9 +32,31 @@ ROLES = ("generation", "trainer")
 DTYPES = ("float32", "bfloat16", "float16")
 RESERVED = ("reward", "mean", "errors", "info", "env")  # the score is also the part reward/<name>
 FIELDS = ("response", "gold", "problem")  # what a template may insert
-KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no")
+KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no",
+        "parse", "max_new_tokens")
 DEFAULTS = {"role": "generation", "dtype": "float32", "batch_size": 8, "chat": True,
-            "yes": "yes", "no": "no", "template": ""}
+            "yes": "yes", "no": "no", "template": "", "parse": "", "max_new_tokens": 64}
+
+
+def _yes_no(text: str, e: dict) -> float:
+    """1.0 when the last of the entry's two verdict words in `text` (whole words, any case) is
+    `yes`, 0.0 when it is `no`."""
+    words = re.findall(r"\b(" + "|".join(re.escape(e[k]) for k in ("yes", "no")) + r")\b", text, re.I)
+    if not words:
+        raise ValueError(f"the judge's text has neither {e['yes']!r} nor {e['no']!r}: {text[:80]!r}")
+    return float(words[-1].lower() == e["yes"].lower())
+
+
+def _last_number(text: str, e: dict) -> float:
+    """The last number in `text` (a grade such as "7" or "0.8"), as it is."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text)
+    if not found:
+        raise ValueError(f"the judge's text has no number: {text[:80]!r}")
+    return float(found[-1])
+
+
+# a generating judge's rules (`parse`): its text -> the score; an error makes that sample fail
+PARSE = {"yes_no": _yes_no, "last_number": _last_number}
 
 
 def entry(e: dict) -> dict:
@@ -76,6 +100,11 @@ def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> No
     need(isinstance(e["chat"], bool), f"chat: expected true or false, got {e['chat']!r}")
     for k in ("yes", "no"):
         need(isinstance(e[k], str) and e[k] != "", f"{k}: expected a non-empty string, got {e[k]!r}")
+    need(e["parse"] in ("", *PARSE), f"parse: expected one of {', '.join(PARSE)} (or \"\": "
+         f"no generation), got {e['parse']!r}")
+    need(not e["parse"] or e["kind"] == "judge", "parse: only a judge generates (kind = 'judge')")
+    need(type(e["max_new_tokens"]) is int and e["max_new_tokens"] >= 1,
+         f"max_new_tokens: expected an int >= 1, got {e['max_new_tokens']!r}")
     t = e["template"]
     need(isinstance(t, str), f"template: expected a string, got {t!r}")
     try:
@@ -93,7 +122,8 @@ def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> No
 
 class ModelReward:
     """One loaded entry: ``self(responses, samples) -> [{"reward": x, <name>: x}, ...]`` with one
-    forward per call (``batch_size`` responses at most: rewards.RewardRunner batches)."""
+    forward (a generating judge: one generate call) per call (``batch_size`` responses at most:
+    rewards.RewardRunner batches)."""
 
     def __init__(self, e: dict, folder: str, device: torch.device, seed: int) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -105,6 +135,13 @@ class ModelReward:
         self.tok.padding_side = "right"  # the last real token of each row is read at mask.sum() - 1
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
+        if e["parse"]:  # a judge that generates: the HF engine, with its own copy of the weights
+            import hf_engine
+            import inputs as I
+            self.engine = hf_engine.HFEngine(folder, TORCH_DTYPES[e["dtype"]],
+                                             I.load_processors(folder, 56 * 56, 112 * 112), device)
+            self.load_s = time.perf_counter() - t0
+            return
         config = AutoConfig.from_pretrained(folder)
         cls = F.auto_class(config) if e["kind"] == "judge" else AutoModelForSequenceClassification
         torch.manual_seed(seed)  # a head the folder lacks (a tiny test model's) starts the same everywhere
@@ -142,6 +179,8 @@ class ModelReward:
     @torch.no_grad()
     def __call__(self, responses: list[str], samples: list[dict]) -> list[dict[str, float]]:
         texts = [self.text(r, s) for r, s in zip(responses, samples)]
+        if self.e["parse"]:
+            return self.generated(texts)
         enc = self.tok(texts, return_tensors="pt", padding=True,
                        add_special_tokens=not self.e["chat"]).to(self.device)
         logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
@@ -153,6 +192,28 @@ class ModelReward:
         else:
             scores = logits[:, 0].float() if logits.shape[-1] == 1 else logits.float().softmax(-1)[:, -1]
         return [{"reward": x, self.name: x} for x in scores.tolist()]
+
+
+    def generated(self, texts: list[str]) -> list:
+        """A generating judge's results: one greedy generate call over `texts` (up to
+        `max_new_tokens`), each text parsed by the entry's rule (its text kept in `info` under
+        the entry's name); a text the rule cannot read is that sample's failure (an exception
+        in its place: it scores 0 and counts in reward/errors)."""
+        from episode import Sampling
+        e = self.e
+        prompts = [(self.tok(t, add_special_tokens=not e["chat"])["input_ids"], []) for t in texts]
+        out = self.engine.generate(prompts, Sampling(n=1, greedy=True, max_new_tokens=e["max_new_tokens"]), seed=0)
+        self.forwards += 1
+        results: list = []
+        for cs in out:
+            verdict = self.tok.decode(cs[0].ids, skip_special_tokens=True)
+            try:
+                x = PARSE[e["parse"]](verdict, e)
+            except ValueError as err:
+                results.append(err)
+                continue
+            results.append({"reward": x, self.name: x, "info": {self.name: verdict}})
+        return results
 
 
 def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None) -> dict[str, ModelReward]:

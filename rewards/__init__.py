@@ -110,7 +110,8 @@ class _Function:
     """One configured reward function: its `workers` daemon threads (started once, never
     replaced: a hung function holds at most that many, ever) and its state across steps.
     `batched`: a reward model (reward_models.py): ``fn(responses, samples) -> [result, ...]``,
-    called on up to ``fn.batch_size`` responses at once from one thread (one device)."""
+    called on up to ``fn.batch_size`` responses at once from one thread (one device); an
+    exception in a sample's place of its list is that sample's failure."""
 
     def __init__(self, spec: dict[str, Any], workers: int, batched: Callable | None = None) -> None:
         self.name: str = spec["name"]
@@ -334,8 +335,8 @@ class RewardRunner:
                 error = TypeError(f"returned {type(results).__name__} for a batch of "
                                   f"{len(call.samples)}, expected a list of as many results")
             for sample, result in zip(call.samples, results if error is None else [None] * len(call.samples)):
-                bad = error
-                if bad is None:
+                bad = result if error is None and isinstance(result, Exception) else error
+                if bad is None:  # a batched function's exception in a sample's place: that sample failed
                     try:
                         judged.append(_check(result))
                         continue

@@ -69,6 +69,37 @@ def test_beside_a_function_and_per_source(loaded):
     runner.close()
 
 
+def test_parse_rules_read_the_last_verdict_or_number():
+    e = reward_models.entry({"name": "j", "path": "x", "kind": "judge"})
+    assert reward_models.PARSE["yes_no"]("No... wait, YES.", e) == 1.0
+    assert reward_models.PARSE["yes_no"]("yes, but no", e) == 0.0
+    with pytest.raises(ValueError, match="neither 'yes' nor 'no'"):
+        reward_models.PARSE["yes_no"]("yesterday, nobody", e)  # whole words only
+    assert reward_models.PARSE["last_number"]("Grade: 7 of 10 -> 0.75", e) == 0.75
+    with pytest.raises(ValueError, match="no number"):
+        reward_models.PARSE["last_number"]("none", e)
+
+
+def test_a_generating_judge_parses_its_text_one_generate_call_per_batch(tmp_path):
+    judge = dict(JUDGE, name="gen", parse="yes_no", max_new_tokens=6, batch_size=3)
+    m = reward_models.load([judge], tmp_path, torch.device("cpu"), 0)["gen"]
+    responses = [f"<answer>{i}</answer>" for i in range(5)]
+    fixed = iter(["yes.", "so: no", "neither", "No. Yes!", "YES"])  # what the judge says
+    texts = []
+
+    def say(t, skip_special_tokens):
+        texts.append(t)
+        return next(fixed)
+    m.tok.decode = say
+    runner = rewards.RewardRunner([{"name": "gen", "weight": 2.0}], timeout_s=60, models={"gen": m})
+    out = runner.score(responses, _samples(5))
+    assert m.forwards == 2 and len(texts) == 5 and all(isinstance(t, list) and len(t) <= 6 for t in texts)
+    assert [d["reward"] for d in out] == [2.0, 0.0, 0.0, 2.0, 2.0]
+    assert [d["errors"] for d in out] == [0, 0, 1, 0, 0] and "gen" not in out[2]
+    assert out[1]["info"] == {"gen": "so: no"} and out[1]["gen"] == 0.0
+    runner.close()
+
+
 def _load(tmp_path, models, functions='[{name="judge"}]', *more):
     return train.load_config(TINY_TEXT[1], [f"--run.out_dir={tmp_path}", f"--reward.models={models}",
                                             f"--reward.functions={functions}", *more])
@@ -85,6 +116,8 @@ def test_config_entries_and_names(tmp_path):
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{answer} {response}"}]', "unknown field"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", role="gpu"}]', "reward.models[0].role"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", batch_size=0}]', "batch_size"),
+        ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", parse="regex"}]', "reward.models[0].parse"),
+        ('[{name="rm", path="tiny-qwen3", kind="classifier", parse="yes_no"}]', "only a judge generates"),
         ('[{name="judge", path="tiny-nope", kind="judge", template="{response}"}]', "reward.models[0].path"),
         ('[{name="geometry", path="tiny-qwen3", kind="classifier"}]', "registered reward function"),
         ('[{name="errors", path="tiny-qwen3", kind="classifier"}]', "runner's own key"),
