@@ -305,20 +305,24 @@ def check_model_path(path: str, key: str = "model.path") -> None:
         raise ConfigError(f"{key}={path}: {unsupported(kind)}")
 
 
-def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2):
+def tiny_config(model_type: str, ids: dict, hidden: int = 64, layers: int = 2,
+                sizes: dict | None = None):
     """The transformers config of a tiny random model of `model_type` (`ids`: the tiny
-    tokenizer's vocab size and special token ids)."""
+    tokenizer's vocab size and special token ids; `sizes`: text-model config keys set over the
+    family's tiny ones, e.g. odd head counts for a test)."""
     from transformers import CONFIG_MAPPING
-    return CONFIG_MAPPING[model_type](**get(model_type).tiny(ids, hidden, layers))
+    kwargs = get(model_type).tiny(ids, hidden, layers)
+    (kwargs["text_config"] if "text_config" in kwargs else kwargs).update(sizes or {})
+    return CONFIG_MAPPING[model_type](**kwargs)
 
 
 # ----------------------------------------------------------------------------- tiny models
 def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
-               model_type: str = DEFAULT_TINY) -> Path:
+               model_type: str = DEFAULT_TINY, sizes: dict | None = None) -> Path:
     """Write a random tiny model of `model_type`, its tokenizer (:data:`TINY_SPECIALS`,
     :data:`TINY_WORDS`), chat template and (VLMs) image processor to `out_dir`; returns the
-    folder. Deterministic in `seed`; safe from several processes at once (a file lock; the folder
-    appears complete or not at all)."""
+    folder (`sizes`: :func:`tiny_config`'s). Deterministic in `seed`; safe from several
+    processes at once (a file lock; the folder appears complete or not at all)."""
     get(model_type)
     out = Path(out_dir)
     if (out / "model.safetensors").exists():
@@ -327,7 +331,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int
     with open(out.with_name(out.name + ".lock"), "w") as lock:  # one builder at a time
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model.safetensors").exists():
-            _build_tiny(out, seed, hidden, layers, model_type)
+            _build_tiny(out, seed, hidden, layers, model_type, sizes)
     return out
 
 
@@ -348,7 +352,8 @@ def _tiny_tokenizer(model_type: str):
     return tokenizer
 
 
-def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str) -> None:
+def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str,
+                sizes: dict | None = None) -> None:
     import torch
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -357,7 +362,7 @@ def _build_tiny(out: Path, seed: int, hidden: int, layers: int, model_type: str)
     tokenizer.save_pretrained(tmp)
     ids = {"vocab": len(tokenizer)} | {role: tokenizer.convert_tokens_to_ids(t)
                                        for role, t in TINY_SPECIALS.items()}
-    config = tiny_config(model_type, ids, hidden, layers)
+    config = tiny_config(model_type, ids, hidden, layers, sizes)
     torch.manual_seed(seed)
     model = auto_class(config).from_config(config).to(torch.float32)
     config.architectures = [type(model).__name__]

@@ -4,18 +4,21 @@
 asked a yes/no question (its `template` with the response, the gold answer and the problem
 filled in); its reward is P(yes) / (P(yes) + P(no)) at the position after the prompt (each
 word's first token), from
-one forward, no sampling. A `classifier` is a sequence-classification model; its reward is
+one forward, no sampling; or, with `parse` naming a rule of :data:`PARSE`, what that rule
+reads in the text the judge generates (greedy, the HF engine). A `classifier` is a sequence-classification model; its reward is
 the one logit of a one-label head, else the probability of the last label. Either scores
 a batch of `batch_size` responses per forward (rewards.RewardRunner calls it).
 """
 from __future__ import annotations
 
+import re
 import string
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import data
 import device as D
@@ -29,9 +32,31 @@ ROLES = ("generation", "trainer")
 DTYPES = ("float32", "bfloat16", "float16")
 RESERVED = ("reward", "mean", "errors", "info", "env")  # the score is also the part reward/<name>
 FIELDS = ("response", "gold", "problem")  # what a template may insert
-KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no")
+KEYS = ("name", "path", "kind", "template", "role", "dtype", "batch_size", "chat", "yes", "no",
+        "parse", "max_new_tokens")
 DEFAULTS = {"role": "generation", "dtype": "float32", "batch_size": 8, "chat": True,
-            "yes": "yes", "no": "no", "template": ""}
+            "yes": "yes", "no": "no", "template": "", "parse": "", "max_new_tokens": 64}
+
+
+def _yes_no(text: str, e: dict) -> float:
+    """1.0 when the last of the entry's two verdict words in `text` (whole words, any case) is
+    `yes`, 0.0 when it is `no`."""
+    words = re.findall(r"\b(" + "|".join(re.escape(e[k]) for k in ("yes", "no")) + r")\b", text, re.I)
+    if not words:
+        raise ValueError(f"the judge's text has neither {e['yes']!r} nor {e['no']!r}: {text[:80]!r}")
+    return float(words[-1].lower() == e["yes"].lower())
+
+
+def _last_number(text: str, e: dict) -> float:
+    """The last number in `text` (a grade such as "7" or "0.8"), as it is."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text)
+    if not found:
+        raise ValueError(f"the judge's text has no number: {text[:80]!r}")
+    return float(found[-1])
+
+
+# a generating judge's rules (`parse`): its text -> the score; an error makes that sample fail
+PARSE = {"yes_no": _yes_no, "last_number": _last_number}
 
 
 def entry(e: dict) -> dict:
@@ -39,19 +64,20 @@ def entry(e: dict) -> dict:
     return DEFAULTS | e
 
 
-def check(entries: Any, functions: list[str]) -> tuple[str, ...]:
-    """The `[[reward.models]]` entries' names; a ConfigError naming the entry's key for a bad one
-    (`functions`: the registered reward functions' names, which an entry may not reuse)."""
+def check(entries: Any, functions: list[str]) -> dict[str, str]:
+    """The `[[reward.models]]` entries' names -> their roles; a ConfigError naming the entry's
+    key for a bad one (`functions`: the registered reward functions' names, which an entry may
+    not reuse)."""
     if not isinstance(entries, list):
         raise ConfigError(f"reward.models: expected a list of [[reward.models]] tables, got {entries!r}")
-    names: list[str] = []
+    names: dict[str, str] = {}
     for i, raw in enumerate(entries):
         key = f"reward.models[{i}]"
         if not isinstance(raw, dict):
             raise ConfigError(f"{key}: expected a table {{name, path, kind, ...}}, got {raw!r}")
-        _check_entry(key, entry(raw), functions, names)
-        names.append(raw["name"])
-    return tuple(names)
+        _check_entry(key, entry(raw), functions, list(names))
+        names[raw["name"]] = entry(raw)["role"]
+    return names
 
 
 def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> None:
@@ -69,13 +95,16 @@ def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> No
     F.check_model_path(e["path"], f"{key}.path")
     need(e.get("kind") in KINDS, f"kind: expected one of {', '.join(KINDS)}, got {e.get('kind')!r}")
     need(e["role"] in ROLES, f"role: expected one of {', '.join(ROLES)}, got {e['role']!r}")
-    need(e["role"] == "generation", "role = 'trainer' is not built: a reward model runs on the "
-         "generation ranks, beside the engine (role = 'generation')")
     need(e["dtype"] in DTYPES, f"dtype: expected one of {', '.join(DTYPES)}, got {e['dtype']!r}")
     need(type(e["batch_size"]) is int and e["batch_size"] >= 1, f"batch_size: expected an int >= 1, got {e['batch_size']!r}")
     need(isinstance(e["chat"], bool), f"chat: expected true or false, got {e['chat']!r}")
     for k in ("yes", "no"):
         need(isinstance(e[k], str) and e[k] != "", f"{k}: expected a non-empty string, got {e[k]!r}")
+    need(e["parse"] in ("", *PARSE), f"parse: expected one of {', '.join(PARSE)} (or \"\": "
+         f"no generation), got {e['parse']!r}")
+    need(not e["parse"] or e["kind"] == "judge", "parse: only a judge generates (kind = 'judge')")
+    need(type(e["max_new_tokens"]) is int and e["max_new_tokens"] >= 1,
+         f"max_new_tokens: expected an int >= 1, got {e['max_new_tokens']!r}")
     t = e["template"]
     need(isinstance(t, str), f"template: expected a string, got {t!r}")
     try:
@@ -93,7 +122,8 @@ def _check_entry(key: str, e: dict, functions: list[str], seen: list[str]) -> No
 
 class ModelReward:
     """One loaded entry: ``self(responses, samples) -> [{"reward": x, <name>: x}, ...]`` with one
-    forward per call (``batch_size`` responses at most: rewards.RewardRunner batches)."""
+    forward (a generating judge: one generate call) per call (``batch_size`` responses at most:
+    rewards.RewardRunner batches)."""
 
     def __init__(self, e: dict, folder: str, device: torch.device, seed: int) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -105,6 +135,13 @@ class ModelReward:
         self.tok.padding_side = "right"  # the last real token of each row is read at mask.sum() - 1
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
+        if e["parse"]:  # a judge that generates: the HF engine, with its own copy of the weights
+            import hf_engine
+            import inputs as I
+            self.engine = hf_engine.HFEngine(folder, TORCH_DTYPES[e["dtype"]],
+                                             I.load_processors(folder, 56 * 56, 112 * 112), device)
+            self.load_s = time.perf_counter() - t0
+            return
         config = AutoConfig.from_pretrained(folder)
         cls = F.auto_class(config) if e["kind"] == "judge" else AutoModelForSequenceClassification
         torch.manual_seed(seed)  # a head the folder lacks (a tiny test model's) starts the same everywhere
@@ -142,6 +179,8 @@ class ModelReward:
     @torch.no_grad()
     def __call__(self, responses: list[str], samples: list[dict]) -> list[dict[str, float]]:
         texts = [self.text(r, s) for r, s in zip(responses, samples)]
+        if self.e["parse"]:
+            return self.generated(texts)
         enc = self.tok(texts, return_tensors="pt", padding=True,
                        add_special_tokens=not self.e["chat"]).to(self.device)
         logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
@@ -153,6 +192,28 @@ class ModelReward:
         else:
             scores = logits[:, 0].float() if logits.shape[-1] == 1 else logits.float().softmax(-1)[:, -1]
         return [{"reward": x, self.name: x} for x in scores.tolist()]
+
+
+    def generated(self, texts: list[str]) -> list:
+        """A generating judge's results: one greedy generate call over `texts` (up to
+        `max_new_tokens`), each text parsed by the entry's rule (its text kept in `info` under
+        the entry's name); a text the rule cannot read is that sample's failure (an exception
+        in its place: it scores 0 and counts in reward/errors)."""
+        from episode import Sampling
+        e = self.e
+        prompts = [(self.tok(t, add_special_tokens=not e["chat"])["input_ids"], []) for t in texts]
+        out = self.engine.generate(prompts, Sampling(n=1, greedy=True, max_new_tokens=e["max_new_tokens"]), seed=0)
+        self.forwards += 1
+        results: list = []
+        for cs in out:
+            verdict = self.tok.decode(cs[0].ids, skip_special_tokens=True)
+            try:
+                x = PARSE[e["parse"]](verdict, e)
+            except ValueError as err:
+                results.append(err)
+                continue
+            results.append({"reward": x, self.name: x, "info": {self.name: verdict}})
+        return results
 
 
 def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None) -> dict[str, ModelReward]:
@@ -171,17 +232,95 @@ def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None
 
 def runners(cfg, world, dev, live, lists: tuple) -> list:
     """A generation rank's reward runner for each of `lists` (None elsewhere), sharing the
-    [[reward.models]], loaded here once (before step 1, timed apart from reward.timeout_s) on the
-    rank's accelerator, beside its engine."""
+    `role = "generation"` [[reward.models]], loaded here once (before step 1, timed apart from
+    reward.timeout_s) on the rank's accelerator, beside its engine. On the trainer ranks the
+    `role = "trainer"` entries that `lists` name load here too, on the rank's device, and score
+    each step's responses in update.train_step (:func:`score_on_trainers`)."""
+    global ON_TRAINERS
+    rc = cfg.reward
+    named = {s["name"] for fns in lists for s in fns}
+    there = [e for e in map(entry, rc.models) if e["role"] == "trainer" and e["name"] in named]
+    ON_TRAINERS = None
+    if world.is_trainer and there:
+        models = _load_here(cfg, world, dev, live, there, world.is_root)
+        ON_TRAINERS = TrainerScorer(rewards.RewardRunner(
+            [s for s in rc.functions if s["name"] in models], rc.timeout_s, rc.max_consecutive_timeouts,
+            models=models), _problems(cfg), cfg.rollout.max_new_tokens)
     if not world.is_gen:
         return [None] * len(lists)
-    rc, models = cfg.reward, {}
-    if rc.models:
-        live.phase(None, "start: loading the reward models")
-        try:
-            models = load(rc.models, Path(cfg.run.out_dir), D.torch_device(dev, world.local_rank),
-                          cfg.run.seed, say=(lambda m: print(m, flush=True)) if world.gen_index == 0 else None)
-        except ConfigError as e:  # found by the generation ranks alone: each says it (exit 4), not rank 0
-            raise failures.Fatal(str(e)) from None
-    return [rewards.RewardRunner(fns, rc.timeout_s, rc.max_consecutive_timeouts,
-                                 sources=data.own_functions(cfg.data), models=models) for fns in lists]
+    here = [e for e in map(entry, rc.models) if e["role"] == "generation"]
+    models = _load_here(cfg, world, dev, live, here, world.gen_index == 0) if here else {}
+    skip = {e["name"] for e in there}  # scored on the trainer ranks, added there
+    return [rewards.RewardRunner([s for s in fns if s["name"] not in skip], rc.timeout_s,
+                                 rc.max_consecutive_timeouts, sources=data.own_functions(cfg.data),
+                                 models=models) for fns in lists]
+
+
+def _load_here(cfg, world, dev, live, entries: list[dict], say: bool) -> dict:
+    """`entries` loaded on this rank's device (`say`: this rank prints each load line)."""
+    live.phase(None, "start: loading the reward models")
+    try:
+        return load(entries, Path(cfg.run.out_dir), D.torch_device(dev, world.local_rank),
+                    cfg.run.seed, say=(lambda m: print(m, flush=True)) if say else None)
+    except ConfigError as e:  # found by the ranks that load: each says it (exit 4), not rank 0
+        raise failures.Fatal(str(e)) from None
+
+
+def _problems(cfg) -> dict[int, Any]:
+    """The training split's problems by index, as train.py loads them (the same skips, so the
+    same indices), without their images: what a trainer-side model reads of an episode's."""
+    import dataclasses
+    import inputs as I
+    from model import resolve_path
+    procs = I.processors(resolve_path(cfg.model.path, Path(cfg.run.out_dir), cfg.run.seed),
+                         cfg.model, cfg.data, cfg.rollout)
+    problems, _ = data.load_sources(cfg.data, "train", seed=cfg.run.seed, prompt_len=lambda p:
+                                    I.prompt_len(procs, data.user_text(p, cfg.data.template), p.images))
+    return {p.index: dataclasses.replace(p, images=[]) for p in problems}
+
+
+class TrainerScorer:
+    """The `role = "trainer"` reward models of a trainer rank: `runner` (a rewards.RewardRunner
+    over reward.functions' trainer-side entries), `problems` (index -> data.Problem) and the
+    rollout's max_new_tokens (what a sample says, as the generation side's)."""
+
+    def __init__(self, runner, problems: dict, max_new_tokens: int) -> None:
+        self.runner, self.problems, self.max_new_tokens = runner, problems, max_new_tokens
+
+    def sample(self, e) -> dict:
+        """Episode `e`'s sample, as rollout.rollout builds it for the generation side's runner."""
+        import inputs as I
+        p = self.problems[e.index]
+        return {"answer": p.answer, "problem": p.problem, "index": p.index,
+                "response_len": I.sampled_tokens(e), "truncated": e.truncated,
+                "max_new_tokens": self.max_new_tokens, "columns": p.columns, "source": p.source}
+
+    def score(self, episodes: list, world) -> dict[str, float]:
+        """Every episode scored (this rank its share, i = trainer_index mod the trainer count,
+        gathered over the trainer group: every trainer ends with the same rewards) and added to
+        its reward, parts and info as the generation side's functions are; the step's reward
+        metrics (rollout.episode_metrics' reward/ keys) recomputed over the new rewards."""
+        import rollout
+        mine = list(range(world.trainer_index, len(episodes), len(world.trainers)))
+        got = self.runner.score([episodes[i].text for i in mine], [self.sample(episodes[i]) for i in mine])
+        every = [None] * len(world.trainers)
+        dist.all_gather_object(every, dict(zip(mine, got)), group=world.train_group)
+        for part in every:
+            for i, d in part.items():
+                e, d = episodes[i], dict(d)
+                e.reward += d.pop("reward")
+                e.info.update(d.pop("info", {}))
+                for k, v in d.items():
+                    e.parts[k] = e.parts.get(k, 0.0) + v
+        sources = sorted({e.source for e in episodes if e.source})
+        return {k: v for k, v in rollout.episode_metrics(episodes, [], 0, sources).items()
+                if k.startswith("reward/")}
+
+
+ON_TRAINERS: TrainerScorer | None = None  # this trainer rank's, set by runners() at start
+
+
+def score_on_trainers(episodes: list, world) -> dict[str, float]:
+    """update.train_step's first phase: the `role = "trainer"` models' rewards added to the
+    step's episodes before anything reads them (TrainerScorer.score); {} without such models."""
+    return ON_TRAINERS.score(episodes, world) if ON_TRAINERS is not None and episodes else {}

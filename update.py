@@ -1,6 +1,10 @@
 """One rollout step's update on the trainer ranks, in named phases over one record (:class:`Step`):
 
-    plan -> proximal pass -> response filters -> denominators -> advantages -> updates -> metrics
+    [trainer-side rewards] -> plan -> proximal pass -> response filters -> denominators
+    -> advantages -> updates -> metrics
+
+- `role = "trainer"` reward models (reward_models.score_on_trainers), if any, first add their
+  scores to the step's rewards, as the generation side's functions would have.
 
 - :func:`plan`: which responses count (:func:`loss.keep_mask`, on the task reward), this rank's
   share of each of `[train] mini_batches` mini-batches and its micro-batches (the same count on
@@ -39,6 +43,7 @@ import inputs as I
 import loss as L
 import model as M
 import registry
+import reward_models
 import routing
 from config import LossConfig, RolloutConfig, TrainConfig
 from failures import fault_active
@@ -90,6 +95,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     episodes. Returns the step's training metrics (the same on every trainer rank), averaged
     over the updates, and every episode's advantage."""
     s = Step(tr, world, procs, tc, lc, rc, step, seed, episodes, images)
+    s.metrics |= reward_models.score_on_trainers(episodes, world)  # role = "trainer" models' rewards
     plan(s)
     missing = routing.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
     if missing is not None:

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from errors import ConfigError, one_line
 
@@ -49,10 +49,11 @@ def get(name: str) -> RewardFn:
     return REGISTRY[name]
 
 
-def check_functions(key: str, specs: list, models: tuple[str, ...] = ()) -> None:
+def check_functions(key: str, specs: list, models: Mapping[str, str] | tuple[str, ...] = ()) -> None:
     """`reward.functions` / `eval.functions` (`key`) name registered reward functions or the
-    run's reward models (`models`: the `[[reward.models]]` entries' names), which take no
-    params beside the weight."""
+    run's reward models (`models`: the `[[reward.models]]` entries' names, or name -> role),
+    which take no params beside the weight; a `role = "trainer"` model grades training only
+    (`reward.functions`: the generation ranks evaluate, and a source's list grades both)."""
     import importlib.util
     for i, spec in enumerate(specs):
         if spec["name"] in models:
@@ -60,6 +61,10 @@ def check_functions(key: str, specs: list, models: tuple[str, ...] = ()) -> None
             if extra:
                 raise ConfigError(f"{key}[{i}]: reward model {spec['name']!r} takes only a weight, "
                                   f"got {', '.join(extra)} (its settings are in its [[reward.models]] entry)")
+            if isinstance(models, Mapping) and models[spec["name"]] == "trainer" and key != "reward.functions":
+                raise ConfigError(f"{key}[{i}]: reward model {spec['name']!r} has role = 'trainer': it "
+                                  "scores training steps only; name it in reward.functions alone, or "
+                                  "give it role = 'generation' (docs/reward_models.md)")
             continue
         if spec["name"] not in names():
             raise ConfigError(f"{key}[{i}].name: unknown reward {spec['name']!r} "
@@ -105,7 +110,8 @@ class _Function:
     """One configured reward function: its `workers` daemon threads (started once, never
     replaced: a hung function holds at most that many, ever) and its state across steps.
     `batched`: a reward model (reward_models.py): ``fn(responses, samples) -> [result, ...]``,
-    called on up to ``fn.batch_size`` responses at once from one thread (one device)."""
+    called on up to ``fn.batch_size`` responses at once from one thread (one device); an
+    exception in a sample's place of its list is that sample's failure."""
 
     def __init__(self, spec: dict[str, Any], workers: int, batched: Callable | None = None) -> None:
         self.name: str = spec["name"]
@@ -329,8 +335,8 @@ class RewardRunner:
                 error = TypeError(f"returned {type(results).__name__} for a batch of "
                                   f"{len(call.samples)}, expected a list of as many results")
             for sample, result in zip(call.samples, results if error is None else [None] * len(call.samples)):
-                bad = error
-                if bad is None:
+                bad = result if error is None and isinstance(result, Exception) else error
+                if bad is None:  # a batched function's exception in a sample's place: that sample failed
                     try:
                         judged.append(_check(result))
                         continue

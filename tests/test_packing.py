@@ -214,13 +214,45 @@ def test_a_linear_attention_family_packs_each_sequence_from_a_zero_state(tiny_di
     assert _packed_gap(path, procs, eps, images) < 1e-5
     exact = tiny_dir("qwen3")
     assert _packed_gap(exact, *_episodes(exact, False)) < 1e-5
+    assert _packed_gap(path, procs, eps, images, _without_boundaries(path)) > 1e-3
+
+
+# Odd sizes the tiny builder's defaults never take: an odd hidden size, intermediate size and
+# number of attention heads; odd linear-attention head counts, key and value head dims and
+# convolution width (families.build_tiny's `sizes`; head_dim stays 32: the rotary sections)
+ODD = dict(num_attention_heads=3, num_key_value_heads=1, intermediate_size=97,
+           linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=15,
+           linear_value_head_dim=13, linear_conv_kernel_dim=3)
+
+
+@pytest.mark.slow
+def test_an_odd_sized_linear_attention_model_packs(tmp_path, gloo_world):
+    """A tiny Qwen3.5 of odd sizes, responses of odd lengths: packed rows (a sequence following
+    another in a row) give each sequence's logprobs alone, and the loss and gradients of
+    unpacked rows (1e-5); its mixers without the boundaries leak (what the check would catch)."""
+    linear = next(f for f, fam in F.FAMILIES.items() if fam.linear_attention)
+    path = str(F.build_tiny(tmp_path / "odd", hidden=75, model_type=linear, sizes=ODD))
+    text = M.load_config(path).text_config
+    assert all(getattr(text, k) == v for k, v in ODD.items()) and text.hidden_size == 75
+    procs, eps, images = _episodes(path, True)
+    for e in eps:                                         # odd lengths: 1 to 11 tokens, and 299
+        n = len(e.response_ids) - 1 + len(e.response_ids) % 2
+        e.response_ids, e.logprobs = e.response_ids[:n], e.logprobs[:n]
+    assert all(len(e.response_ids) % 2 == 1 for e in eps) and len({len(e.response_ids) for e in eps}) > 4
+    assert _packed_gap(path, procs, eps, images) < 1e-5
+    _compare(M.load_model(path), None, procs, eps, images, ["--loss.kl_coef=0"])
+    assert _packed_gap(path, procs, eps, images, _without_boundaries(path)) > 1e-3
+
+
+def _without_boundaries(path: str):
+    """The model at `path` with its linear-attention mixers' plain forwards (no boundaries)."""
     plain = M.load_model(path)
     M.bind_sequences(plain)
-    for m in plain.modules():                              # the mixers' forwards without boundaries
+    for m in plain.modules():
         mixer = getattr(m, F.LINEAR_ATTENTION_MODULE, None)
         if mixer is not None:
             mixer.forward = mixer._grpo_forward
-    assert _packed_gap(path, procs, eps, images, plain) > 1e-3
+    return plain
 
 
 def _packed_gap(path, procs, eps, images, policy=None) -> float:

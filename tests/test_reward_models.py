@@ -69,6 +69,37 @@ def test_beside_a_function_and_per_source(loaded):
     runner.close()
 
 
+def test_parse_rules_read_the_last_verdict_or_number():
+    e = reward_models.entry({"name": "j", "path": "x", "kind": "judge"})
+    assert reward_models.PARSE["yes_no"]("No... wait, YES.", e) == 1.0
+    assert reward_models.PARSE["yes_no"]("yes, but no", e) == 0.0
+    with pytest.raises(ValueError, match="neither 'yes' nor 'no'"):
+        reward_models.PARSE["yes_no"]("yesterday, nobody", e)  # whole words only
+    assert reward_models.PARSE["last_number"]("Grade: 7 of 10 -> 0.75", e) == 0.75
+    with pytest.raises(ValueError, match="no number"):
+        reward_models.PARSE["last_number"]("none", e)
+
+
+def test_a_generating_judge_parses_its_text_one_generate_call_per_batch(tmp_path):
+    judge = dict(JUDGE, name="gen", parse="yes_no", max_new_tokens=6, batch_size=3)
+    m = reward_models.load([judge], tmp_path, torch.device("cpu"), 0)["gen"]
+    responses = [f"<answer>{i}</answer>" for i in range(5)]
+    fixed = iter(["yes.", "so: no", "neither", "No. Yes!", "YES"])  # what the judge says
+    texts = []
+
+    def say(t, skip_special_tokens):
+        texts.append(t)
+        return next(fixed)
+    m.tok.decode = say
+    runner = rewards.RewardRunner([{"name": "gen", "weight": 2.0}], timeout_s=60, models={"gen": m})
+    out = runner.score(responses, _samples(5))
+    assert m.forwards == 2 and len(texts) == 5 and all(isinstance(t, list) and len(t) <= 6 for t in texts)
+    assert [d["reward"] for d in out] == [2.0, 0.0, 0.0, 2.0, 2.0]
+    assert [d["errors"] for d in out] == [0, 0, 1, 0, 0] and "gen" not in out[2]
+    assert out[1]["info"] == {"gen": "so: no"} and out[1]["gen"] == 0.0
+    runner.close()
+
+
 def _load(tmp_path, models, functions='[{name="judge"}]', *more):
     return train.load_config(TINY_TEXT[1], [f"--run.out_dir={tmp_path}", f"--reward.models={models}",
                                             f"--reward.functions={functions}", *more])
@@ -83,8 +114,10 @@ def test_config_entries_and_names(tmp_path):
         ('[{name="judge", path="tiny-qwen3", kind="oracle", template="{response}"}]', "reward.models[0].kind"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{problem}"}]', "{response}"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{answer} {response}"}]', "unknown field"),
-        ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", role="trainer"}]', "not built"),
+        ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", role="gpu"}]', "reward.models[0].role"),
         ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", batch_size=0}]', "batch_size"),
+        ('[{name="judge", path="tiny-qwen3", kind="judge", template="{response}", parse="regex"}]', "reward.models[0].parse"),
+        ('[{name="rm", path="tiny-qwen3", kind="classifier", parse="yes_no"}]', "only a judge generates"),
         ('[{name="judge", path="tiny-nope", kind="judge", template="{response}"}]', "reward.models[0].path"),
         ('[{name="geometry", path="tiny-qwen3", kind="classifier"}]', "registered reward function"),
         ('[{name="errors", path="tiny-qwen3", kind="classifier"}]', "runner's own key"),
@@ -98,13 +131,76 @@ def test_config_entries_and_names(tmp_path):
         _load(tmp_path, judge, '[{name="judge2"}]')
     with pytest.raises(ConfigError, match="takes only a weight"):
         _load(tmp_path, judge, '[{name="judge", temperature=0.5}]')
+    on_trainers = judge.replace("ok?\"", "ok?\", role=\"trainer\"")
+    _load(tmp_path, on_trainers)  # training alone: fine
+    with pytest.raises(ConfigError, match=r"eval.functions\[0\]: reward model 'judge' has role = 'trainer'"):
+        _load(tmp_path, on_trainers, '[{name="judge"}]', '--eval.functions=[{name="judge"}]')
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].reward_functions\[0\]: .* role = 'trainer'"):
+        _load(tmp_path, on_trainers, '[{name="judge"}]', '--data.sources=[{name="a", weight=1.0, source="synthetic-text", '
+              'reward_functions=[{name="judge"}]}]')
+
+
+def _on_one_rank(tmp_path, role: str, functions: str):
+    """reward_models.runners as train.py calls it on a rank of a world of one (trainer and
+    generation rank), the judge with `role`."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from device import detect
+    models = ('[{name="judge", path="tiny-qwen3", kind="judge", batch_size=3, role="' + role + '", '
+              'template="Problem: {problem} Answer: {response} Gold: {gold}. Right? yes or no"}]')
+    cfg = _load(tmp_path, models, functions)
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, timeout_s=60.0))
+    world = SimpleNamespace(is_trainer=True, is_gen=True, is_root=True, gen_index=0, local_rank=0,
+                            trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
+    live = SimpleNamespace(phase=lambda *a: None)
+    scorer, _ = reward_models.runners(cfg, world, detect(), live, (cfg.reward.functions, cfg.eval.functions))
+    return scorer, world
+
+
+def test_a_trainer_side_judge_gives_the_rewards_of_a_generation_side_one(tmp_path, gloo_world):
+    """The same responses scored with the judge on the generation side (rollout's runner) and
+    on the trainer side (rollout's runner without it, then update.train_step's first phase):
+    the same total, parts and metrics; the trainer side loads once, at start."""
+    import rollout
+    from episode import Episode
+    functions = '[{name="geometry", weight=0.5}, {name="judge", weight=2.0}]'
+    texts = [f"<think>x</think><answer>{i}</answer>" + " y" * (i % 3) for i in range(7)]
+    got = {}
+    for role in ("generation", "trainer"):
+        scorer, world = _on_one_rank(tmp_path / role, role, functions)
+        assert (reward_models.ON_TRAINERS is None) == (role == "generation")
+        problems = reward_models._problems(_load(tmp_path / role, "[]", '[{name="geometry"}]'))
+        eps, rows = [], list(problems.values())[:7]
+        samples = [{"answer": p.answer, "problem": p.problem, "index": p.index, "response_len": 3,
+                    "truncated": False, "max_new_tokens": 16, "columns": p.columns, "source": ""} for p in rows]
+        for i, (text, p, parts) in enumerate(zip(texts, rows, scorer.score(texts, samples))):  # as rollout.rollout
+            total, info = parts.pop("reward"), parts.pop("info", {})
+            eps.append(Episode(p.index, i // 4, [1], [5, 6, 7], [0.0] * 3, total, parts, 0, False, text, info=info))
+        assert ("judge" in eps[0].parts) == (role == "generation")
+        before = reward_models.ON_TRAINERS and reward_models.ON_TRAINERS.runner._models["judge"].forwards
+        m = reward_models.score_on_trainers(eps, world)
+        if role == "trainer":
+            assert reward_models.ON_TRAINERS.runner._models["judge"].forwards - before == 3  # ceil(7 / 3)
+            want = rollout.episode_metrics(eps, [], 0)
+            assert m == {k: v for k, v in want.items() if k.startswith("reward/")} and "reward/judge" in m
+        else:
+            assert m == {}
+        got[role] = [(e.reward, e.parts) for e in eps]
+    for (a, pa), (b, pb) in zip(got["generation"], got["trainer"]):
+        assert b == pytest.approx(a, abs=1e-12) and pb == pytest.approx(pa, abs=1e-12)
+    assert len({round(p["judge"], 6) for _, p in got["trainer"]}) > 1
+    reward_models.ON_TRAINERS = None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("functions", ['[{name="judge", weight=1.0}]',
-                                       '[{name="judge", weight=1.0}, {name="geometry", weight=1.0}]'])
-def test_demo_three_ranks_with_the_judge(tmp_path, functions):
-    models = ('[{name="judge", path="tiny-qwen3", kind="judge", batch_size=8, '
+@pytest.mark.parametrize("functions,role", [
+    ('[{name="judge", weight=1.0}]', "generation"),
+    ('[{name="judge", weight=1.0}, {name="geometry", weight=1.0}]', "generation"),
+    ('[{name="judge", weight=1.0}, {name="geometry", weight=1.0}]', "trainer")])  # on ranks 0-1
+def test_demo_three_ranks_with_the_judge(tmp_path, functions, role):
+    models = (f'[{{name="judge", path="tiny-qwen3", kind="judge", batch_size=8, role="{role}", '
               'template="Problem: {problem} Answer: {response} Gold: {gold}. Right? yes or no"}]')
     p = torchrun(3, [*TINY_TEXT, f"--run.out_dir={tmp_path}", "--run.steps=10",
                      f"--reward.models={models}", f"--reward.functions={functions}",
@@ -117,6 +213,9 @@ def test_demo_three_ranks_with_the_judge(tmp_path, functions):
     assert all(0 < r["reward/judge"] < 1 and r["reward/errors"] == 0 for r in rows)
     if "geometry" in functions:
         assert all("reward/format" in r or "reward/accuracy" in r for r in rows)
+        assert all(r["reward/mean"] == pytest.approx(  # the judge's reward and geometry's, each counted once
+            r["reward/judge"] + 0.9 * r.get("reward/accuracy", 0.0) + 0.1 * r.get("reward/format", 0.0),
+            abs=1e-9) for r in rows)
     else:
         evals = [r for r in metrics(tmp_path) if "eval/judge" in r]
         assert len(evals) == 1 and 0 < evals[0]["eval/judge"] < 1, evals
