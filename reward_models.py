@@ -64,10 +64,12 @@ def entry(e: dict) -> dict:
     return DEFAULTS | e
 
 
-def check(entries: Any, functions: list[str]) -> dict[str, str]:
-    """The `[[reward.models]]` entries' names -> their roles; a ConfigError naming the entry's
+def check(cfg, functions: list[str]) -> dict[str, str]:
+    """`cfg`'s `[[reward.models]]` entries' names -> their roles; a ConfigError naming the entry's
     key for a bad one (`functions`: the registered reward functions' names, which an entry may
-    not reuse)."""
+    not reuse), and for a `role = "trainer"` model in reward.functions under DAPO refills (the
+    generation side decides a refill before the trainers' scores exist)."""
+    entries = cfg.reward.models
     if not isinstance(entries, list):
         raise ConfigError(f"reward.models: expected a list of [[reward.models]] tables, got {entries!r}")
     names: dict[str, str] = {}
@@ -77,6 +79,12 @@ def check(entries: Any, functions: list[str]) -> dict[str, str]:
             raise ConfigError(f"{key}: expected a table {{name, path, kind, ...}}, got {raw!r}")
         _check_entry(key, entry(raw), functions, list(names))
         names[raw["name"]] = entry(raw)["role"]
+    late = [s["name"] for s in cfg.reward.functions if names.get(s["name"]) == "trainer"]
+    if late and cfg.loss.drop_zero_variance and cfg.rollout.max_refill_rounds > 0:
+        raise ConfigError(f"reward.functions: {late[0]!r} is scored on the trainer ranks (role = 'trainer'), "
+                          "after the generation side decides DAPO refills (loss.drop_zero_variance with "
+                          "rollout.max_refill_rounds > 0); give it role = 'generation' or set "
+                          "--rollout.max_refill_rounds=0")
     return names
 
 
@@ -230,20 +238,19 @@ def load(entries: list[dict], run_dir, device: torch.device, seed: int, say=None
     return out
 
 
-def runners(cfg, world, dev, live, lists: tuple) -> list:
+def runners(cfg, world, dev, live, lists: tuple, tr=None) -> list:
     """A generation rank's reward runner for each of `lists` (None elsewhere), sharing the
     `role = "generation"` [[reward.models]], loaded here once (before step 1, timed apart from
-    reward.timeout_s) on the rank's accelerator, beside its engine. On the trainer ranks the
-    `role = "trainer"` entries that `lists` name load here too, on the rank's device, and score
-    each step's responses in update.train_step (:func:`score_on_trainers`)."""
-    global ON_TRAINERS
+    reward.timeout_s) on the rank's accelerator, beside its engine. On a trainer rank (`tr`, its
+    trainer.Trainer) the `role = "trainer"` entries that `lists` name load here too, on the rank's
+    device, as `tr.rewards`, and score each step's responses in update.train_step
+    (:func:`score_on_trainers`)."""
     rc = cfg.reward
     named = {s["name"] for fns in lists for s in fns}
     there = [e for e in map(entry, rc.models) if e["role"] == "trainer" and e["name"] in named]
-    ON_TRAINERS = None
-    if world.is_trainer and there:
+    if tr is not None and there:
         models = _load_here(cfg, world, dev, live, there, world.is_root)
-        ON_TRAINERS = TrainerScorer(rewards.RewardRunner(
+        tr.rewards = TrainerScorer(rewards.RewardRunner(
             [s for s in rc.functions if s["name"] in models], rc.timeout_s, rc.max_consecutive_timeouts,
             models=models), _problems(cfg), cfg.rollout.max_new_tokens)
     if not world.is_gen:
@@ -317,10 +324,8 @@ class TrainerScorer:
                 if k.startswith("reward/")}
 
 
-ON_TRAINERS: TrainerScorer | None = None  # this trainer rank's, set by runners() at start
-
-
-def score_on_trainers(episodes: list, world) -> dict[str, float]:
-    """update.train_step's first phase: the `role = "trainer"` models' rewards added to the
-    step's episodes before anything reads them (TrainerScorer.score); {} without such models."""
-    return ON_TRAINERS.score(episodes, world) if ON_TRAINERS is not None and episodes else {}
+def score_on_trainers(tr, episodes: list, world) -> dict[str, float]:
+    """update.train_step's first phase: trainer `tr`'s `role = "trainer"` models' rewards added
+    to the step's episodes before anything reads them (TrainerScorer.score); {} without such
+    models."""
+    return tr.rewards.score(episodes, world) if tr.rewards is not None and episodes else {}

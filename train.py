@@ -106,7 +106,7 @@ def load_config(paths: str | list[str] | None, overrides: list[str] = ()) -> con
     cfg = config.load(paths, overrides)
     registry.check(cfg.loss)  # the [loss] parts' keys and loss.correction's
     trainer.check(cfg)  # train.master_dtype against the model keys; model.teacher_path's family
-    models = reward_models.check(cfg.reward.models, rewards.names())  # [[reward.models]]: their names
+    models = reward_models.check(cfg, rewards.names())  # [[reward.models]]: their names
     for key in ("reward", "eval"):
         rewards.check_functions(f"{key}.functions", getattr(cfg, key).functions, models)
     families.check_model_path(cfg.model.path)
@@ -236,7 +236,7 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.sync_group is not None else None
-    scorer, eval_scorer = reward_models.runners(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions))
+    scorer, eval_scorer = reward_models.runners(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions), tr)
     return Setup(procs, problems, {p.index: p.images for p in problems}, n_skipped, eval_set, engine,
                  scorer, eval_scorer, receiver, tr, model_path,
                  data.Mixture(problems, cfg.data, ro.prompts_per_step, cfg.run.seed), (*notes, warmed),

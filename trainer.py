@@ -44,6 +44,7 @@ class Trainer:
     replay_ref: bool = False  # model.moe_routing_replay_ref: the reference's forward replays the engine's routing
     teacher: Any = None      # on-policy distillation's teacher (model.teacher_path), frozen, sharded like ref
     base_teacher: bool = False  # model.teacher_path = "base" (LoRA): the policy with its adapters off
+    rewards: Any = None      # role = "trainer" reward models (reward_models.TrainerScorer), set at start
 
 
 def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.RowLayout,

@@ -95,7 +95,7 @@ def train_step(tr: Trainer, episodes: list, images: Mapping[int, Any], *, world,
     episodes. Returns the step's training metrics (the same on every trainer rank), averaged
     over the updates, and every episode's advantage."""
     s = Step(tr, world, procs, tc, lc, rc, step, seed, episodes, images)
-    s.metrics |= reward_models.score_on_trainers(episodes, world)  # role = "trainer" models' rewards
+    s.metrics |= reward_models.score_on_trainers(tr, episodes, world)  # role = "trainer" models' rewards
     plan(s)
     missing = routing.fallback(tr.policy, episodes)  # replay on: episodes without the engine's routing
     if missing is not None:

@@ -135,6 +135,9 @@ def test_config_entries_and_names(tmp_path):
     _load(tmp_path, on_trainers)  # training alone: fine
     with pytest.raises(ConfigError, match=r"eval.functions\[0\]: reward model 'judge' has role = 'trainer'"):
         _load(tmp_path, on_trainers, '[{name="judge"}]', '--eval.functions=[{name="judge"}]')
+    with pytest.raises(ConfigError, match=r"reward.functions: 'judge' is scored on the trainer ranks .* --rollout.max_refill_rounds=0$"):
+        _load(tmp_path, on_trainers, '[{name="judge"}]', "--loss.drop_zero_variance=true")
+    _load(tmp_path, on_trainers, '[{name="judge"}]', "--loss.drop_zero_variance=true", "--rollout.max_refill_rounds=0")
     with pytest.raises(ConfigError, match=r"data.sources\[0\].reward_functions\[0\]: .* role = 'trainer'"):
         _load(tmp_path, on_trainers, '[{name="judge"}]', '--data.sources=[{name="a", weight=1.0, source="synthetic-text", '
               'reward_functions=[{name="judge"}]}]')
@@ -155,8 +158,9 @@ def _on_one_rank(tmp_path, role: str, functions: str):
     world = SimpleNamespace(is_trainer=True, is_gen=True, is_root=True, gen_index=0, local_rank=0,
                             trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     live = SimpleNamespace(phase=lambda *a: None)
-    scorer, _ = reward_models.runners(cfg, world, detect(), live, (cfg.reward.functions, cfg.eval.functions))
-    return scorer, world
+    tr = SimpleNamespace(rewards=None)  # the trainer.Trainer field runners() sets
+    scorer, _ = reward_models.runners(cfg, world, detect(), live, (cfg.reward.functions, cfg.eval.functions), tr)
+    return scorer, world, tr
 
 
 def test_a_trainer_side_judge_gives_the_rewards_of_a_generation_side_one(tmp_path, gloo_world):
@@ -169,8 +173,8 @@ def test_a_trainer_side_judge_gives_the_rewards_of_a_generation_side_one(tmp_pat
     texts = [f"<think>x</think><answer>{i}</answer>" + " y" * (i % 3) for i in range(7)]
     got = {}
     for role in ("generation", "trainer"):
-        scorer, world = _on_one_rank(tmp_path / role, role, functions)
-        assert (reward_models.ON_TRAINERS is None) == (role == "generation")
+        scorer, world, tr = _on_one_rank(tmp_path / role, role, functions)
+        assert (tr.rewards is None) == (role == "generation")
         problems = reward_models._problems(_load(tmp_path / role, "[]", '[{name="geometry"}]'))
         eps, rows = [], list(problems.values())[:7]
         samples = [{"answer": p.answer, "problem": p.problem, "index": p.index, "response_len": 3,
@@ -179,10 +183,10 @@ def test_a_trainer_side_judge_gives_the_rewards_of_a_generation_side_one(tmp_pat
             total, info = parts.pop("reward"), parts.pop("info", {})
             eps.append(Episode(p.index, i // 4, [1], [5, 6, 7], [0.0] * 3, total, parts, 0, False, text, info=info))
         assert ("judge" in eps[0].parts) == (role == "generation")
-        before = reward_models.ON_TRAINERS and reward_models.ON_TRAINERS.runner._models["judge"].forwards
-        m = reward_models.score_on_trainers(eps, world)
+        before = tr.rewards and tr.rewards.runner._models["judge"].forwards
+        m = reward_models.score_on_trainers(tr, eps, world)
         if role == "trainer":
-            assert reward_models.ON_TRAINERS.runner._models["judge"].forwards - before == 3  # ceil(7 / 3)
+            assert tr.rewards.runner._models["judge"].forwards - before == 3  # ceil(7 / 3)
             want = rollout.episode_metrics(eps, [], 0)
             assert m == {k: v for k, v in want.items() if k.startswith("reward/")} and "reward/judge" in m
         else:
@@ -191,7 +195,6 @@ def test_a_trainer_side_judge_gives_the_rewards_of_a_generation_side_one(tmp_pat
     for (a, pa), (b, pb) in zip(got["generation"], got["trainer"]):
         assert b == pytest.approx(a, abs=1e-12) and pb == pytest.approx(pa, abs=1e-12)
     assert len({round(p["judge"], 6) for _, p in got["trainer"]}) > 1
-    reward_models.ON_TRAINERS = None
 
 
 @pytest.mark.slow
