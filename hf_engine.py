@@ -16,29 +16,20 @@ import sync as S
 from episode import Check, Completion, Prompt, Sampling, WeightSource
 
 
-class _Changed(StoppingCriteria):
-    """Ends a generate call after the decode step where `check()` returns another version than
-    `version` (the call's): the rows go on elsewhere, under the new weights."""
+class _Checked(StoppingCriteria):
+    """Calls `check()` after each decode step; `seen[t]`: the version token t was sampled with
+    (`version`, the call's, first). Ends the call after the step where it returns another
+    version (the rows go on elsewhere, under the new weights), or with `keep` (`rollout.partial
+    = "keep"`) never: `check()` loads newer weights in place (pipeline.Producer.check), so the
+    next step runs them on the past key values as they are."""
 
-    def __init__(self, check: Check, version: int):
-        self.check, self.version = check, version
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.check() != self.version, dtype=torch.bool,
-                          device=input_ids.device)
-
-
-class _Kept(StoppingCriteria):
-    """`rollout.partial = "keep"`: never ends the call; after each decode step calls `check()`,
-    which loads newer weights in place (pipeline.Producer.check), so the next step runs them on
-    the past key values as they are. `seen[t]`: the version token t was sampled with."""
-
-    def __init__(self, check: Check, version: int):
-        self.check, self.seen = check, [version]
+    def __init__(self, check: Check, version: int, keep: bool):
+        self.check, self.keep, self.seen = check, keep, [version]
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         self.seen.append(self.check())
-        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+        changed = not self.keep and self.seen[-1] != self.seen[0]
+        return torch.full((input_ids.shape[0],), changed, dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:
@@ -70,25 +61,19 @@ class HFEngine:
         """episode.Engine.generate: one transformers generate call seeded with `seed`; a
         check ends it at the decode step where its version changes, or with `keep` its new
         weights are decoded on with the past key values kept (each token its own version)."""
-        version = None if check is None else check()
-        stop = None if check is None else (_Kept if self.keep else _Changed)(check, version)
+        stop = None if check is None else _Checked(check, check(), self.keep)
         resp, lp, routes, before = self._sample(rows, sp, seed, stop)
         per_row = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in rows]
         for i, (r, l, x, b) in enumerate(zip(resp, lp, routes, before)):
-            n, stopped = self._cut(r)
-            result[i // per_row].append(Completion(r[:n], l[:n], truncated=not stopped,
-                                                   versions=[] if check is None else
-                                                   stop.seen[:n] if self.keep else [version] * n,
+            # tokens up to the first stop (included); none: the budget or the check ended it
+            n = next((j + 1 for j, t in enumerate(r) if t in self.tokens.stops), len(r))
+            truncated = not r or r[n - 1] not in self.tokens.stops
+            result[i // per_row].append(Completion(r[:n], l[:n], truncated=truncated,
+                                                   versions=[] if stop is None else stop.seen[:n],
                                                    routing=None if x is None else x[:n], prompt_routing=b,
                                                    kv_kept=self.keep and check is not None))
         return result
-
-    def _cut(self, r: list[int]) -> tuple[int, bool]:
-        """Tokens up to the first stop (included), and whether there is one."""
-        stops = self.tokens.stops
-        n = next((j + 1 for j, t in enumerate(r) if t in stops), None)
-        return (len(r), False) if n is None else (n, True)
 
     @torch.no_grad()
     def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int,

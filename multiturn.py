@@ -41,7 +41,7 @@ class _Live:
     state: object = None  # the environment's per-episode state (envs.Environment.reset)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # with a check; an inserted token: its reply's
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     routing: list = field(default_factory=list)
@@ -105,7 +105,7 @@ def _add_tokens(c: _Live, comp: Completion, room: int) -> bool:
     c.first = c.first or comp
     c.ids += comp.ids[:n]
     c.logprobs += comp.logprobs[:n]
-    c.versions += comp.versions[:n] if comp.versions else [None] * n
+    c.versions += comp.versions[:n]  # [] without a check (episode.Engine.generate)
     c.mask += [1] * n
     c.routing.append((comp.routing[:n] if comp.routing is not None else None, n))
     c.reply += n
@@ -120,7 +120,7 @@ def _completion(c: _Live, turns: Turns | None) -> Completion:
     """The engine's first Completion record refilled with the whole sample (episode)."""
     many = turns is not None
     return replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
-                   versions=_versions(c.versions), routing=_routing(c.routing, many),
+                   versions=c.versions, routing=_routing(c.routing, many),
                    loss_mask=c.mask if many else [], turns=c.turns, images=c.images,
                    env_reward=turns.env_reward(c) if many else None, reprefilled=c.reprefilled)
 
@@ -188,7 +188,7 @@ class Turns:
             return
         c.ids += ids
         c.logprobs += [0.0] * len(ids)
-        c.versions += [None] * len(ids)
+        c.versions += c.versions[-1:] * len(ids)  # after a reply of at least its stop token
         c.mask += [0] * len(ids)
         c.routing.append((None, len(ids)))
         c.images += [im for m in messages for im in m.get("images", [])]
@@ -244,18 +244,6 @@ def episode_budget(rc) -> int:
     replies of max_new_tokens and an inserted turn of INSERTED_TOKENS between each two (a
     longer one ends the episode, truncated)."""
     return rc.max_episode_tokens or rc.max_turns * rc.max_new_tokens + (rc.max_turns - 1) * INSERTED_TOKENS
-
-
-def _versions(vs: list) -> list[int]:
-    """Per-token versions ([] when no turn recorded any: all the episode's version); an inserted
-    token takes the version of the reply before it."""
-    if all(v is None for v in vs):
-        return []
-    last, out = next(v for v in vs if v is not None), []
-    for v in vs:
-        last = last if v is None else v
-        out.append(last)
-    return out
 
 
 def _routing(parts: list, many: bool):
