@@ -151,7 +151,7 @@ class Turns:
         in sample order) from the environment's reset, with the group's seed
         :func:`episode_seed` (None and None without an environment)."""
         if self.env is None:
-            return [None] * len(problems), [None] * (len(problems) * per)
+            return None, None
         texts, states = [], []
         for g, p in enumerate(problems):
             starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]

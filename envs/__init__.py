@@ -94,8 +94,7 @@ def check(env: str, tools: list, args: dict | None = None) -> None:
         raise ConfigError(f"rollout.env: unknown environment {env!r} (known: {', '.join(names())})")
     if args is not None:
         _check_args(env, args, fill=True)
-    if tools:
-        load()
+    if tools:  # envs.tools loads the package (its tools register on import)
         from envs import tools as T
         T.check_tools(list(tools))
 
@@ -138,7 +137,6 @@ def schemas(tools: list) -> tuple:
     """The chat template's `tools` argument for `rollout.tools` (() for none)."""
     if not tools:
         return ()
-    load()
     from envs import tools as T
     return tuple(T.schemas(list(tools)))
 
