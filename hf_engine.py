@@ -42,7 +42,6 @@ class HFEngine:
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.keep = keep  # rollout.partial = "keep": a check's new weights go on the KV as it is
         self.procs, self.tokens, self.device = procs, procs.tokens, device
-        self.asleep = False  # colocated: the weights are in host memory (sleep / wake_up)
         # MoE: what each generate call routed is recorded (routing.capture) and kept per token
         self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
                         if families.moe_routers(self.model) else 0)
@@ -84,13 +83,9 @@ class HFEngine:
         [P - 1, L, k] (routing.generated_routing, routing.prompt_routing; else None); `stop`
         may end the call at a decode step."""
         tk = self.tokens
-        images = [im for _, ims in prompts for im in ims]
-        mm, mm_kw = {}, {}
-        counts = iter(())
-        if images:
-            ip = self.procs.image_processor
-            mm = I.image_inputs(ip, images)
-            counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
+        images, ip = [im for _, ims in prompts for im in ims], self.procs.image_processor
+        mm = I.image_inputs(ip, images) if images else {}
+        counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size) if mm else ())
         rows = [I.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
         width = max(map(len, rows))
         # left padding: generated tokens line up; positions (mRoPE) come from the mask
@@ -98,10 +93,10 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         knobs = (dict(do_sample=False) if sp.greedy else
                  dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
-        if mm:  # images: their pixels, grids and where their tokens sit (mRoPE)
-            mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
-                         image_grid_thw=mm["image_grid_thw"].to(self.device),
-                         mm_token_type_ids=(ids == tk.image_pad).int())
+        # images: their pixels, grids and where their tokens sit (mRoPE)
+        mm_kw = {} if not mm else dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
+                                       image_grid_thw=mm["image_grid_thw"].to(self.device),
+                                       mm_token_type_ids=(ids == tk.image_pad).int())
         if stop is not None:
             knobs["stopping_criteria"] = StoppingCriteriaList([stop])
         with D.fork_rng(self.device), (R.capture(self.model) if self.experts else nullcontext()) as calls:
@@ -145,15 +140,12 @@ class HFEngine:
         if self.device.type != "cpu":
             self.model.to("cpu")
             D.release_cached_memory(self.device)
-        self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Back on the device: "weights" brings them back (a no-op on CPU), "kv_cache" has
         nothing to allocate (made per generate call); None: both."""
-        if tags is None or "weights" in tags:
-            if self.device.type != "cpu":
-                self.model.to(self.device)
-            self.asleep = False
+        if (tags is None or "weights" in tags) and self.device.type != "cpu":
+            self.model.to(self.device)
 
     def receive_weights(self, source: WeightSource) -> int:
         """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's

@@ -86,14 +86,13 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
-def check(env: str, tools: list, args: dict | None = None) -> None:
+def check(env: str, tools: list, args: dict) -> None:
     """`rollout.env` names a registered environment ("" = none), `rollout.env_args` its keys (each
     declared, of its type and range; the defaults filled in, in place), `rollout.tools`
     registered tools; ConfigError naming the key otherwise."""
     if env and env not in names():
         raise ConfigError(f"rollout.env: unknown environment {env!r} (known: {', '.join(names())})")
-    if args is not None:
-        _check_args(env, args, fill=True)
+    _check_args(env, args, fill=True)
     if tools:  # envs.tools loads the package (its tools register on import)
         from envs import tools as T
         T.check_tools(list(tools))
