@@ -259,13 +259,6 @@ def _routing(parts: list, many: bool):
                       torch.full((n, *ref.shape[1:]), -1, dtype=torch.int16) for r, n in parts])
 
 
-def _render(procs: I.Processors, messages: list[dict], generation_prompt: bool) -> str:
-    chat = procs.chat
-    kw = I.template_kwargs(chat)
-    return procs.tokenizer.apply_chat_template(messages, chat_template=chat.template, tokenize=False,
-                                               add_generation_prompt=generation_prompt, **kw)
-
-
 def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) -> list[int]:
     """The tokens that follow a sampled reply when `messages` (user or tool turns, no images)
     come next: the reply's closing (without the stop token `stop` the reply already ended on),
@@ -276,7 +269,9 @@ def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) ->
     text). ValueError when the template loses the reply's content or a message's."""
     texts: list[str] = []  # every message's text, in order, each rendered as a placeholder
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _REPLY}]
-    after = _render(procs, base + [_held(_plain(m), texts) for m in messages], True)
+    after = procs.tokenizer.apply_chat_template(base + [_held(_plain(m), texts) for m in messages],
+                                                chat_template=procs.chat.template, tokenize=False,
+                                                add_generation_prompt=True, **I.template_kwargs(procs.chat))
     if _REPLY not in after:
         raise ValueError("the chat template drops an earlier assistant turn's content: multi-turn "
                          "rollouts cannot insert turns with it")
