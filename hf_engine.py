@@ -16,29 +16,20 @@ import sync as S
 from episode import Check, Completion, Prompt, Sampling, WeightSource
 
 
-class _Changed(StoppingCriteria):
-    """Ends a generate call after the decode step where `check()` returns another version than
-    `version` (the call's): the rows go on elsewhere, under the new weights."""
+class _Checked(StoppingCriteria):
+    """Calls `check()` after each decode step; `seen[t]`: the version token t was sampled with
+    (`version`, the call's, first). Ends the call after the step where it returns another
+    version (the rows go on elsewhere, under the new weights), or with `keep` (`rollout.partial
+    = "keep"`) never: `check()` loads newer weights in place (pipeline.Producer.check), so the
+    next step runs them on the past key values as they are."""
 
-    def __init__(self, check: Check, version: int):
-        self.check, self.version = check, version
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.check() != self.version, dtype=torch.bool,
-                          device=input_ids.device)
-
-
-class _Kept(StoppingCriteria):
-    """`rollout.partial = "keep"`: never ends the call; after each decode step calls `check()`,
-    which loads newer weights in place (pipeline.Producer.check), so the next step runs them on
-    the past key values as they are. `seen[t]`: the version token t was sampled with."""
-
-    def __init__(self, check: Check, version: int):
-        self.check, self.seen = check, [version]
+    def __init__(self, check: Check, version: int, keep: bool):
+        self.check, self.keep, self.seen = check, keep, [version]
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         self.seen.append(self.check())
-        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+        changed = not self.keep and self.seen[-1] != self.seen[0]
+        return torch.full((input_ids.shape[0],), changed, dtype=torch.bool, device=input_ids.device)
 
 
 class HFEngine:
@@ -51,7 +42,6 @@ class HFEngine:
         self.model = M.load_model(path, dtype=dtype, device=device).eval()
         self.keep = keep  # rollout.partial = "keep": a check's new weights go on the KV as it is
         self.procs, self.tokens, self.device = procs, procs.tokens, device
-        self.asleep = False  # colocated: the weights are in host memory (sleep / wake_up)
         # MoE: what each generate call routed is recorded (routing.capture) and kept per token
         self.experts = (getattr(M.text_config(self.model.config), "num_experts", 0)
                         if families.moe_routers(self.model) else 0)
@@ -70,25 +60,19 @@ class HFEngine:
         """episode.Engine.generate: one transformers generate call seeded with `seed`; a
         check ends it at the decode step where its version changes, or with `keep` its new
         weights are decoded on with the past key values kept (each token its own version)."""
-        version = None if check is None else check()
-        stop = None if check is None else (_Kept if self.keep else _Changed)(check, version)
+        stop = None if check is None else _Checked(check, check(), self.keep)
         resp, lp, routes, before = self._sample(rows, sp, seed, stop)
         per_row = 1 if sp.greedy else sp.n
         result: list[list[Completion]] = [[] for _ in rows]
         for i, (r, l, x, b) in enumerate(zip(resp, lp, routes, before)):
-            n, stopped = self._cut(r)
-            result[i // per_row].append(Completion(r[:n], l[:n], truncated=not stopped,
-                                                   versions=[] if check is None else
-                                                   stop.seen[:n] if self.keep else [version] * n,
+            # tokens up to the first stop (included); none: the budget or the check ended it
+            n = next((j + 1 for j, t in enumerate(r) if t in self.tokens.stops), len(r))
+            truncated = not r or r[n - 1] not in self.tokens.stops
+            result[i // per_row].append(Completion(r[:n], l[:n], truncated=truncated,
+                                                   versions=[] if stop is None else stop.seen[:n],
                                                    routing=None if x is None else x[:n], prompt_routing=b,
                                                    kv_kept=self.keep and check is not None))
         return result
-
-    def _cut(self, r: list[int]) -> tuple[int, bool]:
-        """Tokens up to the first stop (included), and whether there is one."""
-        stops = self.tokens.stops
-        n = next((j + 1 for j, t in enumerate(r) if t in stops), None)
-        return (len(r), False) if n is None else (n, True)
 
     @torch.no_grad()
     def _sample(self, prompts: list[Prompt], sp: Sampling, seed: int,
@@ -99,13 +83,9 @@ class HFEngine:
         [P - 1, L, k] (routing.generated_routing, routing.prompt_routing; else None); `stop`
         may end the call at a decode step."""
         tk = self.tokens
-        images = [im for _, ims in prompts for im in ims]
-        mm, mm_kw = {}, {}
-        counts = iter(())
-        if images:
-            ip = self.procs.image_processor
-            mm = I.image_inputs(ip, images)
-            counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size))
+        images, ip = [im for _, ims in prompts for im in ims], self.procs.image_processor
+        mm = I.image_inputs(ip, images) if images else {}
+        counts = iter(I.n_image_tokens(mm["image_grid_thw"], ip.merge_size) if mm else ())
         rows = [I.expand_images(ids, [next(counts) for _ in ims], tk.image_pad) for ids, ims in prompts]
         width = max(map(len, rows))
         # left padding: generated tokens line up; positions (mRoPE) come from the mask
@@ -113,10 +93,10 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         knobs = (dict(do_sample=False) if sp.greedy else
                  dict(do_sample=True, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k))
-        if mm:  # images: their pixels, grids and where their tokens sit (mRoPE)
-            mm_kw = dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
-                         image_grid_thw=mm["image_grid_thw"].to(self.device),
-                         mm_token_type_ids=(ids == tk.image_pad).int())
+        # images: their pixels, grids and where their tokens sit (mRoPE)
+        mm_kw = {} if not mm else dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
+                                       image_grid_thw=mm["image_grid_thw"].to(self.device),
+                                       mm_token_type_ids=(ids == tk.image_pad).int())
         if stop is not None:
             knobs["stopping_criteria"] = StoppingCriteriaList([stop])
         with D.fork_rng(self.device), (R.capture(self.model) if self.experts else nullcontext()) as calls:
@@ -160,15 +140,12 @@ class HFEngine:
         if self.device.type != "cpu":
             self.model.to("cpu")
             D.release_cached_memory(self.device)
-        self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Back on the device: "weights" brings them back (a no-op on CPU), "kv_cache" has
         nothing to allocate (made per generate call); None: both."""
-        if tags is None or "weights" in tags:
-            if self.device.type != "cpu":
-                self.model.to(self.device)
-            self.asleep = False
+        if (tags is None or "weights" in tags) and self.device.type != "cpu":
+            self.model.to(self.device)
 
     def receive_weights(self, source: WeightSource) -> int:
         """Every bucket of a sync, in order, adopted as this engine's weights (the receiver's

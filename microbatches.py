@@ -17,25 +17,22 @@ from config import PACKED_LAYOUTS, TrainConfig
 from errors import ConfigError
 
 
-def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0,
-                       count: int | None = None) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
     """Group sequence indices into micro-batches: `max_tokens > 0`, by length while (sequences x
-    longest) fits the budget; else chunks of `max_seqs` in order. `count`: split the largest
-    until there are that many (every trainer rank runs the same number: FSDP collectives)."""
-    if max_tokens > 0:
-        mbs: list[list[int]] = [[]]
-        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-            if mbs[-1] and (len(mbs[-1]) + 1) * lengths[i] > max_tokens:  # lengths[i] is the longest
-                mbs.append([])
-            mbs[-1].append(i)
-        mbs = [m for m in mbs if m]
-    else:
-        mbs = [list(range(i, min(i + max_seqs, len(lengths)))) for i in range(0, len(lengths), max_seqs)]
-    return _split_to(mbs, count, len(lengths))
+    longest) fits the budget; else chunks of `max_seqs` in order."""
+    if max_tokens <= 0:
+        return [list(range(i, min(i + max_seqs, len(lengths)))) for i in range(0, len(lengths), max_seqs)]
+    mbs: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if mbs[-1] and (len(mbs[-1]) + 1) * lengths[i] > max_tokens:  # lengths[i] is the longest
+            mbs.append([])
+        mbs[-1].append(i)
+    return [m for m in mbs if m]
 
 
-def _split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]]:
-    """Split the largest micro-batches until there are `count` of them."""
+def split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]]:
+    """Split the largest micro-batches (of `n` sequences in all) until there are `count` of them
+    (every trainer rank runs the same number: FSDP collectives)."""
     while count is not None and len(mbs) < count:
         k = max(range(len(mbs)), key=lambda j: len(mbs[j]))
         if len(mbs[k]) < 2:
@@ -110,20 +107,15 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
     `micro_batch_tokens` (0: `micro_batch_size` x the longest; one longer sequence alone), each
     one packed row; with `share_prompt` and a token budget the units are a prompt's runs (what
     is really computed); else each episode, fixed-size in order."""
-    share = layout.share_prompt
+    # a prompt's runs where they are what is computed: packed rows, or counted against a budget
+    share = layout.share_prompt and (layout.packed or tc.micro_batch_tokens > 0)
+    units, lengths = _units(episodes, idx, images, procs, share)
     if layout.packed:
-        units, lengths = _units(episodes, idx, images, procs, share)
         budget = tc.micro_batch_tokens or tc.micro_batch_size * max(lengths)
-        rows = I.first_fit(lengths, max(budget, max(lengths)))
-        mbs = [[j for u in sorted(r) for j in units[u]] for r in rows]
-        return _split_to(mbs, count, len(idx))
-    if not (share and tc.micro_batch_tokens > 0):
-        lengths = [I.sequence_tokens(procs, [episodes[i]], images[episodes[i].index]) for i in idx]
-        return plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens, count)
-    units, lengths = _units(episodes, idx, images, procs, True)
-    mbs = [[j for k in mb for j in units[k]]
-           for mb in plan_micro_batches(lengths, len(units), tc.micro_batch_tokens)]
-    return _split_to(mbs, count, len(idx))
+        plan = [sorted(r) for r in I.first_fit(lengths, max(budget, max(lengths)))]
+    else:
+        plan = plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens)
+    return split_to([[j for u in mb for j in units[u]] for mb in plan], count, len(idx))
 
 
 def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc: TrainConfig,
@@ -141,14 +133,11 @@ def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, 
     shares, tokens, oversized = [], [0] * n_trainers, 0
     for j in range(tc.mini_batches):
         mb = list(range(j * size, (j + 1) * size))
-        if layout.packed:
-            units, lengths = _units(episodes, mb, images, procs, layout.share_prompt)
-            if len(units) % n_trainers:  # prompt groups that do not divide evenly: episodes
-                units, lengths = _units(episodes, mb, images, procs, False)
-            part = _balance(lengths, n_trainers)
-        else:
+        units, lengths = _units(episodes, mb, images, procs, layout.packed and layout.share_prompt)
+        if len(units) % n_trainers:  # prompt groups that do not divide evenly: episodes
             units, lengths = _units(episodes, mb, images, procs, False)
-            part = [list(range(r * per, (r + 1) * per)) for r in range(n_trainers)]
+        part = (_balance(lengths, n_trainers) if layout.packed else
+                [list(range(r * per, (r + 1) * per)) for r in range(n_trainers)])
         shares.append([sorted(mb[k] for u in p for k in units[u]) for p in part])
         if tc.micro_batch_tokens:  # over the sequences plan_share lays out (a shared prompt's: one)
             sizes = _units(episodes, mb, images, procs, layout.share_prompt)[1]

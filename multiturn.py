@@ -41,7 +41,7 @@ class _Live:
     state: object = None  # the environment's per-episode state (envs.Environment.reset)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # with a check; an inserted token: its reply's
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     routing: list = field(default_factory=list)
@@ -105,7 +105,7 @@ def _add_tokens(c: _Live, comp: Completion, room: int) -> bool:
     c.first = c.first or comp
     c.ids += comp.ids[:n]
     c.logprobs += comp.logprobs[:n]
-    c.versions += comp.versions[:n] if comp.versions else [None] * n
+    c.versions += comp.versions[:n]  # [] without a check (episode.Engine.generate)
     c.mask += [1] * n
     c.routing.append((comp.routing[:n] if comp.routing is not None else None, n))
     c.reply += n
@@ -120,7 +120,7 @@ def _completion(c: _Live, turns: Turns | None) -> Completion:
     """The engine's first Completion record refilled with the whole sample (episode)."""
     many = turns is not None
     return replace(c.first, ids=c.ids, logprobs=c.logprobs, truncated=c.truncated,
-                   versions=_versions(c.versions), routing=_routing(c.routing, many),
+                   versions=c.versions, routing=_routing(c.routing, many),
                    loss_mask=c.mask if many else [], turns=c.turns, images=c.images,
                    env_reward=turns.env_reward(c) if many else None, reprefilled=c.reprefilled)
 
@@ -151,7 +151,7 @@ class Turns:
         in sample order) from the environment's reset, with the group's seed
         :func:`episode_seed` (None and None without an environment)."""
         if self.env is None:
-            return [None] * len(problems), [None] * (len(problems) * per)
+            return None, None
         texts, states = [], []
         for g, p in enumerate(problems):
             starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]
@@ -188,7 +188,7 @@ class Turns:
             return
         c.ids += ids
         c.logprobs += [0.0] * len(ids)
-        c.versions += [None] * len(ids)
+        c.versions += c.versions[-1:] * len(ids)  # after a reply of at least its stop token
         c.mask += [0] * len(ids)
         c.routing.append((None, len(ids)))
         c.images += [im for m in messages for im in m.get("images", [])]
@@ -246,18 +246,6 @@ def episode_budget(rc) -> int:
     return rc.max_episode_tokens or rc.max_turns * rc.max_new_tokens + (rc.max_turns - 1) * INSERTED_TOKENS
 
 
-def _versions(vs: list) -> list[int]:
-    """Per-token versions ([] when no turn recorded any: all the episode's version); an inserted
-    token takes the version of the reply before it."""
-    if all(v is None for v in vs):
-        return []
-    last, out = next(v for v in vs if v is not None), []
-    for v in vs:
-        last = last if v is None else v
-        out.append(last)
-    return out
-
-
 def _routing(parts: list, many: bool):
     """The calls' routing as one [R, L, k] tensor (`many` turns: int16, -1 rows for inserted
     tokens), or None."""
@@ -271,13 +259,6 @@ def _routing(parts: list, many: bool):
                       torch.full((n, *ref.shape[1:]), -1, dtype=torch.int16) for r, n in parts])
 
 
-def _render(procs: I.Processors, messages: list[dict], generation_prompt: bool) -> str:
-    chat = procs.chat
-    kw = I.template_kwargs(chat)
-    return procs.tokenizer.apply_chat_template(messages, chat_template=chat.template, tokenize=False,
-                                               add_generation_prompt=generation_prompt, **kw)
-
-
 def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) -> list[int]:
     """The tokens that follow a sampled reply when `messages` (user or tool turns, no images)
     come next: the reply's closing (without the stop token `stop` the reply already ended on),
@@ -288,7 +269,9 @@ def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) ->
     text). ValueError when the template loses the reply's content or a message's."""
     texts: list[str] = []  # every message's text, in order, each rendered as a placeholder
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _REPLY}]
-    after = _render(procs, base + [_held(_plain(m), texts) for m in messages], True)
+    after = procs.tokenizer.apply_chat_template(base + [_held(_plain(m), texts) for m in messages],
+                                                chat_template=procs.chat.template, tokenize=False,
+                                                add_generation_prompt=True, **I.template_kwargs(procs.chat))
     if _REPLY not in after:
         raise ValueError("the chat template drops an earlier assistant turn's content: multi-turn "
                          "rollouts cannot insert turns with it")

@@ -93,8 +93,8 @@ class Producer:
             raise RuntimeError(f"the engine holds weight version {engine.weight_version}, the "
                                f"trainers {self.loaded}")
         # what the engine is handed: with partial the check that loads weights mid-batch; an
-        # own-channel engine a check that only stops (its weights load at a batch's start)
-        self.engine_check = self.check if partial else (self._stop_check if self.own else None)
+        # own-channel engine's a check that only stops (its weights load at a batch's start)
+        self.engine_check = self.check if partial or self.own else None
         self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.thread.start()
 
@@ -147,16 +147,19 @@ class Producer:
                 self.cv.notify_all()
 
     def check(self) -> int:
-        """What the engine is handed with partial rollouts (episode.Check): before a batch's
-        first token and after each decode step. Raises to stop, or to end the batch on a pause;
-        loads the newest weights received (an own-channel engine loaded them itself) and returns
-        their version, so the engine's call ends once newer weights are in (or, with
-        `rollout.partial = "keep"`, decodes on under them over its KV as it is)."""
+        """What the engine is handed (episode.Check): before a batch's first token and after each
+        decode step. Raises to stop. With partial rollouts it also raises to end the batch on a
+        pause, and loads the newest weights received (an own-channel engine loaded them itself)
+        and returns their version, so the engine's call ends once newer weights are in (or, with
+        `rollout.partial = "keep"`, decodes on under them over its KV as it is); without (an
+        own-channel engine's batch) the weights stay."""
         self._checks += 1
-        if self._checks == 2 and not self._held and fault_active("hold_for_weights"):
+        if self.partial and self._checks == 2 and not self._held and fault_active("hold_for_weights"):
             self._hold_for_weights()
         if self.stopping:
             raise _Stopped
+        if not self.partial:
+            return self.loaded
         if self.pause_asked:
             raise _Paused
         if self.own:
@@ -191,13 +194,6 @@ class Producer:
             while not (self.idle or self.holding or self.error or not self.thread.is_alive()):
                 self.cv.wait(timeout=1.0)
 
-    def _stop_check(self) -> int:
-        """The check of an own-channel engine's batch without partial: its weights stay; a stop
-        ends it."""
-        if self.stopping:
-            raise _Stopped
-        return self.loaded
-
     def _load(self) -> None:
         if self.own:  # what the engine staged (receive_ahead), if anything
             got = self.engine.load_staged()
@@ -222,20 +218,18 @@ class Producer:
         Returns the version received."""
         if self.own:
             version = self.engine.receive_ahead(source, stage=not self.partial)
-            with self.cv:
-                if self.partial:
-                    self.loaded = max(self.loaded, version)
-                elif version > self.loaded:
-                    self.staged = (version, {})
-                self.cv.notify_all()
-            return version
-        version, _ = source.control()  # waits for the trainers; the worker goes on meanwhile
-        with self.weights:
-            named = dict(self.staged[1]) if self.staged else {}
-            for bucket in source.buckets():
-                named.update(bucket)
-            self.staged = (version, named)
+        else:
+            version, _ = source.control()  # waits for the trainers; the worker goes on meanwhile
+            with self.weights:
+                named = dict(self.staged[1]) if self.staged else {}
+                for bucket in source.buckets():
+                    named.update(bucket)
+                self.staged = (version, named)
         with self.cv:
+            if self.own and self.partial:
+                self.loaded = max(self.loaded, version)
+            elif self.own and version > self.loaded:
+                self.staged = (version, {})
             self.cv.notify_all()
         return version
 

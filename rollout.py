@@ -27,8 +27,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     is handed (episode.Check: each token then records its own). Returns (episodes, timings)."""
     tokenizer = procs.tokenizer
     # an environment's episodes start from its reset: their states, and its first user text
-    firsts, states = (turns.start(problems, 1 if sp.greedy else sp.n, seed) if turns is not None
-                      else ([None] * len(problems), None))
+    firsts, states = turns.start(problems, 1 if sp.greedy else sp.n, seed) if turns else (None, None)
     prompts = engine_prompts(problems, procs, template, firsts)
     t0 = time.perf_counter()
     check = version if callable(version) else None
@@ -38,7 +37,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     rows, texts, samples = [], [], []
     for g, (p, (ids, _), comps) in enumerate(zip(problems, prompts, completions)):
         # MoE: the G samples' equal prompt routing as one tensor (pickled once in the exchange)
-        for c, before in zip(comps, R.shared([getattr(c, "prompt_routing", None) for c in comps])):
+        for c, before in zip(comps, R.shared([c.prompt_routing for c in comps])):
             rows.append((g, p, ids, c, before))
             # multi-turn: the last reply is graded
             texts.append(c.turns[-1]["content"] if c.turns else tokenizer.decode(c.ids, skip_special_tokens=True))

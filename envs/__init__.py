@@ -86,16 +86,14 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
-def check(env: str, tools: list, args: dict | None = None) -> None:
+def check(env: str, tools: list, args: dict) -> None:
     """`rollout.env` names a registered environment ("" = none), `rollout.env_args` its keys (each
     declared, of its type and range; the defaults filled in, in place), `rollout.tools`
     registered tools; ConfigError naming the key otherwise."""
     if env and env not in names():
         raise ConfigError(f"rollout.env: unknown environment {env!r} (known: {', '.join(names())})")
-    if args is not None:
-        _check_args(env, args, fill=True)
-    if tools:
-        load()
+    _check_args(env, args, fill=True)
+    if tools:  # envs.tools loads the package (its tools register on import)
         from envs import tools as T
         T.check_tools(list(tools))
 
@@ -138,7 +136,6 @@ def schemas(tools: list) -> tuple:
     """The chat template's `tools` argument for `rollout.tools` (() for none)."""
     if not tools:
         return ()
-    load()
     from envs import tools as T
     return tuple(T.schemas(list(tools)))
 

@@ -95,21 +95,16 @@ def _check_schema(name: str, parameters: Any, fn: Callable) -> None:
                          f"not in 'required': {unshown})")
 
 
-def _known() -> dict[str, Tool]:
-    envs.load()  # every module of envs/ registers its tools on import
-    return TOOLS
-
-
 def check_tools(names: list[str]) -> None:
     """`rollout.tools` names registered tools, each once; ConfigError naming the key otherwise."""
-    known = _known()
+    envs.load()  # every module of envs/ registers its tools on import
     for i, n in enumerate(names):
         if not isinstance(n, str):
             raise ConfigError(f"rollout.tools[{i}]: expected a tool name (a string), got {n!r}")
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise ConfigError(f"rollout.tools: unknown tool{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(known)) or 'none'})")
+                          f"{', '.join(map(repr, unknown))} (known: {', '.join(sorted(TOOLS)) or 'none'})")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"rollout.tools: {', '.join(map(repr, twice))} listed more than once")

@@ -1,4 +1,4 @@
-"""rollout.partial = "keep" on the hf engine (hf_engine._Kept): a weight version that arrives
+"""rollout.partial = "keep" on the hf engine (hf_engine._Checked with keep): a weight version that arrives
 between two decode steps is decoded on with the past key values as they are (no second prefill,
 `Completion.reprefilled` 0), each token its own version and the logprob of the weights it was
 sampled with over the KV as it was; "recompute" prefills the row again (reprefilled > 0). The

@@ -30,10 +30,10 @@ def test_plan_budget_order_and_counts():
     for mb in plan:
         assert len(mb) * max(lengths[i] for i in mb) <= 80 or len(mb) == 1
     assert MB.plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    eq = MB.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000, count=3)
+    eq = MB.split_to(MB.plan_micro_batches(lengths, max_seqs=99, max_tokens=10_000), 3, 8)
     assert len(eq) == 3 and sorted(i for mb in eq for i in mb) == list(range(8))
     with pytest.raises(ValueError):
-        MB.plan_micro_batches([5, 5], max_seqs=1, count=3)
+        MB.split_to(MB.plan_micro_batches([5, 5], max_seqs=1), 3, 2)
 
 
 def test_padding_is_reduced_by_length_grouping():

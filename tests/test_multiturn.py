@@ -417,7 +417,8 @@ def bad_tools(monkeypatch):
     """Three test tools in a copy of the registry (the real one is given back after the test):
     one sleeps far past any timeout (until the test ends), one raises, one returns 10 MB."""
     from envs import tools as T
-    monkeypatch.setattr(T, "TOOLS", dict(T._known()))
+    envs.load()  # every tool registered before the copy
+    monkeypatch.setattr(T, "TOOLS", dict(T.TOOLS))
     release = threading.Event()
     none = {"type": "object", "properties": {}}
     T.tool("_mt_sleep", "sleeps", none)(lambda: release.wait(120) and "woke")
