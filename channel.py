@@ -1,11 +1,15 @@
 """The engines' own weight channel: trainer rank 0 and every vLLM worker join a communicator
 outside torch's global world (the trainers' torch.distributed holds the torchrun world), gloo /
 PyNccl / PyHccl by `device.Device.comm`, opened once at start-up (:func:`open_engine_channel`).
-The bucket protocol that runs over it is sync.py's; :func:`check_channel` is `--check-channel`.
+Where vLLM has a weight-transfer engine for the device (`device.Device.weight_transfer`: NCCL on
+CUDA, vllm-ascend's HCCL on NPU) the data goes through it (:class:`EngineChannel`, the workers'
+side in vllm_worker.py); on the CPU the bucket protocol of sync.py runs over gloo (docs/vllm.md,
+"Weight transfer"). :func:`check_channel` is `--check-channel`.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -61,6 +65,54 @@ class CommChannel:
         self.stream.wait_stream(D.current_stream(buf.device))
         self.comm.broadcast(buf, src=0, stream=self.stream)
         return _StreamWork(self.stream, self.deadline_s)
+
+
+def transfer_engine(kind: str):
+    """vLLM's weight-transfer engine class for device kind `kind` (`device.Device.weight_transfer`,
+    its module imported here, on the machine that has it); None where the project's channel
+    carries the buckets (the CPU)."""
+    entry = D.TABLE[kind].weight_transfer
+    return None if entry is None else getattr(importlib.import_module(entry[1]), entry[2])
+
+
+class EngineChannel:
+    """Trainer rank 0's end when the workers receive through vLLM's weight-transfer engine: one
+    sync is one `trainer_send_weights(named tensors, packed)` of the engine class (vLLM 0.23's
+    NCCLWeightTransferEngine, vllm-ascend 0.23's HCCLWeightTransferEngine), in chunks of
+    `sync.chunk_bytes(plan)`, which the workers derive from the same plan. This object is the
+    engine's `group`: its packed producer calls only `group.broadcast(tensor, src=0)`, which goes
+    to `chan` (the communicator open_channel built, on its side stream), with every broadcast's
+    wait bounded by the channel's deadline and its tensor held until that wait: vLLM's producer
+    itself would block on a dead peer (docs/vllm.md, "Weight transfer")."""
+
+    NUM_BUFFERS = 2  # chunks in flight: vLLM's default (packed_tensor.DEFAULT_PACKED_NUM_BUFFERS)
+
+    def __init__(self, chan: CommChannel, engine_cls):
+        self.chan, self.engine_cls = chan, engine_cls
+        self._pending: list = []  # (work, tensor) of broadcasts not yet waited, oldest first
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
+        if src != 0:
+            raise ValueError(f"weight transfer: trainer rank 0 is the source, not {src}")
+        self._pending.append((self.chan.broadcast(tensor), tensor))
+        while len(self._pending) > self.NUM_BUFFERS - 1:
+            self._pending.pop(0)[0].wait()
+
+    def send(self, named, chunk_bytes: int) -> int:
+        """Send `named` ((name, tensor) in the plan's order, each on this device in the sync
+        dtype) through the engine; returns the bytes sent once every broadcast completed."""
+        counted = []
+
+        def count(item):
+            counted.append(item[1].numel() * item[1].element_size())
+            return item[1]
+
+        self.engine_cls.trainer_send_weights(named, dict(
+            group=self, src=0, post_iter_func=count, packed=True,
+            packed_buffer_size_bytes=chunk_bytes, packed_num_buffers=self.NUM_BUFFERS))
+        while self._pending:
+            self._pending.pop(0)[0].wait()
+        return sum(counted)
 
 
 @contextlib.contextmanager
@@ -145,8 +197,11 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
                         verbose: bool = False) -> CommChannel | None:
     """Trainer rank 0 and the workers of every `OWN_CHANNEL` engine join one communicator
     (`comm`), once, at start-up; collective over the world. Trainer rank 0 listens on `port` and
-    announces MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on both ends. Returns
-    trainer rank 0's end (None elsewhere). `verbose`: vLLM's INFO lines on trainer rank 0 too."""
+    announces MASTER_ADDR:port. `timeout_s` bounds each broadcast's wait on trainer rank 0 (and on
+    the workers over the project's channel). Returns trainer rank 0's end (None elsewhere): an
+    :class:`EngineChannel` where the device has a vLLM weight-transfer engine (the workers then
+    join through it: vllm_worker.VLLMWorkerExtension.init_weight_sync), else the CommChannel.
+    `verbose`: vLLM's INFO lines on trainer rank 0 too."""
     vllm_log_level(verbose)
     size = 1 + len(world.gens) * members_per_engine
     sock, addr = listen(port) if world.is_root else (None, [None, None])
@@ -162,8 +217,13 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
     if world.is_gen:
         engine.join_weight_channel(host, port, 1 + world.gen_index * members_per_engine, size)
         return None
-    return (open_channel(comm, host, port, 0, size, device, listen_socket=sock,
-                         deadline_s=timeout_s) if world.is_root else None)
+    if not world.is_root:
+        return None
+    # the rendezvous stays the project's (on the socket bound above): the engines' trainer_init
+    # binds host:port itself and has no listening socket to take (docs/vllm.md)
+    chan = open_channel(comm, host, port, 0, size, device, listen_socket=sock, deadline_s=timeout_s)
+    cls = transfer_engine(device.type)
+    return chan if cls is None else EngineChannel(chan, cls)
 
 
 def check_channel(world, dev: D.Device, sc: SyncConfig, timeout_s: float | None = None) -> int:
