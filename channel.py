@@ -76,6 +76,15 @@ def transfer_engine(kind: str):
     return None if entry is None else getattr(importlib.import_module(entry[1]), entry[2])
 
 
+def transfer_path(kind: str) -> str:
+    """What carries a vLLM engine's weights on device kind `kind`, in words (bench/sync.py)."""
+    entry = D.TABLE[kind].weight_transfer
+    if entry is None:
+        return (f"sync.py buckets over the project's {D.TABLE[kind].comm} channel (vLLM 0.23 has "
+                "no weight-transfer engine for it)")
+    return f"vLLM weight-transfer engine {entry[0]!r} ({entry[2]}), packed, the plan's order"
+
+
 class EngineChannel:
     """Trainer rank 0's end when the workers receive through vLLM's weight-transfer engine: one
     sync is one `trainer_send_weights(named tensors, packed)` of the engine class (vLLM 0.23's
