@@ -290,6 +290,20 @@ class _Worker:
         self.calls.append("finish")
 
 
+def test_the_worker_members_the_extension_calls_are_vllms(nccl_engine_on_cpu):
+    """_Worker stands for vLLM 0.23's Worker (the CPU worker is a subclass): the members the
+    extension calls exist there with these parameters."""
+    import inspect
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+    assert issubclass(CPUWorker, Worker)
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                 "finish_weight_update"):
+        want = list(inspect.signature(getattr(_Worker, name)).parameters)
+        assert list(inspect.signature(getattr(Worker, name)).parameters) == want, name
+
+
 def _vllm_worker():
     import vllm_worker as VW
     return type("Worker", (_Worker, VW.VLLMWorkerExtension), {})
