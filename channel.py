@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -239,6 +240,46 @@ def open_engine_channel(world, comm: str, engine, members_per_engine: int,
     return chan if cls is None else EngineChannel(chan, cls)
 
 
+def _own_channel_mover(world, dev: D.Device, port: int, device, n: int, timeout_s):
+    """--check-channel's ends of the vLLM engines' channel at `port`, opened by trainer rank 0 and
+    each generation rank (on its engine's first device): `move(buf)` (None elsewhere), which
+    sends `buf` of `n` bytes or receives it, and the channel in words. Where the device has a
+    vLLM weight-transfer engine, the bytes go through it as a sync's do (a generation rank
+    makes the engine itself, for no model: :func:`engine_receiver`)."""
+    sock, addr = listen(port) if world.is_root else (None, [None, None])
+    dist.broadcast_object_list(addr, 0, group=world.ctrl)
+    cls, size = transfer_engine(dev.kind), 1 + len(world.gens)
+    what = f"{dev.comm} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+    if cls is not None:
+        what = f"{transfer_path(dev.kind)} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+    if world.is_gen and cls is not None:
+        return engine_receiver(cls, dev.weight_transfer[0], addr, 1 + world.gen_index, size, n), what
+    if not (world.is_root or world.is_gen):
+        return None, what
+    chan = open_channel(dev.comm, addr[0], addr[1], 1 + world.gen_index if world.is_gen else 0,
+                        size, device, listen_socket=sock, deadline_s=timeout_s)
+    if cls is not None:  # trainer rank 0
+        ends = EngineChannel(chan, cls)
+        return (lambda b: ends.send(iter([("check", b)]), n)), what
+    return (lambda b: chan.broadcast(b).wait()), what
+
+
+def engine_receiver(cls, name: str, addr, rank: int, size: int, n: int):
+    """A generation rank's end of --check-channel through vLLM's weight-transfer engine `cls`
+    (registered as `name`), made here outside any vLLM worker (no model: the engine only
+    receives) and joined as member `rank` of `size` at addr; returns `receive(buf)`, which takes
+    one packed chunk of `n` bytes into `buf`, as a worker's sync receives a chunk."""
+    from vllm.config import WeightTransferConfig
+    alone = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)  # the engine adds rank
+    xfer = cls(WeightTransferConfig(backend=name), alone, None)
+    xfer.init_transfer_engine(xfer.parse_init_info(dict(
+        master_address=addr[0], master_port=addr[1], rank_offset=rank, world_size=size)))
+    info = xfer.parse_update_info(dict(
+        names=["check"], dtype_names=["uint8"], shapes=[[n]], packed=True,
+        packed_buffer_size_bytes=n, packed_num_buffers=EngineChannel.NUM_BUFFERS))
+    return lambda buf: xfer.receive_weights(info, load_weights=lambda got: buf.copy_(got[0][1]))
+
+
 def check_channel(world, dev: D.Device, sc: SyncConfig, timeout_s: float | None = None) -> int:
     """`train.py --check-channel` (docs/gpu-npu.md): one bucket of `bucket_mb` (`[sync]` sc) from
     trainer rank 0 to every generation rank, twice, over the run's channel (with
@@ -250,18 +291,14 @@ def check_channel(world, dev: D.Device, sc: SyncConfig, timeout_s: float | None 
     device = D.current_device(dev)
     member = world.is_root or world.is_gen
     t0 = time.monotonic()
+    n = max(8, int(sc.bucket_mb * 2**20) // 8 * 8)
     if world.own_channel:
-        sock, addr = listen(sc.channel_port) if world.is_root else (None, [None, None])
-        dist.broadcast_object_list(addr, 0, group=world.ctrl)
-        channel = (open_channel(dev.comm, addr[0], addr[1], 1 + world.gen_index if world.is_gen else 0,
-                                1 + len(world.gens), device, listen_socket=sock, deadline_s=timeout_s)
-                   if member else None)
-        what = f"{dev.comm} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+        move, what = _own_channel_mover(world, dev, sc.channel_port, device, n, timeout_s)
     else:
         channel = TorchChannel(world.sync_group, 0) if member else None
+        move = channel and (lambda b: channel.broadcast(b).wait())
         what = "the torch sync group (the hf engines' channel)"
     mine = None
-    n = max(8, int(sc.bucket_mb * 2**20) // 8 * 8)
     if member:
         expect = torch.arange(n // 8, dtype=torch.int64, device=device).view(torch.uint8)
         buf = expect.clone() if world.is_root else torch.zeros(n, dtype=torch.uint8, device=device)
@@ -272,7 +309,7 @@ def check_channel(world, dev: D.Device, sc: SyncConfig, timeout_s: float | None 
             if not world.is_root:
                 buf.zero_()
             t = time.monotonic()
-            channel.broadcast(buf).wait()
+            move(buf)
             D.synchronize(dev)  # an NCCL/HCCL work's wait() only orders the current stream
             mine[key] = time.monotonic() - t
             mine["ok"] = mine.get("ok", True) and bool(torch.equal(buf, expect))

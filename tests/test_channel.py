@@ -408,3 +408,21 @@ def test_engine_channel_bounds_each_broadcast_and_holds_its_tensor():
     with pytest.raises(ValueError, match="trainer rank 0 is the source"):
         ec.broadcast(torch.zeros(1, dtype=torch.uint8), src=1)
 
+
+
+def test_check_channel_moves_one_chunk_through_the_engine(nccl_engine_on_cpu, monkeypatch):
+    """--check-channel where the device has an engine: the generation rank makes the engine
+    itself (no vLLM worker, no model) and joins as its member (the engine's own rank: the
+    offset); one chunk of n bytes from trainer rank 0's EngineChannel lands bitwise."""
+    pipe, joined = _Pipe(), []
+    monkeypatch.setattr(nccl_engine_on_cpu, "_stateless_init_process_group",
+                        staticmethod(lambda *a, **k: joined.append((a, k)) or pipe))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    receive = CH.engine_receiver(nccl_engine_on_cpu, "nccl", ["10.0.0.1", 29500], 2, 3, 64)
+    assert joined == [(("10.0.0.1", 29500, 2, 3), {"device": 0})]
+    sent = torch.arange(64, dtype=torch.uint8)
+    assert CH.EngineChannel(pipe, nccl_engine_on_cpu).send(iter([("check", sent)]), 64) == 64
+    pipe.receiving = True
+    got = torch.zeros(64, dtype=torch.uint8)
+    receive(got)
+    assert torch.equal(got, sent) and not pipe.queue
