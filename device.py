@@ -74,6 +74,12 @@ class Device:
     # fused kernel too (torch >= 2.4) but keeps foreach, bitwise the per-tensor loop, so CPU runs
     # repeat earlier ones exactly: fused differs by ~1 ulp a step (tests/test_optimizer.py)
     adamw: str = "foreach"
+    # vLLM's own weight-transfer engine for the static split (channel.open_engine_channel,
+    # vllm_worker.VLLMWorkerExtension): (factory name, module, class), the module imported only
+    # where it runs. None: the project's channel over `comm` (the CPU: vLLM 0.23 has no gloo
+    # engine). cuda: vLLM 0.23's NCCL engine; npu: vllm-ascend 0.23's HCCL engine (registered by
+    # its plugin as "hccl"). Not run on hardware yet (docs/vllm.md, "Weight transfer")
+    weight_transfer: tuple[str, str, str] | None = None
 
 
 TABLE = {
@@ -81,10 +87,14 @@ TABLE = {
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
                   vllm_routed_experts=False, vllm_chunked_prefill=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                   auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused"),
+                   auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused",
+                   weight_transfer=("nccl", "vllm.distributed.weight_transfer.nccl_engine",
+                                    "NCCLWeightTransferEngine")),
     "npu": Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                   experts="eager", packed_attention="varlen", auto_packing="never",
-                  varlen_package=None, varlen_max_seqs=1024, adamw="fused"),
+                  varlen_package=None, varlen_max_seqs=1024, adamw="fused",
+                  weight_transfer=("hccl", "vllm_ascend.distributed.weight_transfer.hccl_engine",
+                                   "HCCLWeightTransferEngine")),
 }
 
 

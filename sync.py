@@ -70,6 +70,14 @@ def bucket_size(bucket: list[Slot]) -> int:
     return last.offset + last.nbytes
 
 
+def chunk_bytes(plan: list[list[Slot]]) -> int:
+    """The chunk size of vLLM's packed weight transfer for `plan`: its largest bucket of several
+    tensors (at most `sync.bucket_mb`; its largest bucket when every one holds one tensor). Both
+    ends derive it from the plan they share, as vLLM's producer and consumer must agree on it."""
+    packed = [bucket_size(b) for b in plan if len(b) > 1]
+    return max(packed or [bucket_size(b) for b in plan])
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -186,6 +194,10 @@ class Sender:
         plan = self.plans[which]
         if self.is_root and self.group is not None:
             self._send_control(version, which)
+        if self.is_root and sink is None and hasattr(self.channel, "send"):  # vLLM's engine
+            sent = self.channel.send(self.named(which), chunk_bytes(plan))  # (channel.EngineChannel)
+            self.sends += 1
+            return sent
         pending: list = []        # (work, ring buffer index or None, gathered bytes, tensor kept alive)
         gathered = 0              # bytes of gathered tensors whose broadcast is still pending
         sent = 0
@@ -230,6 +242,16 @@ class Sender:
             w.wait()
         self.sends += 1
         return sent
+
+    def named(self, which: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor in the sync dtype on this device) of plan `which`, in its slot
+        order: each tensor gathered once, in the order every other trainer rank gathers it."""
+        names = [s.name for bucket in self.plans[which] for s in bucket]
+        pos, whole = -1, None
+        for name, (p_pos, index) in zip(names, self._pieces[which], strict=True):
+            if p_pos != pos:
+                pos, whole = p_pos, self.tensors[p_pos].gather()
+            yield name, (whole[index] if index else whole).detach().to(self.device, DTYPES[self.dtype])
 
     def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values

@@ -1,8 +1,10 @@
 """The code that runs inside vLLM's worker processes (`worker_extension_cls`): the receiving
-end of weight sync (docs/vllm.md). vLLM imports it there by name ("vllm_worker.VLLMWorkerExtension");
-the rank's client is vllm_engine.py."""
+end of weight sync (docs/vllm.md), through vLLM's weight-transfer engine where the device has one
+(`device.Device.weight_transfer`), else over the project's channel (channel.py). vLLM imports it
+there by name ("vllm_worker.VLLMWorkerExtension"); the rank's client is vllm_engine.py."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -59,11 +61,21 @@ class VLLMWorkerExtension:
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int,
                          deadline_s: float | None = None) -> None:
+        """Join trainer rank 0's weight channel at host:port as member `rank_offset + rank`: through
+        vLLM's weight-transfer engine where the device has one (device.Device.weight_transfer),
+        else over the project's channel of the device's communicator (as trainer rank 0 picks
+        by its own device kind: channel.open_engine_channel)."""
         self.refuse_unloadable()
-        # the communicator of this worker's device kind, as trainer rank 0 picks by its own
-        comm = D.TABLE[self.device.type].comm
-        self.weight_channel = CH.open_channel(comm, host, port, rank_offset + self.rank,
-                                              world_size, self.device, deadline_s=deadline_s)
+        entry = D.TABLE[self.device.type].weight_transfer
+        if entry is None:
+            comm = D.TABLE[self.device.type].comm
+            self.weight_channel = CH.open_channel(comm, host, port, rank_offset + self.rank,
+                                                  world_size, self.device, deadline_s=deadline_s)
+            return
+        self.weight_transfer_engine = transfer_engine(self, entry[0], entry[1], entry[2])
+        # the engine's own rendezvous: rank = its rank in the vLLM world + rank_offset
+        self.init_weight_transfer_engine(dict(master_address=host, master_port=port,
+                                              rank_offset=rank_offset, world_size=world_size))
 
     def refuse_unloadable(self) -> None:
         """Weights the trainer's bf16/fp32 HF tensors cannot update: a quantized model, or
@@ -85,15 +97,19 @@ class VLLMWorkerExtension:
         reload (which redoes each layer's post-load processing); `partial`: only some tensors
         (:class:`PartialReload`); `stage`: keep them for :meth:`load_staged` instead (an engine
         running ahead, mid-batch: a copy of what the sync sends, outside vLLM's memory budget,
-        merged over a staged sync not yet loaded). Returns the tensor count."""
+        merged over a staged sync not yet loaded). Through vLLM's weight-transfer engine once
+        `init_weight_sync` made one (:meth:`_receive_by_engine`). Returns the tensor count."""
         buckets = sync.plan_from_plain(plan)
-        if stage:
+        if getattr(self, "weight_transfer_engine", None) is not None:
+            self._receive_by_engine(buckets, version, partial, stage)
+        elif stage:
             old = getattr(self, "staged", None) or (version, {}, True)
             self.staged = (version, {**old[1], **dict(self.weight_stream(buckets))}, partial and old[2])
         else:
             self._reload(self.weight_stream(buckets), partial, version)
         said = "staged_said" if stage else "sync_said"
-        if not getattr(self, said, False):  # once: what a sync costs here
+        if not getattr(self, said, False) and getattr(self, "receive_memory", None) is not None:
+            # once: what a sync costs here (the project's channel; vLLM's engine: docs/vllm.md)
             setattr(self, said, True)
             held = (f"a staged weight sync holds {self.receive_memory.now / 2**20:.1f} MiB until "
                     "the next batch loads it" if stage else f"a weight sync held at most "
@@ -101,6 +117,28 @@ class VLLMWorkerExtension:
             print(f"vLLM worker {self.rank}: {held}, outside vLLM's memory budget (largest bucket "
                   f"{max(map(sync.bucket_size, buckets)) / 2**20:.1f} MiB)", flush=True)
         return sum(len(b) for b in buckets)
+
+    def _receive_by_engine(self, buckets: list, version: int, partial: bool, stage: bool) -> None:
+        """One sync through vLLM's weight-transfer engine (`init_weight_sync`): loaded through the
+        worker's own start/update/finish_weight_update (vLLM's layerwise reload, as
+        :meth:`_reload`), or with `stage`, kept through the engine's `receive_weights` with a
+        loader of our own (each chunk the engine receives into is its own allocation, so the
+        views stay valid) and merged over a staged sync not yet loaded."""
+        info = update_info(buckets)
+        if not stage:
+            with PartialReload(partial):
+                self.start_weight_update(is_checkpoint_format=True)
+                self.update_weights(info)
+                self.finish_weight_update()
+            self.weight_version = version
+            return
+        got: dict = {}
+        engine = self.weight_transfer_engine
+        with torch.device(self.device):
+            engine.receive_weights(engine.parse_update_info(info), load_weights=got.update)
+        D.synchronize(D.TABLE[self.device.type])
+        old = getattr(self, "staged", None) or (version, {}, True)
+        self.staged = (version, {**old[1], **got}, partial and old[2])
 
     def load_staged(self) -> int:
         """Load the staged sync (`receive_weights(..., stage=True)`), then free it; its version."""
@@ -150,3 +188,32 @@ class VLLMWorkerExtension:
             else:
                 yield from sync.unpack(buf, bucket)  # the whole buffer: the reload owns it
             del buf
+
+
+def update_info(buckets: list) -> dict:
+    """The engine's update info (vLLM 0.23 NCCLWeightTransferUpdateInfo, vllm-ascend 0.23
+    HCCLWeightTransferUpdateInfo: the same fields) for the sync planned as `buckets`: every
+    tensor's checkpoint name, dtype and shape in plan order, packed in chunks of
+    `sync.chunk_bytes`, as trainer rank 0's channel.EngineChannel sends them."""
+    slots = [s for bucket in buckets for s in bucket]
+    return {"names": [s.name for s in slots], "dtype_names": [s.dtype for s in slots],
+            "shapes": [list(s.shape) for s in slots], "packed": True,
+            "packed_buffer_size_bytes": sync.chunk_bytes(buckets),
+            "packed_num_buffers": CH.EngineChannel.NUM_BUFFERS}
+
+
+def transfer_engine(worker, name: str, module: str, cls: str):
+    """vLLM's weight-transfer engine `name` for `worker`, made by vLLM's factory as the worker's
+    load_model makes it when vLLM is given a weight_transfer_config (vLLM 0.23
+    v1/worker/gpu_worker.py:358-363; vllm-ascend 0.23 worker/worker.py:694-704): the one the
+    worker made already, else registered (module, cls) under `name` unless registered (vLLM's
+    "nccl"; vllm-ascend's plugin registers "hccl") and created for the worker's model."""
+    if getattr(worker, "weight_transfer_engine", None) is not None:
+        return worker.weight_transfer_engine
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    with contextlib.suppress(ValueError):  # "already registered": the same engine, by its owner
+        WeightTransferEngineFactory.register_engine(name, module, cls)
+    return WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend=name), worker.vllm_config.parallel_config,
+        worker.model_runner.get_model())

@@ -11,7 +11,10 @@ packing of small tensors, zero-copy sends of large ones, receives into reused bu
 engine adopting them as its weights), then broadcasts the same number of bytes as ONE raw tensor
 on the same group. After a warm-up, `--repeat` sync/raw pairs run interleaved, so drift in the
 machine's load hits both alike. Prints one JSON object: bytes, sync_s and raw_s (medians),
-ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync), and each side's minimum.
+ratio (= raw_s / sync_s; 1.0 means no overhead), gbps (sync), each side's minimum, and `path`:
+what carries the weights here, for both engines: sync.py's buckets over gloo (on GPU / NPU a vLLM
+engine's weights go through vLLM's own NCCL / HCCL weight-transfer engine instead, not measured
+by this CPU bench: docs/vllm.md, "Weight transfer").
 
 `--lora-rank R`: the LoRA question instead (README: LoRA). Every rank builds a model of the
 tiny family's architecture at `--hidden` / `--layers` (random, the same on every rank); rank 0
@@ -88,6 +91,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import sync as S
+    from channel import transfer_path
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -138,7 +142,7 @@ def worker(args) -> None:
                           "raw_s": round(raw_s, 4), "ratio": round(raw_s / sync_s, 3),
                           "gbps": round(total / sync_s / 1e9, 3),
                           "sync_min_s": round(min(sync_t), 4), "raw_min_s": round(min(raw_t), 4),
-                          "repeat": args.repeat}), flush=True)
+                          "repeat": args.repeat, "path": transfer_path("cpu")}), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,7 +1,9 @@
 """channel.py, the engines' weight channel: CommChannel's side stream and deadline (stand-in
 streams and communicators), open_channel building its communicator inside the stream's context,
 the port trainer rank 0 listens on, open_engine_channel in a world of one, and `train.py
---check-channel` under torchrun. The bucket protocol that runs over it: tests/test_sync.py."""
+--check-channel` under torchrun; vLLM's weight-transfer engine where device.py selects it (its
+real NCCL engine code run on the CPU, stand-in streams, a worker stand-in recording the vLLM
+Worker calls). The bucket protocol that runs over the project's channel: tests/test_sync.py."""
 from __future__ import annotations
 
 import contextlib
@@ -208,3 +210,219 @@ def test_check_channel_times_one_bucket_to_every_engine(engine, tmp_path):
     if engine == "hf":  # a world of one has no channel to check
         q = train_py([*TINY, "--check-channel", f"--run.out_dir={out}"], timeout=120)
         assert q.returncode == 2 and "config error: --check-channel needs generation ranks" in q.stderr
+
+
+# ------------------------------------------- vLLM's weight-transfer engine (device.weight_transfer)
+class _NoStream:
+    """torch.cuda.Stream stand-in: vLLM's packed producer/consumer run on this CPU in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def nccl_engine_on_cpu(monkeypatch):
+    """vLLM 0.23's real NCCLWeightTransferEngine and its packed producer/consumer
+    (weight_transfer/packed_tensor.py) on the CPU: only its CUDA streams made no-ops and its
+    buffers put on the CPU (the module's `torch` seen through a shim)."""
+    skip_without_vllm_under_compat_pins()
+    import vllm.distributed.weight_transfer.packed_tensor as PT
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    shim = SimpleNamespace(uint8=torch.uint8, cat=torch.cat,
+                           empty=lambda *a, device=None, **k: torch.empty(*a, **k),
+                           cuda=SimpleNamespace(Stream=_NoStream, stream=lambda s: contextlib.nullcontext()))
+    monkeypatch.setattr(PT, "torch", shim)
+    return NCCLWeightTransferEngine
+
+
+class _Pipe:
+    """Trainer rank 0's channel and one worker's, in one process: what the trainer broadcasts is
+    queued, the worker's broadcast of a buffer of the same size takes it."""
+
+    def __init__(self):
+        self.queue, self.sizes, self.waited = [], [], 0
+
+    def broadcast(self, buf, src=0, stream=None):  # the trainer's CommChannel / the worker's group
+        if src != 0:
+            raise AssertionError(src)
+        if getattr(self, "receiving", False):
+            got = self.queue.pop(0)
+            assert got.numel() == buf.numel(), "the worker's chunk differs from the trainer's"
+            buf.copy_(got)
+            return None
+        self.queue.append(buf.clone())
+        self.sizes.append(buf.numel())
+        return SimpleNamespace(wait=self._waited)
+
+    def _waited(self):
+        self.waited += 1
+
+
+class _Worker:
+    """The vLLM Worker members the extension calls (vLLM 0.23 v1/worker/gpu_worker.py:1001-1139:
+    init_weight_transfer_engine, start/update/finish_weight_update), each recorded; update_weights
+    runs the engine's receive_weights as the real one does (gpu_worker.py:1064-1083)."""
+
+    def __init__(self, device="cpu"):
+        self.device, self.rank, self.calls, self.loaded = torch.device(device), 0, [], {}
+        self.weight_transfer_engine = None
+        self.model_config = SimpleNamespace(quantization=None)
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+            data_parallel_index=0, world_size=1, rank=0))
+        self.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append(("init", self.weight_transfer_engine.parse_init_info(init_info)))
+
+    def start_weight_update(self, is_checkpoint_format=True):
+        self.calls.append(("start", is_checkpoint_format))
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+        engine = self.weight_transfer_engine
+        engine.receive_weights(engine.parse_update_info(update_info),
+                               load_weights=lambda ws: self.loaded.update((n, t.clone()) for n, t in ws))
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+
+def test_the_worker_members_the_extension_calls_are_vllms(nccl_engine_on_cpu):
+    """_Worker stands for vLLM 0.23's Worker (the CPU worker is a subclass): the members the
+    extension calls exist there with these parameters."""
+    import inspect
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+    assert issubclass(CPUWorker, Worker)
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                 "finish_weight_update"):
+        want = list(inspect.signature(getattr(_Worker, name)).parameters)
+        assert list(inspect.signature(getattr(Worker, name)).parameters) == want, name
+
+
+def _vllm_worker():
+    import vllm_worker as VW
+    return type("Worker", (_Worker, VW.VLLMWorkerExtension), {})
+
+
+def test_weight_transfer_selection_by_device(nccl_engine_on_cpu):
+    """device.py's selection: the CPU keeps the project's channel (vLLM 0.23 registers no engine
+    for it), CUDA takes the class vLLM's own factory gives for "nccl", NPU names vllm-ascend's
+    "hccl" engine, whose package is imported only where it runs (never here)."""
+    import sys
+
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory as F
+    assert CH.transfer_engine("cpu") is None
+    pc = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    made = F.create_engine(WeightTransferConfig(backend="nccl"), pc, torch.nn.Linear(2, 2))
+    assert CH.transfer_engine("cuda") is nccl_engine_on_cpu and type(made) is nccl_engine_on_cpu
+    assert CH.D.TABLE["npu"].weight_transfer[0] == "hccl"
+    assert "vllm_ascend" not in sys.modules
+
+
+def test_worker_makes_the_engine_through_vllms_factory_and_joins(nccl_engine_on_cpu, monkeypatch):
+    """init_weight_sync on a CUDA worker: the engine is vLLM's factory's "nccl" (registered
+    already: registering again is no error), made for the worker's model, and joined with the
+    init info NCCLWeightTransferInitInfo validates (rank_offset: the engine adds the worker's
+    rank itself). A name the factory lacks is registered from device.py's entry."""
+    w = _vllm_worker()(device="cuda")
+    w.init_weight_sync("10.0.0.1", 29123, 3, 5)
+    assert type(w.weight_transfer_engine) is nccl_engine_on_cpu
+    (what, info), = w.calls
+    assert what == "init" and (info.master_address, info.master_port, info.rank_offset,
+                               info.world_size) == ("10.0.0.1", 29123, 3, 5)
+    import vllm_worker as VW
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory as F
+    monkeypatch.setattr(F, "_registry", dict(F._registry))  # the test's name leaves no trace
+    made = VW.transfer_engine(_Worker(), "grpo-test", "vllm.distributed.weight_transfer.nccl_engine",
+                              "NCCLWeightTransferEngine")
+    assert type(made) is nccl_engine_on_cpu
+
+
+def _sync_model():
+    torch.manual_seed(0)
+    # a 33 KB tensor beside small ones: the project's plan sends it alone, vLLM packs it
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 512),
+                               torch.nn.Linear(512, 4))
+
+
+def test_sync_through_vllms_nccl_engine_loads_and_stages_bitwise(nccl_engine_on_cpu):
+    """One sync trainer rank 0 -> worker through vLLM's real NCCL engine code (packed producer and
+    consumer): the worker loads inside start/update/finish_weight_update, every tensor of the plan
+    by its checkpoint name, bitwise the trainer's in the sync dtype, in as many chunks as the
+    trainer sent (both ends derive the chunk size from the plan); a staged sync (running ahead)
+    goes through the engine's receive_weights, loads nothing and merges over the staged one."""
+    model = _sync_model()
+    pipe = _Pipe()
+    sender = S.Sender(model, "bfloat16", bucket_mb=2048 / 2**20, solo_mb=8192 / 2**20,
+                      channel=CH.EngineChannel(pipe, nccl_engine_on_cpu))
+    assert any(len(b) == 1 for b in sender.plan) and any(len(b) > 1 for b in sender.plan)
+    sent = sender.send(1)
+    want = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    assert sent == sum(t.numel() * 2 for t in want.values())
+    assert 1 < len(pipe.sizes) and pipe.waited == len(pipe.sizes)  # every broadcast waited
+    pipe.receiving = True
+    w = _vllm_worker()()
+    w.weight_transfer_engine = nccl_engine_on_cpu(None, w.vllm_config.parallel_config, None)
+    w.weight_transfer_engine.model_update_group = pipe
+    assert w.receive_weights(1, S.plan_to_plain(sender.plan)) == len(want)
+    assert w.calls == [("start", True), "update", "finish"] and w.weight_version == 1
+    assert list(w.loaded) == [s.name for b in sender.plan for s in b]
+    assert all(torch.equal(w.loaded[n], t) and w.loaded[n].dtype == t.dtype for n, t in want.items())
+    assert not pipe.queue
+
+    pipe.receiving = False
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    sender.send(2)
+    pipe.receiving = True
+    w.staged = (1, {"kept": torch.zeros(1)}, True)
+    w.receive_weights(2, S.plan_to_plain(sender.plan), stage=True)
+    version, named, partial = w.staged
+    assert version == 2 and not partial and len(w.calls) == 3 and not pipe.queue
+    assert torch.equal(named["0.weight"], model[0].weight.detach().to(torch.bfloat16))
+    assert set(named) == set(want) | {"kept"}
+
+
+def test_engine_channel_bounds_each_broadcast_and_holds_its_tensor():
+    """The engine's `group`: one broadcast in flight besides the newest (vLLM's two buffers), each
+    waited through the channel's work (its deadline), its tensor held until then; a source other
+    than trainer rank 0 is refused."""
+    log = []
+
+    class Chan:
+        def broadcast(self, buf):
+            log.append(("send", int(buf[0])))
+            return SimpleNamespace(wait=lambda n=int(buf[0]): log.append(("wait", n)))
+
+    ec = CH.EngineChannel(Chan(), None)
+    for i in range(3):
+        ec.broadcast(torch.full((4,), i, dtype=torch.uint8))
+    assert log == [("send", 0), ("send", 1), ("wait", 0), ("send", 2), ("wait", 1)]
+    assert [int(t[0]) for _, t in ec._pending] == [2]
+    with pytest.raises(ValueError, match="trainer rank 0 is the source"):
+        ec.broadcast(torch.zeros(1, dtype=torch.uint8), src=1)
+
+
+
+def test_check_channel_moves_one_chunk_through_the_engine(nccl_engine_on_cpu, monkeypatch):
+    """--check-channel where the device has an engine: the generation rank makes the engine
+    itself (no vLLM worker, no model) and joins as its member (the engine's own rank: the
+    offset); one chunk of n bytes from trainer rank 0's EngineChannel lands bitwise."""
+    pipe, joined = _Pipe(), []
+    monkeypatch.setattr(nccl_engine_on_cpu, "_stateless_init_process_group",
+                        staticmethod(lambda *a, **k: joined.append((a, k)) or pipe))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    receive = CH.engine_receiver(nccl_engine_on_cpu, "nccl", ["10.0.0.1", 29500], 2, 3, 64)
+    assert joined == [(("10.0.0.1", 29500, 2, 3), {"device": 0})]
+    sent = torch.arange(64, dtype=torch.uint8)
+    assert CH.EngineChannel(pipe, nccl_engine_on_cpu).send(iter([("check", sent)]), 64) == 64
+    pipe.receiving = True
+    got = torch.zeros(64, dtype=torch.uint8)
+    receive(got)
+    assert torch.equal(got, sent) and not pipe.queue

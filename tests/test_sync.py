@@ -160,3 +160,12 @@ def test_send_gathers_without_autograd(monkeypatch):
     S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(1, sink=lambda named: None)
     assert len(gathered) == 4
     assert all(t.grad_fn is None and not t.requires_grad for t in gathered)
+
+
+def test_chunk_bytes_is_the_largest_packed_bucket():
+    """vLLM's packed transfer's chunk size, derived from the plan on both ends: the largest bucket
+    of several tensors, else the largest bucket."""
+    plan = S.plan_buckets([("a", (10,), "float32"), ("b", (10,), "float32"),
+                           ("c", (1000,), "float32"), ("d", (3,), "float32")], 256, 1000)
+    assert [len(b) for b in plan] == [2, 1, 1] and S.chunk_bytes(plan) == 64 + 40
+    assert S.chunk_bytes([plan[1]]) == 4000
