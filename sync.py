@@ -231,6 +231,26 @@ class Sender:
         self.sends += 1
         return sent
 
+    @torch.no_grad()
+    def gathered(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The next sync's buckets (:attr:`plan`) as (HF name, tensor) pieces, bucket by bucket:
+        every trainer rank gathers each tensor once, in order (a collective), and casts its
+        pieces to the sync dtype on this rank's device; no packing, no broadcast (a colocated
+        rank's own engine, :class:`GatheredSource`). A piece may be the trainer's own tensor
+        (a world of one in the sync dtype): to be copied, never adopted."""
+        pieces = iter(self._pieces[self.which])
+        pos, whole = -1, None
+        for bucket in self.plan:
+            named = []
+            for slot in bucket:
+                p_pos, index = next(pieces)
+                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
+                    pos, whole = p_pos, self.tensors[p_pos].gather()
+                named.append((slot.name, (whole[index] if index else whole).detach().to(
+                    self.device, DTYPES[slot.dtype])))
+            yield named
+        self.sends += 1
+
     def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values
             dist.broadcast_object_list([self.plans], self.src, group=self.group)
@@ -343,6 +363,22 @@ class LocalControl:
         raise RuntimeError("a local sync hands buckets over with Sender.send(sink=...)")
 
 
+class GatheredSource:
+    """A colocated rank's sync into its own vLLM engine (an `episode.WeightSource`): the
+    version and plan, and :meth:`Sender.gathered`'s buckets, pulled by the engine's one
+    layerwise reload (a layer's weights may span buckets); nothing crosses a process."""
+
+    def __init__(self, sender: Sender, version: int):
+        self.sender, self.version = sender, version
+        self.plan, self.partial = sender.plan, sender.partial
+
+    def control(self) -> tuple[int, list[list[Slot]]]:
+        return self.version, self.plan
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return self.sender.gathered()
+
+
 def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", engine,
                  version: int) -> int:
     """One sync of weight `version`: trainer ranks send, generation ranks load into their engine
@@ -351,7 +387,13 @@ def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", en
     (rank 0; 0 elsewhere)."""
     if world.colocated:  # this rank's own engine, asleep since the train phase (cluster.colocate)
         engine.wake_up(["weights"])
-        sent = sender.send(version, sink=engine.load_weights)  # gathered buckets, in-process
+        if engine.OWN_CHANNEL:  # vLLM, in this process: its worker reloads the whole sync at once
+            sent = sum(map(bucket_size, sender.plan))
+            got = engine.receive_weights(GatheredSource(sender, version))
+            if got != version:
+                raise RuntimeError(f"weight sync: rank {world.rank} expected version {version}, got {got}")
+        else:
+            sent = sender.send(version, sink=engine.load_weights)  # gathered buckets, in-process
         engine.wake_up(["kv_cache"])
         return sent if world.is_root else 0
     if world.size == 1:  # both ends in this process
