@@ -296,6 +296,7 @@ class VLLMEngine:
         `colocated` (cluster.colocate): vLLM in this process on this rank's device
         (:meth:`_colocated_args`), asleep while the trainer trains."""
         self.colocated = colocated
+        self.asleep: set[str] = set()  # colocated: what `sleep` put to sleep and no wake_up woke
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         self.owner = A.Owner(self.who, timeout_s)  # one thread at a time in the LLM
@@ -410,12 +411,16 @@ class VLLMEngine:
         for the train phase (a no-op on vLLM's CPU build, which has no sleep mode)."""
         with self.owner.hold():
             self.llm.sleep(level=1)
+        self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Colocated: `LLM.wake_up(tags)`: "weights" before a sync loads them, "kv_cache" after,
-        None for both."""
-        with self.owner.hold():
-            self.llm.wake_up(tags)
+        None for both; what is awake already is left as it is (a resume's first sync)."""
+        tags = [t for t in tags or ("weights", "kv_cache") if t in self.asleep]
+        if tags:
+            with self.owner.hold():
+                self.llm.wake_up(tags)
+            self.asleep -= set(tags)
 
     def receive_weights(self, source) -> int:
         """Receive one sync (`source.control()`: version and bucket plan; the buckets go to

@@ -58,6 +58,50 @@ def test_vllm_colocated_passes_the_engine_rules_but_tensor_parallelism():
                                     "--rollout.tensor_parallel_size=2"]))
 
 
+def test_gathered_source_gives_what_the_sink_gets():
+    """sync.GatheredSource (the colocated vLLM load): the plan's pieces, bucket by bucket, in the
+    sync dtype, bitwise what Sender.send's packed buckets hand a sink, without autograd; one
+    sync counted when the engine has pulled it all."""
+    import torch
+
+    import sync as S
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():  # stands in for a DTensor: an autograd op like the all-gather
+        p.full_tensor = (lambda p=p: p * 1.0)
+    packed = []
+    S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(
+        1, sink=lambda named: packed.append([(n, t.clone()) for n, t in named]))
+    sender = S.Sender(model, "bfloat16", bucket_mb=64 / 2**20)
+    source = S.GatheredSource(sender, 7)
+    assert source.control() == (7, sender.plan) and not source.partial and len(sender.plan) > 2
+    got = list(source.buckets())
+    assert [[n for n, _ in b] for b in got] == [[n for n, _ in b] for b in packed]
+    for b, want in zip(got, packed):
+        for (_, t), (_, w) in zip(b, want):
+            assert t.dtype == torch.bfloat16 and t.grad_fn is None and torch.equal(t, w)
+    assert sender.sends == 1
+
+
+def test_vllm_wake_up_wakes_only_what_sleeps():
+    """A colocated vLLM engine passes LLM.wake_up only the tags asleep: a resume's first sync
+    (the engine awake) calls nothing."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from vllm_engine import VLLMEngine
+    calls = []
+    eng = object.__new__(VLLMEngine)
+    eng.asleep, eng.owner = set(), SimpleNamespace(hold=nullcontext)
+    eng.llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                              wake_up=lambda tags: calls.append(("wake", tags)))
+    eng.wake_up(["weights"])
+    eng.sleep()
+    eng.wake_up(["weights"])
+    eng.wake_up(["weights"])
+    eng.wake_up(None)
+    assert calls == [("sleep", 1), ("wake", ["weights"]), ("wake", ["kv_cache"])]
+
+
 def record(nproc: int, args: list[str], timeout: float = 600) -> None:
     """train.py ARGS on `nproc` ranks with the recording engine (tests/record_engine.py)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
