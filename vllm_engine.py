@@ -283,19 +283,18 @@ class VLLMEngine:
         return cls(path, procs.tokens, cfg.rollout, cfg.model, seed=seed,
                    timeout_s=cfg.cluster.timeout_s, max_images=max_images if procs.vision else None,
                    verbose=cfg.run.verbose, device_kind=dev.kind,
-                   llm_kwargs={"enable_return_routed_experts": True} if cfg.model.moe_routing_replay else None,
-                   colocated=cfg.cluster.colocate)
+                   llm_kwargs={**({"enable_return_routed_experts": True} if cfg.model.moe_routing_replay else {}),
+                               **(colocated_args(dev) if cfg.cluster.colocate else {})})
 
     def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
                  timeout_s: float | None = None, llm_kwargs: dict | None = None,
-                 max_images: int | None = 1, verbose: bool = False, device_kind: str | None = None,
-                 colocated: bool = False):
+                 max_images: int | None = 1, verbose: bool = False, device_kind: str | None = None):
         """From `[rollout]` (rc) and `[model]` (mc); `max_images`: per prompt (None: text-only,
         no multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests); `verbose`:
-        vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's);
-        `colocated` (cluster.colocate): vLLM in this process on this rank's device
-        (:meth:`_colocated_args`), asleep while the trainer trains."""
-        self.colocated = colocated
+        vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's).
+        With :func:`colocated_args` among `llm_kwargs` (cluster.colocate) vLLM runs in this
+        process on this rank's device, asleep while the trainer trains."""
+        self.colocated = (llm_kwargs or {}).get("distributed_executor_backend") == "external_launcher"
         self.asleep: set[str] = set()  # colocated: what `sleep` put to sleep and no wake_up woke
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
@@ -330,8 +329,7 @@ class VLLMEngine:
                 async_scheduling=False,  # as vLLM's CPU build forces: docs/vllm.md
                 worker_extension_cls="vllm_worker.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
-                disable_log_stats=True, **D.vllm_engine_args(dev), **mm,
-                **(self._colocated_args(dev) if colocated else {}), **(llm_kwargs or {}))
+                disable_log_stats=True, **D.vllm_engine_args(dev), **mm, **(llm_kwargs or {}))
         # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)
@@ -394,17 +392,6 @@ class VLLMEngine:
         joined): this engine's workers take ranks rank_offset + (0 .. tp-1) of
         world_size = 1 + engines * tp."""
         self._rpc("init_weight_sync", host, port, rank_offset, world_size, self.timeout_s)
-
-    @staticmethod
-    def _colocated_args(dev: D.Device) -> dict:
-        """`vllm.LLM` arguments of a colocated engine: vLLM's external launcher runs its one
-        worker in this process (TRL's colocate mode; every rank builds its engine at the same
-        point, so the process groups vLLM makes over the torchrun world are made on every rank
-        in one order; each rank its own tensor-parallel group of one), with sleep mode where the
-        device has it (Device.vllm_sleep_mode)."""
-        _quiet_cpu_worker()
-        return {"distributed_executor_backend": "external_launcher",
-                "enable_sleep_mode": dev.vllm_sleep_mode}
 
     def sleep(self) -> None:
         """Colocated: `LLM.sleep(level=1)`, the weights to host memory and the KV cache freed
@@ -492,13 +479,24 @@ class VLLMEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if getattr(self, "watch", None) is not None:
             self.watch.stop()
-        if llm is not None and self.colocated:  # vLLM's engine-core teardown would also end
-            llm.llm_engine.model_executor.shutdown()  # this rank's torch world: the worker alone
+        if llm is not None and getattr(self, "colocated", False):  # in this process: its engine
+            llm.llm_engine.model_executor.shutdown()  # core's teardown would end the rank's world
         elif llm is not None:
             llm.llm_engine.engine_core.shutdown()
         if getattr(self, "reaper", None) is not None:  # nothing left to reap
             self.reaper.kill()
             self.reaper.wait()
+
+
+def colocated_args(dev: D.Device) -> dict:
+    """`vllm.LLM` arguments of a colocated engine (cluster.colocate): vLLM's external launcher
+    runs its one worker in this process (TRL's colocate mode; every rank builds its engine at
+    the same point, so the process groups vLLM makes over the torchrun world are made on every
+    rank in one order; each rank its own tensor-parallel group of one), with sleep mode where
+    the device has it (Device.vllm_sleep_mode)."""
+    _quiet_cpu_worker()
+    return {"distributed_executor_backend": "external_launcher",
+            "enable_sleep_mode": dev.vllm_sleep_mode}
 
 
 def _reload_in_process(worker, named, partial: bool) -> None:
