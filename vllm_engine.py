@@ -318,6 +318,7 @@ class VLLMEngine:
             mm_processor_cache_gb=0))  # its text-only HF call fails on transformers 5.x
         self.reaper = children.start_reaper()  # the engine's processes never outlive this rank
         before = set(multiprocessing.active_children())
+        kept = D.rng_state(dev) if self.colocated else None  # its worker here reseeds torch's generators
         with _environ_restored(), failures.EngineLog().attached():  # its error in our line
             self.llm = LLM(
                 model=path, dtype=mc.dtype, seed=seed,
@@ -330,6 +331,8 @@ class VLLMEngine:
                 worker_extension_cls="vllm_worker.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **D.vllm_engine_args(dev), **mm, **(llm_kwargs or {}))
+        if kept is not None:  # the trainer's random streams as the static split's
+            D.set_rng_state(dev, kept)
         # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)
