@@ -36,6 +36,10 @@ class Device:
     # _bookkeeping_sync): the engine died on long multi-turn batches. Off, each prompt is
     # scheduled whole (vLLM then raises max_num_batched_tokens to max_model_len at least)
     vllm_chunked_prefill: bool = True
+    # vLLM's sleep mode (`enable_sleep_mode`: CUDA's cumem allocator, vllm-ascend's own): a
+    # colocated engine gives the device up for the train phase. vLLM 0.23's CPU platform refuses
+    # the flag; its CPU worker's sleep and wake_up are no-ops (host memory is shared anyway)
+    vllm_sleep_mode: bool = True
     experts: str | None = None  # transformers' experts_implementation for MoE (None: its default)
     # train.packing's rows, every sequence of a micro-batch in one row: "segments" = attention.py's
     # kernel (each prompt causally, each response over its prompt and itself: batched SDPA calls,
@@ -85,7 +89,7 @@ class Device:
 TABLE = {
     "cpu": Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                   vllm_eager_helpers=True, vllm_cpu_moe_fix=True, vllm_linear_attention=False,
-                  vllm_routed_experts=False, vllm_chunked_prefill=False),
+                  vllm_routed_experts=False, vllm_chunked_prefill=False, vllm_sleep_mode=False),
     "cuda": Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
                    auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused",
                    weight_transfer=("nccl", "vllm.distributed.weight_transfer.nccl_engine",

@@ -63,9 +63,9 @@ def check(cfg) -> None:
     need(ro.tensor_parallel_size == 1 or ro.engine == "vllm",
          "rollout.tensor_parallel_size > 1 needs rollout.engine = 'vllm' (the hf engine runs on "
          "one device)")
-    need(not (cfg.cluster.colocate and ro.engine == "vllm"),
-         "cluster.colocate with rollout.engine = 'vllm' is not built yet (its sleep/wake and "
-         "in-process weight load; docs/colocate.md): use rollout.engine = 'hf'")
+    need(not (cfg.cluster.colocate and ro.tensor_parallel_size > 1),
+         "rollout.tensor_parallel_size > 1 with cluster.colocate is not built yet (the ranks of "
+         "one engine would have to sample the same rows; docs/colocate.md): set 1")
     if ro.engine == "vllm":
         _check_vllm(cfg, need)
 

@@ -195,7 +195,7 @@ class Sender:
         if self.is_root and self.group is not None:
             self._send_control(version, which)
         if self.is_root and sink is None and hasattr(self.channel, "send"):  # vLLM's engine
-            sent = self.channel.send(self.named(which), chunk_bytes(plan))  # (channel.EngineChannel)
+            sent = self.channel.send((p for b in self.gathered(which) for p in b), chunk_bytes(plan))
             self.sends += 1
             return sent
         pending: list = []        # (work, ring buffer index or None, gathered bytes, tensor kept alive)
@@ -243,15 +243,26 @@ class Sender:
         self.sends += 1
         return sent
 
-    def named(self, which: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor in the sync dtype on this device) of plan `which`, in its slot
-        order: each tensor gathered once, in the order every other trainer rank gathers it."""
-        names = [s.name for bucket in self.plans[which] for s in bucket]
+    @torch.no_grad()
+    def gathered(self, which: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Plan `which`'s buckets (default: the next sync's, :attr:`plan`) as (HF name, tensor)
+        pieces, bucket by bucket: every trainer rank gathers each tensor once, in order (a
+        collective), and casts its pieces to the sync dtype on this rank's device; no packing, no
+        broadcast (vLLM's weight-transfer engine, channel.EngineChannel; a colocated rank's own
+        engine, :class:`GatheredSource`). A piece may be the trainer's own tensor (a world of one
+        in the sync dtype): to be copied, never adopted."""
+        which = self.which if which is None else which
+        pieces = iter(self._pieces[which])
         pos, whole = -1, None
-        for name, (p_pos, index) in zip(names, self._pieces[which], strict=True):
-            if p_pos != pos:
-                pos, whole = p_pos, self.tensors[p_pos].gather()
-            yield name, (whole[index] if index else whole).detach().to(self.device, DTYPES[self.dtype])
+        for bucket in self.plans[which]:
+            named = []
+            for slot in bucket:
+                p_pos, index = next(pieces)
+                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
+                    pos, whole = p_pos, self.tensors[p_pos].gather()
+                named.append((slot.name, (whole[index] if index else whole).detach().to(
+                    self.device, DTYPES[slot.dtype])))
+            yield named
 
     def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values
@@ -365,6 +376,23 @@ class LocalControl:
         raise RuntimeError("a local sync hands buckets over with Sender.send(sink=...)")
 
 
+class GatheredSource:
+    """A colocated rank's sync into its own vLLM engine (an `episode.WeightSource`): the
+    version and plan, and :meth:`Sender.gathered`'s buckets, pulled by the engine's one
+    layerwise reload (a layer's weights may span buckets); nothing crosses a process."""
+
+    def __init__(self, sender: Sender, version: int):
+        self.sender, self.version = sender, version
+        self.plan, self.partial = sender.plan, sender.partial
+
+    def control(self) -> tuple[int, list[list[Slot]]]:
+        return self.version, self.plan
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        yield from self.sender.gathered()
+        self.sender.sends += 1
+
+
 def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", engine,
                  version: int) -> int:
     """One sync of weight `version`: trainer ranks send, generation ranks load into their engine
@@ -373,7 +401,13 @@ def sync_weights(world, sender: "Sender | None", receiver: "Receiver | None", en
     (rank 0; 0 elsewhere)."""
     if world.colocated:  # this rank's own engine, asleep since the train phase (cluster.colocate)
         engine.wake_up(["weights"])
-        sent = sender.send(version, sink=engine.load_weights)  # gathered buckets, in-process
+        if engine.OWN_CHANNEL:  # vLLM, in this process: its worker reloads the whole sync at once
+            sent = sum(map(bucket_size, sender.plan))
+            got = engine.receive_weights(GatheredSource(sender, version))
+            if got != version:
+                raise RuntimeError(f"weight sync: rank {world.rank} expected version {version}, got {got}")
+        else:
+            sent = sender.send(version, sink=engine.load_weights)  # gathered buckets, in-process
         engine.wake_up(["kv_cache"])
         return sent if world.is_root else 0
     if world.size == 1:  # both ends in this process

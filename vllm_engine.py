@@ -9,6 +9,7 @@ from a worker thread when it runs ahead of the trainers: vllm_ahead.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import multiprocessing
 import os
@@ -282,14 +283,19 @@ class VLLMEngine:
         return cls(path, procs.tokens, cfg.rollout, cfg.model, seed=seed,
                    timeout_s=cfg.cluster.timeout_s, max_images=max_images if procs.vision else None,
                    verbose=cfg.run.verbose, device_kind=dev.kind,
-                   llm_kwargs={"enable_return_routed_experts": True} if cfg.model.moe_routing_replay else None)
+                   llm_kwargs={**({"enable_return_routed_experts": True} if cfg.model.moe_routing_replay else {}),
+                               **(colocated_args(dev) if cfg.cluster.colocate else {})})
 
     def __init__(self, path: str, tokens: I.Tokens, rc, mc, seed: int,
                  timeout_s: float | None = None, llm_kwargs: dict | None = None,
                  max_images: int | None = 1, verbose: bool = False, device_kind: str | None = None):
         """From `[rollout]` (rc) and `[model]` (mc); `max_images`: per prompt (None: text-only,
         no multimodal arguments); `llm_kwargs`: more `vllm.LLM` arguments (tests); `verbose`:
-        vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's)."""
+        vLLM's INFO lines too; `device_kind`: device.TABLE's row (None: this machine's).
+        With :func:`colocated_args` among `llm_kwargs` (cluster.colocate) vLLM runs in this
+        process on this rank's device, asleep while the trainer trains."""
+        self.colocated = (llm_kwargs or {}).get("distributed_executor_backend") == "external_launcher"
+        self.asleep: set[str] = set()  # colocated: what `sleep` put to sleep and no wake_up woke
         self.timeout_s = timeout_s  # every collective_rpc (weight channel, weight loading)
         self.who = f"rank {os.environ.get('RANK', 0)} (generation)"
         self.owner = A.Owner(self.who, timeout_s)  # one thread at a time in the LLM
@@ -314,6 +320,7 @@ class VLLMEngine:
             mm_processor_cache_gb=0))  # its text-only HF call fails on transformers 5.x
         self.reaper = children.start_reaper()  # the engine's processes never outlive this rank
         before = set(multiprocessing.active_children())
+        kept = D.rng_state(dev) if self.colocated else None  # its worker here reseeds torch's generators
         with _environ_restored(), failures.EngineLog().attached():  # its error in our line
             self.llm = LLM(
                 model=path, dtype=mc.dtype, seed=seed,
@@ -326,6 +333,8 @@ class VLLMEngine:
                 worker_extension_cls="vllm_worker.VLLMWorkerExtension",
                 hf_overrides=_VLLMProcessHook(),
                 disable_log_stats=True, **D.vllm_engine_args(dev), **mm, **(llm_kwargs or {}))
+        if kept is not None:  # the trainer's random streams as the static split's
+            D.set_rng_state(dev, kept)
         # a dead engine core ends this rank at once, naming it (vLLM's client would wait)
         self.watch = children.Watch([p for p in multiprocessing.active_children() if p not in before],
                                     "the vLLM engine's", failures.fail_now)
@@ -389,10 +398,29 @@ class VLLMEngine:
         world_size = 1 + engines * tp."""
         self._rpc("init_weight_sync", host, port, rank_offset, world_size, self.timeout_s)
 
+    def sleep(self) -> None:
+        """Colocated: `LLM.sleep(level=1)`, the weights to host memory and the KV cache freed
+        for the train phase (a no-op on vLLM's CPU build, which has no sleep mode)."""
+        with self.owner.hold():
+            self.llm.sleep(level=1)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Colocated: `LLM.wake_up(tags)`: "weights" before a sync loads them, "kv_cache" after,
+        None for both; what is awake already is left as it is (a resume's first sync)."""
+        tags = [t for t in tags or ("weights", "kv_cache") if t in self.asleep]
+        if tags:
+            with self.owner.hold():
+                self.llm.wake_up(tags)
+            self.asleep -= set(tags)
+
     def receive_weights(self, source) -> int:
         """Receive one sync (`source.control()`: version and bucket plan; the buckets go to
-        the worker over the weight channel), then reset the prefix and encoder caches, computed
-        with the old weights. Returns the version received."""
+        the worker over the weight channel; colocated, `source.buckets()` in this process,
+        :meth:`_load_here`), then reset the prefix and encoder caches, computed with the old
+        weights. Returns the version received."""
+        if self.colocated:
+            return self._load_here(source)
         version, plan = source.control()
         with self.owner.hold():
             self._rpc("receive_weights", version, sync.plan_to_plain(plan), source.partial)
@@ -416,6 +444,17 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
         self.llm.llm_engine.reset_encoder_cache()  # not on `LLM` in vLLM 0.23
         self.stale_caches = False
+
+    def _load_here(self, source) -> int:
+        """Colocated: every bucket of `source` (sync.GatheredSource) through one layerwise reload
+        of the engine's worker, which the external launcher runs in this process: the tensors
+        go by reference, nothing is copied but into vLLM's own weights."""
+        version, _ = source.control()
+        named = (pair for bucket in source.buckets() for pair in bucket)
+        with self.owner.hold():
+            self.llm.collective_rpc(_reload_in_process, args=(named, source.partial))
+            self._loaded(version)
+        return version
 
     def receive_ahead(self, source, stage: bool) -> int:
         """One sync while a worker thread drives generation (pipeline.Producer), called from
@@ -457,11 +496,49 @@ class VLLMEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if getattr(self, "watch", None) is not None:
             self.watch.stop()
-        if llm is not None:
+        if llm is not None and getattr(self, "colocated", False):  # in this process: its engine
+            llm.llm_engine.model_executor.shutdown()  # core's teardown would end the rank's world
+        elif llm is not None:
             llm.llm_engine.engine_core.shutdown()
         if getattr(self, "reaper", None) is not None:  # nothing left to reap
             self.reaper.kill()
             self.reaper.wait()
+
+
+def colocated_args(dev: D.Device) -> dict:
+    """`vllm.LLM` arguments of a colocated engine (cluster.colocate): vLLM's external launcher
+    runs its one worker in this process (TRL's colocate mode; every rank builds its engine at
+    the same point, so the process groups vLLM makes over the torchrun world are made on every
+    rank in one order; each rank its own tensor-parallel group of one), with sleep mode where
+    the device has it (Device.vllm_sleep_mode)."""
+    _quiet_cpu_worker()
+    return {"distributed_executor_backend": "external_launcher",
+            "enable_sleep_mode": dev.vllm_sleep_mode}
+
+
+def _reload_in_process(worker, named, partial: bool) -> None:
+    """Run by a colocated engine's worker (in the rank's process): `named` through vLLM's
+    layerwise reload, as vllm_worker's receive does with what it received."""
+    from vllm_worker import PartialReload
+    with torch.device(worker.device), PartialReload(partial):
+        worker.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+    D.synchronize(D.TABLE[worker.device.type])
+
+
+class _CpuWorkerNotes(logging.Filter):
+    """vLLM's CPU worker, in the rank's process (colocated), warns at every sleep and wake-up
+    that it ignores them, and at every request that vLLM's own renderer may not change torch's
+    thread count after its binding: lines every step, said once in docs/colocate.md instead."""
+    NOTES = ("sleep mode is not supported on CPU", "doesn't allow to use `torch.set_num_threads`")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.NOTES)
+
+
+def _quiet_cpu_worker() -> None:
+    log = logging.getLogger("vllm.v1.worker.cpu_worker")
+    if not any(isinstance(f, _CpuWorkerNotes) for f in log.filters):
+        log.addFilter(_CpuWorkerNotes())
 
 
 def refuse_npu_nz(kind: str) -> None:

@@ -49,6 +49,10 @@ class Recording:
         self._note("load")
         return self._engine.load_weights(named, adopt)
 
+    def receive_weights(self, source):  # the vLLM engine's colocated load (sync.GatheredSource)
+        self._note("load")
+        return self._engine.receive_weights(source)
+
 
 def main() -> int:
     build, step = engines.build_engine, update.train_step

