@@ -44,6 +44,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_time  # noqa: E402  (bench/engine_time.py: the modelled engine's parameters)
 
 
 def launcher() -> tuple[list[str], str]:
@@ -58,18 +60,28 @@ def launcher() -> tuple[list[str], str]:
     return list(spec["torchrun"]), str(spec["entry"])
 
 
-def run(out: Path, nproc: int, steps: int, extra: list[str]) -> list[dict]:
+def run(out: Path, nproc: int, steps: int, extra: list[str], timed: dict | None = None) -> list[dict]:
+    """One torchrun launch of train.py (`timed`: of bench/engine_time.py, the modelled engine
+    {"model", "scale"} in place of the hf one); its metrics.jsonl rows."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GRPO_DEVICE="cpu")
     torchrun, entry = launcher()
+    script = [entry]
+    if timed is not None:
+        env["GRPO_ENGINE_TIME"] = json.dumps(timed)
+        # the real launcher runs the script; the tests' warm one forks it as a module (tests/warm.py)
+        script = ([str(ROOT / "bench" / "engine_time.py")] if entry == str(ROOT / "train.py")
+                  else [entry, "-m", "bench.engine_time"])
     cmd = [*torchrun, "--standalone", f"--nproc_per_node={nproc}",
-           entry, "--config", str(ROOT / "configs" / "tiny.toml"),
+           *script, "--config", str(ROOT / "configs" / "tiny.toml"),
            f"--run.out_dir={out}", f"--run.steps={steps}", "--run.keep_last=0",
            '--reward.functions=[{name="target_fraction", weight=1.0}]', *extra]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def ahead(rows: list[dict], k: int, partial: bool, warmup: int, threshold: float) -> dict:
+def ahead(rows: list[dict], k: int, partial, warmup: int, threshold: float) -> dict:
     """One running-ahead run's figures (see the module docstring)."""
     med = lambda key: round(statistics.median(r.get(key, 0.0) for r in rows[warmup:]), 4)  # noqa: E731
     wall, reached = 0.0, None
@@ -84,35 +96,102 @@ def ahead(rows: list[dict], k: int, partial: bool, warmup: int, threshold: float
             "trainer_wait_frac": med("time/trainer_wait_frac"),
             "staleness_mean": round(statistics.mean(r["rollout/staleness_mean"] for r in rest), 3),
             "staleness_max": max(r["rollout/staleness_max"] for r in rows),
+            "generate_s": med("time/generate_s"), "train_s": med("time/train_s"),
+            "reprefill_tokens": statistics.mean(r.get("rollout/reprefill_tokens", 0) for r in rest),
             "wall_s_to_reward": reached, "steps": len(rows)}
 
 
-def staleness_runs(a) -> None:
-    """`--staleness`: one JSON line per configuration (plain runs, then with --partial partial
-    ones), each over `--rounds` runs alternated with the others (this machine drifts): the
-    figures of every round's run, then their medians (`wall_s_to_reward`: the median of those
-    that reached it)."""
-    plan = [(k, False) for k in a.staleness] + [(k, True) for k in a.staleness if a.partial and k]
+def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None = None) -> list[dict]:
+    """Each (k, partial) of `plan` over `rounds` runs alternated with the others (this machine
+    drifts): the figures of every round's run, then their medians (`wall_s_to_reward`: the
+    median of those that reached it). `partial`: False, True or "recompute" / "keep"."""
     got: dict = {c: [] for c in plan}
-    with tempfile.TemporaryDirectory() as d:
-        for i in range(a.rounds):
-            for k, partial in plan:
-                extra = [*a.engine_args, f"--rollout.max_new_tokens={a.max_new_tokens}"]
-                if k:
-                    extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
-                if partial:
-                    extra += ["--rollout.partial=true"]
-                rows = run(Path(d) / f"k{k}{'p' if partial else ''}{i}", a.nproc, a.steps, extra)
-                got[(k, partial)].append(ahead(rows, k, partial, a.warmup, a.reward_threshold))
+    for i in range(a.rounds if rounds is None else rounds):
+        for k, partial in plan:
+            extra = [*a.engine_args, f"--rollout.max_new_tokens={a.max_new_tokens}"]
+            if k:
+                extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
+            if partial:
+                extra += [f"--rollout.partial={'true' if partial is True else partial}"]
+            name = f"{'t' if timed else 'r'}k{k}{partial or ''}{i}"
+            rows = run(Path(d) / name, a.nproc, a.steps, extra, timed)
+            got[(k, partial)].append(ahead(rows, k, partial, a.warmup, a.reward_threshold))
+    summary = []
     for (k, partial), runs in got.items():
         out = {"staleness": k, "partial": partial, "rounds": len(runs)}
-        for key in ("tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean"):
+        for key in ("tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean",
+                    "generate_s", "train_s"):
             out[key] = round(statistics.median(r[key] for r in runs), 4)
         out["staleness_max"] = max(r["staleness_max"] for r in runs)
         reached = [r["wall_s_to_reward"] for r in runs if r["wall_s_to_reward"] is not None]
         out["wall_s_to_reward"] = round(statistics.median(reached), 2) if reached else None
+        out["reprefill_tokens"] = round(statistics.median(r["reprefill_tokens"] for r in runs), 1)
         out["tokens_per_s_each"] = [r["tokens_per_s"] for r in runs]
-        print(json.dumps(out), flush=True)
+        summary.append(out)
+    return summary
+
+
+def staleness_runs(a) -> None:
+    """`--staleness`: one JSON line per configuration (plain runs, then with --partial partial
+    ones), each over `--rounds` runs alternated with the others (:func:`sweep`)."""
+    plan = [(k, False) for k in a.staleness] + [(k, True) for k in a.staleness if a.partial and k]
+    with tempfile.TemporaryDirectory() as d:
+        for out in sweep(a, plan, d):
+            print(json.dumps(out), flush=True)
+
+
+MODES = (False, "recompute", "keep")  # rollout.partial of the --engine-time runs
+
+
+def calibrate(a, d: str) -> dict:
+    """The modelled engine's scale: a synchronous run (k = 0) at scale 1, then the scale that
+    makes its median generate time equal its median train time (module docstring)."""
+    rows = run(Path(d) / "calibrate", a.nproc, a.steps, [f"--rollout.max_new_tokens={a.max_new_tokens}"],
+               {"model": a.engine_time, "scale": 1.0})[a.warmup:]
+    gen = statistics.median(r["time/generate_s"] for r in rows)
+    train = statistics.median(r["time/train_s"] for r in rows)
+    return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4),
+            "scale": float(f"{train / gen:.3g}")}
+
+
+def verdict(rows: list[dict]) -> dict:
+    """The issue's targets over the modelled runs: k = 4 "keep" against k = 0 and the best k = 1
+    run, its engine idle and trainer wait, and "keep" against "recompute" at every k."""
+    by = {(r["staleness"], r["partial"]): r for r in rows}
+    tps = lambda k, p: by[(k, p)]["tokens_per_s"] if (k, p) in by else None  # noqa: E731
+    out: dict = {}
+    if (4, "keep") in by and (0, False) in by:
+        keep4 = by[(4, "keep")]
+        best1 = max((tps(1, p) for p in MODES if tps(1, p)), default=None)
+        out = {"keep4_over_k0": round(keep4["tokens_per_s"] / tps(0, False), 3),
+               "keep4_over_best_k1": round(keep4["tokens_per_s"] / best1, 3) if best1 else None,
+               "keep4_engine_idle_frac": keep4["engine_idle_frac"],
+               "keep4_trainer_wait_frac": keep4["trainer_wait_frac"]}
+        out["met"] = {"keep4_over_k0 >= 1.5": out["keep4_over_k0"] >= 1.5,
+                      "keep4_over_best_k1 >= 1.2": bool(best1) and out["keep4_over_best_k1"] >= 1.2,
+                      "engine_idle <= 0.05": keep4["engine_idle_frac"] <= 0.05,
+                      "trainer_wait <= 0.15": keep4["trainer_wait_frac"] <= 0.15}
+    out["keep_over_recompute"] = {str(k): round(tps(k, "keep") / tps(k, "recompute"), 3)
+                                  for k in sorted({k for k, _ in by}) if tps(k, "keep") and tps(k, "recompute")}
+    return out
+
+
+def engine_time_runs(a) -> None:
+    """`--engine-time MODEL`: the staleness sweep (k in `--staleness`, each k >= 1 with partial
+    off, "recompute" and "keep") on the modelled engine, then the same on the real hf engine
+    (`--real-rounds`, 0: none); one JSON object."""
+    ks = a.staleness if a.staleness is not None else [0, 1, 2, 4]
+    plan = [(k, m) for k in ks for m in MODES if k or not m]
+    with tempfile.TemporaryDirectory() as d:
+        cal = calibrate(a, d) if a.engine_scale is None else {"scale": a.engine_scale}
+        timed = {"model": a.engine_time, "scale": cal["scale"]}
+        modelled = sweep(a, plan, d, timed)
+        real = sweep(a, plan, d, rounds=a.real_rounds) if a.real_rounds else []
+    print(json.dumps({"engine_time": {"model": a.engine_time, **vars(engine_time.MODELS[a.engine_time]),
+                                      "scale": cal["scale"], "calibration": cal},
+                      "steps": a.steps, "warmup": a.warmup, "nproc": a.nproc, "rounds": a.rounds,
+                      "max_new_tokens": a.max_new_tokens, "modelled": modelled,
+                      "verdict": verdict(modelled), "real": real, "real_rounds": a.real_rounds}))
 
 
 def main() -> None:
@@ -127,8 +206,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--reward-threshold", type=float, default=0.3)
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    ap.add_argument("--engine-time", choices=sorted(engine_time.MODELS), default=None,
+                    help="the modelled engine (bench/engine_time.py): the sweep of the docstring")
+    ap.add_argument("--engine-scale", type=float, default=None,
+                    help="with --engine-time: the time model's scale (default: calibrated)")
+    ap.add_argument("--real-rounds", type=int, default=1,
+                    help="with --engine-time: rounds of the same sweep on the real hf engine (0: none)")
     a = ap.parse_args()
     a.engine_args = ["--rollout.engine=vllm", "--rollout.max_model_len=512"] if a.engine == "vllm" else []
+    if a.engine_time is not None:
+        return engine_time_runs(a)
     if a.staleness is not None:
         return staleness_runs(a)
     sync: list[list[dict]] = []
