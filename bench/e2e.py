@@ -144,14 +144,15 @@ MODES = (False, "recompute", "keep")  # rollout.partial of the --engine-time run
 
 
 def calibrate(a, d: str) -> dict:
-    """The modelled engine's scale: a synchronous run (k = 0) at scale 1, then the scale that
-    makes its median generate time equal its median train time (module docstring)."""
+    """A synchronous run (k = 0) of the modelled engine at scale 1: its median generate time
+    (`follow`, bench/engine_time.py) and the scale that makes it its median train time (where
+    the runs' engines start before they follow the trainers)."""
     rows = run(Path(d) / "calibrate", a.nproc, a.steps, [f"--rollout.max_new_tokens={a.max_new_tokens}"],
                {"model": a.engine_time, "scale": 1.0})[a.warmup:]
     gen = statistics.median(r["time/generate_s"] for r in rows)
     train = statistics.median(r["time/train_s"] for r in rows)
     return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4),
-            "scale": float(f"{train / gen:.3g}")}
+            "scale": float(f"{train / gen:.3g}"), "follow": round(gen, 4)}
 
 
 def verdict(rows: list[dict]) -> dict:
@@ -183,12 +184,13 @@ def engine_time_runs(a) -> None:
     ks = a.staleness if a.staleness is not None else [0, 1, 2, 4]
     plan = [(k, m) for k in ks for m in MODES if k or not m]
     with tempfile.TemporaryDirectory() as d:
-        cal = calibrate(a, d) if a.engine_scale is None else {"scale": a.engine_scale}
-        timed = {"model": a.engine_time, "scale": cal["scale"]}
+        cal = calibrate(a, d) if a.engine_scale is None else {"scale": a.engine_scale, "follow": None}
+        timed = {"model": a.engine_time, "scale": cal["scale"], "follow": cal["follow"]}
         modelled = sweep(a, plan, d, timed)
         real = sweep(a, plan, d, rounds=a.real_rounds) if a.real_rounds else []
     print(json.dumps({"engine_time": {"model": a.engine_time, **vars(engine_time.MODELS[a.engine_time]),
-                                      "scale": cal["scale"], "calibration": cal},
+                                      "scale": cal["scale"], "follows_trainers": bool(cal["follow"]),
+                                      "calibration": cal},
                       "steps": a.steps, "warmup": a.warmup, "nproc": a.nproc, "rounds": a.rounds,
                       "max_new_tokens": a.max_new_tokens, "modelled": modelled,
                       "verdict": verdict(modelled), "real": real, "real_rounds": a.real_rounds}))
@@ -209,7 +211,8 @@ def main() -> None:
     ap.add_argument("--engine-time", choices=sorted(engine_time.MODELS), default=None,
                     help="the modelled engine (bench/engine_time.py): the sweep of the docstring")
     ap.add_argument("--engine-scale", type=float, default=None,
-                    help="with --engine-time: the time model's scale (default: calibrated)")
+                    help="with --engine-time: a fixed scale of the time model (default: it follows the "
+                         "trainers' train time, bench/engine_time.py)")
     ap.add_argument("--real-rounds", type=int, default=1,
                     help="with --engine-time: rounds of the same sweep on the real hf engine (0: none)")
     a = ap.parse_args()

@@ -17,8 +17,18 @@ The time model (:class:`TimeModel`), per call: prefill of every row's tokens (a 
 share its prefill, as vLLM's prefix cache makes them), `prefill_ms` a token; then one decode step
 per token position, `decode_ms + decode_ms_per_seq * B` for the B samples still running
 (memory-bound decode: the weights read once a step, plus each sequence's KV). Everything is
-multiplied by `scale` (bench/e2e.py calibrates it, see there). Weight loads are the tiny model's
-real copies, not modelled.
+multiplied by `scale`. Weight loads are the tiny model's real copies, not modelled.
+
+The scale: generation and training take comparable time a step, as on real hardware where each
+has its own devices (an 8B engine on one H100 is faster than these 2 shared CPU cores train the
+tiny model, so the scale is below 1). bench/e2e.py first measures `follow`, the modelled
+generate seconds a step at scale 1 (a synchronous run), and hands it over; the engine then sets
+`scale = median(last 4 steps' time/train_s) / follow` at each call, from the run's own
+metrics.jsonl (rank 0 writes it; same machine). This machine's speed drifts up to 2x within
+minutes with the other jobs on it, so a scale fixed from one calibration run left the engine
+twice as fast as the trainers a few runs later; following the trainers' recent train time keeps
+the two sides comparable while each step's generation time still varies with its responses'
+lengths (the tail). `follow` null: the scale stays fixed.
 
 Parameters (MODELS), from published vLLM serving sweeps of an 8B model, one GPU, bf16:
 - "8b-h100": Llama-3.1-8B-Instruct on one H100-80GB, vLLM 0.21.0, concurrency sweep of
@@ -49,9 +59,10 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +123,11 @@ class _Timed:
     `TimedEngine` of this module is it over HFEngine. `sleep`: how modelled time passes (tests
     pass a recorder). Counters: `prefilled` (tokens), `decode_steps`, `modelled_s`."""
 
-    def __init__(self, *args, timing: TimeModel, keep: bool = False, sleep=time.sleep, **kw):
+    def __init__(self, *args, timing: TimeModel, keep: bool = False, sleep=time.sleep,
+                 follow: tuple[float, Path] | None = None, **kw):
         super().__init__(*args, keep=keep, **kw)
         self.timing, self.sleep = timing, sleep
+        self.follow = follow  # (modelled generate s a step at scale 1, the run's metrics.jsonl)
         self.pending: dict[tuple, tuple[int, float]] = {}  # row cut by a check -> (tokens left, answer_p)
         self.prefilled = self.decode_steps = 0
         self.modelled_s = 0.0
@@ -133,8 +146,19 @@ class _Timed:
         spec = json.loads(os.environ[ENV])
         timing = MODELS[spec["model"]]
         timing = TimeModel(timing.prefill_ms, timing.decode_ms, timing.decode_ms_per_seq, float(spec["scale"]))
+        follow = spec.get("follow") and (float(spec["follow"]), Path(cfg.run.out_dir) / "metrics.jsonl")
         return cls(path, M.DTYPES[cfg.model.dtype], procs, device, timing=timing,
-                   keep=cfg.rollout.partial == "keep")
+                   keep=cfg.rollout.partial == "keep", follow=follow)
+
+    def _follow_trainers(self) -> None:
+        """With `follow`: the scale that makes a step's modelled generation take the trainers'
+        recent train time (module docstring); the written lines of metrics.jsonl only."""
+        if self.follow is None or not self.follow[1].exists():
+            return
+        lines = self.follow[1].read_text().split("\n")[:-1][-4:]  # a line being written has no newline yet
+        if lines:
+            train = statistics.median(json.loads(x)["time/train_s"] for x in lines)
+            self.timing = replace(self.timing, scale=train / self.follow[0])
 
     def _spend(self, seconds: float) -> None:
         self.modelled_s += seconds
@@ -145,6 +169,7 @@ class _Timed:
         until every sample ended or ran out of sp.max_new_tokens, or (without keep) until
         `check` returns another version than the call's first."""
         version = None if check is None else check()
+        self._follow_trainers()
         rng = random.Random(seed)
         per = 1 if sp.greedy else sp.n
         samples = []
