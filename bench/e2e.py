@@ -4,6 +4,7 @@
     python bench/e2e.py --steps 20 --nproc 3  # the demo's 2 trainers + 1 engine
     python bench/e2e.py --staleness 0,1,2,4 --partial   # engines k versions ahead (one JSON per run)
     python bench/e2e.py --staleness 0,4 --partial --engine vllm --nproc 3   # the same on vLLM
+    python bench/e2e.py --engine-time 8b-h100 --steps 12 --rounds 2   # generation on its own hardware, modelled
 
 `--staleness K,...`: one run per k (rollout.max_staleness; loss.correction token_mask for k >= 1;
 `--partial` adds a partial-rollout run of each k >= 1; `--engine vllm`: on the vLLM engine, with
@@ -14,6 +15,29 @@ the wall time of the steps after warm-up), "engine_idle_frac", "trainer_wait_fra
 over `--rounds` alternated runs (their medians; "tokens_per_s_each" every run's),
 "staleness_mean", "staleness_max", "wall_s_to_reward" (seconds from the first step until the
 step whose reward first reaches `--reward-threshold`, null if none)}.
+
+`--engine-time MODEL` (generation that does not compete with the trainers for the CPU, as on
+real hardware where it has its own devices): the engine's compute is replaced by a wall-clock
+model of a vLLM engine (bench/engine_time.py: it sleeps, the CPU stays the trainers'), while the
+rest is the real run: pipeline.Producer, its queue and staleness bound, weight versions and syncs,
+partial rollouts through multiturn.generate, the trainers' compute. The time model, per call:
+prefill `prefill_ms` a prompt token, then one decode step per position, `decode_ms +
+decode_ms_per_seq * B` for B running samples; "8b-h100" (default figures): 0.032 ms a prefill
+token, 6.18 ms + 0.297 ms x B a decode step, from a published vLLM 0.21 concurrency sweep of
+Llama-3.1-8B on one H100 (TPOT 6.48 ms at concurrency 1, 10.94 ms at 16; prefill from 2 x 8e9
+FLOP a token at half the H100's bf16 peak); "8b-a100": 0.10 ms, 12.9 ms + 0.41 ms x B (vLLM 0.23,
+Llama-3.1-8B, A100-40GB: 75 tokens/s at concurrency 1, 6.6x at 8). Sources and the response
+length model (log-normal, median max_new_tokens / 4, ~4% cut at max_new_tokens) in
+bench/engine_time.py. Speed: a synchronous calibration run at scale 1 measures the modelled
+generate seconds a step (`follow`); every run's engine then scales its time so that a step's
+generation takes the trainers' median train time over their last 4 steps (read from the run's
+metrics.jsonl), i.e. the two sides comparable, as with separate devices, whatever this
+machine's drift (`--engine-scale S`: a fixed scale instead). One JSON object: "modelled", one
+entry per (k, partial) for k in `--staleness` (default 0,1,2,4) and partial off, "recompute" and
+"keep" (k >= 1), the fields of the staleness runs plus "generate_s", "train_s" (medians a step),
+"train_frac" (train time over wall time: tokens/s with the trainers' drifting speed divided out)
+and "reprefill_tokens" (a step's mean); "verdict", the issue's targets over them; "real", the
+same sweep on the real hf engine (`--real-rounds`, default 1; 0: none).
 
 Runs `train.py --config configs/tiny.toml` under torchrun (GRPO_BENCH_LAUNCH: another
 launcher, :func:`launcher`), alternating synchronous
@@ -98,6 +122,7 @@ def ahead(rows: list[dict], k: int, partial, warmup: int, threshold: float) -> d
             "staleness_max": max(r["rollout/staleness_max"] for r in rows),
             "generate_s": med("time/generate_s"), "train_s": med("time/train_s"),
             "reprefill_tokens": statistics.mean(r.get("rollout/reprefill_tokens", 0) for r in rest),
+            "train_frac": round(sum(r["time/train_s"] for r in rest) / sum(r["time/step_s"] for r in rest), 4),
             "wall_s_to_reward": reached, "steps": len(rows)}
 
 
@@ -120,7 +145,7 @@ def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None =
     for (k, partial), runs in got.items():
         out = {"staleness": k, "partial": partial, "rounds": len(runs)}
         for key in ("tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean",
-                    "generate_s", "train_s"):
+                    "generate_s", "train_s", "train_frac"):
             out[key] = round(statistics.median(r[key] for r in runs), 4)
         out["staleness_max"] = max(r["staleness_max"] for r in runs)
         reached = [r["wall_s_to_reward"] for r in runs if r["wall_s_to_reward"] is not None]
@@ -167,6 +192,10 @@ def verdict(rows: list[dict]) -> dict:
         out = {"keep4_over_k0": round(keep4["tokens_per_s"] / tps(0, False), 3),
                "keep4_over_best_k1": round(keep4["tokens_per_s"] / best1, 3) if best1 else None,
                "keep4_engine_idle_frac": keep4["engine_idle_frac"],
+               # the same ratios on train_frac: this machine's drift of the trainers' speed divided out
+               "train_frac_keep4_over_k0": round(keep4["train_frac"] / by[(0, False)]["train_frac"], 3),
+               "train_frac_keep4_over_best_k1": round(keep4["train_frac"] / max(
+                   by[(1, p)]["train_frac"] for p in MODES if (1, p) in by), 3) if best1 else None,
                "keep4_trainer_wait_frac": keep4["trainer_wait_frac"]}
         out["met"] = {"keep4_over_k0 >= 1.5": out["keep4_over_k0"] >= 1.5,
                       "keep4_over_best_k1 >= 1.2": bool(best1) and out["keep4_over_best_k1"] >= 1.2,
@@ -174,6 +203,9 @@ def verdict(rows: list[dict]) -> dict:
                       "trainer_wait <= 0.15": keep4["trainer_wait_frac"] <= 0.15}
     out["keep_over_recompute"] = {str(k): round(tps(k, "keep") / tps(k, "recompute"), 3)
                                   for k in sorted({k for k, _ in by}) if tps(k, "keep") and tps(k, "recompute")}
+    out["keep_over_recompute_train_frac"] = {
+        k: round(by[(int(k), "keep")]["train_frac"] / by[(int(k), "recompute")]["train_frac"], 3)
+        for k in out["keep_over_recompute"]}
     return out
 
 
