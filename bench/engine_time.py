@@ -23,7 +23,8 @@ The scale: generation and training take comparable time a step, as on real hardw
 has its own devices (an 8B engine on one H100 is faster than these 2 shared CPU cores train the
 tiny model, so the scale is below 1). bench/e2e.py first measures `follow`, the modelled
 generate seconds a step at scale 1 (a synchronous run), and hands it over; the engine then sets
-`scale = median(last 4 steps' time/train_s) / follow` at each call, from the run's own
+`scale = median(last 4 steps' time/train_s) / follow` at each call (step 0 left out: its
+train time holds one-off costs, 10x a step's), from the run's own
 metrics.jsonl (rank 0 writes it; same machine). This machine's speed drifts up to 2x within
 minutes with the other jobs on it, so a scale fixed from one calibration run left the engine
 twice as fast as the trainers a few runs later; following the trainers' recent train time keeps
@@ -155,10 +156,10 @@ class _Timed:
         recent train time (module docstring); the written lines of metrics.jsonl only."""
         if self.follow is None or not self.follow[1].exists():
             return
-        lines = self.follow[1].read_text().split("\n")[:-1][-4:]  # a line being written has no newline yet
-        if lines:
-            train = statistics.median(json.loads(x)["time/train_s"] for x in lines)
-            self.timing = replace(self.timing, scale=train / self.follow[0])
+        rows = [json.loads(x) for x in self.follow[1].read_text().split("\n")[:-1]]  # a line being written has no newline yet
+        train = [r["time/train_s"] for r in rows if r["step"] >= 1][-4:]  # step 0's holds one-off costs
+        if train:
+            self.timing = replace(self.timing, scale=statistics.median(train) / self.follow[0])
 
     def _spend(self, seconds: float) -> None:
         self.modelled_s += seconds

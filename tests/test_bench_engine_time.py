@@ -94,13 +94,17 @@ def test_tokens_and_long_tailed_lengths():
 
 def test_follows_the_trainers_recent_train_time(tmp_path):
     """`follow`: the scale makes a step's modelled generation (follow s at scale 1) take the
-    median of the last 4 written steps' time/train_s; a line still being written is not read."""
+    median of the last 4 written steps' time/train_s (step 0's not: one-off costs); a line still
+    being written is not read."""
     metrics = tmp_path / "metrics.jsonl"
     e = Engine(timing=MODEL, sleep=lambda s: None, follow=(0.5, metrics))
     sp = Sampling(n=1, max_new_tokens=4)
     e.generate(PROMPTS[:1], sp, seed=0)
     assert e.timing.scale == MODEL.scale  # nothing written yet: the starting scale
-    metrics.write_text("".join(f'{{"time/train_s": {t}}}\n' for t in (9.0, 0.1, 0.2, 0.3, 0.4))
-                       + '{"time/train_s": 5')
+    metrics.write_text('{"step": 0, "time/train_s": 7.0}\n')  # step 0: one-off costs, not followed
+    e.generate(PROMPTS[:1], sp, seed=0)
+    assert e.timing.scale == MODEL.scale
+    metrics.write_text("".join(f'{{"step": {i}, "time/train_s": {t}}}\n' for i, t in enumerate((7.0, 9.0, 0.1, 0.2, 0.3, 0.4)))
+                       + '{"step": 6, "time/train_s": 5')
     e.generate(PROMPTS[:1], sp, seed=0)
     assert abs(e.timing.scale - 0.25 / 0.5) < 1e-12
