@@ -127,12 +127,13 @@ def ahead(rows: list[dict], k: int, partial, warmup: int, threshold: float) -> d
 
 
 def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None = None) -> list[dict]:
-    """Each (k, partial) of `plan` over `rounds` runs alternated with the others (this machine
-    drifts): the figures of every round's run, then their medians (`wall_s_to_reward`: the
+    """Each (k, partial) of `plan` over `rounds` runs alternated with the others, every other
+    round in reverse order (this machine drifts, and a fixed order would hand the drift to the
+    plan's last configurations): the figures of every round's run, then their medians (`wall_s_to_reward`: the
     median of those that reached it). `partial`: False, True or "recompute" / "keep"."""
     got: dict = {c: [] for c in plan}
     for i in range(a.rounds if rounds is None else rounds):
-        for k, partial in plan:
+        for k, partial in (plan if i % 2 == 0 else plan[::-1]):  # drift spread over the plan's order
             extra = [*a.engine_args, f"--rollout.max_new_tokens={a.max_new_tokens}"]
             if k:
                 extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
