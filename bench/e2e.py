@@ -11,7 +11,9 @@
 `--rollout.max_model_len=512`, which needs a generation rank of its own, `--nproc 3`), on
 `--max-new-tokens` (default 48) responses whose lengths spread as the random tiny model's EOS
 draws make them; prints for each {"staleness", "partial", "tokens_per_s" (trained tokens over
-the wall time of the steps after warm-up), "engine_idle_frac", "trainer_wait_frac" (medians),
+the wall time of the steps after warm-up), "engine_idle_frac" (median over those steps but the
+last k, where the stream is over and the engine has nothing left to make), "trainer_wait_frac"
+(median),
 over `--rounds` alternated runs (their medians; "tokens_per_s_each" every run's),
 "staleness_mean", "staleness_max", "wall_s_to_reward" (seconds from the first step until the
 step whose reward first reaches `--reward-threshold`, null if none)}.
@@ -114,9 +116,12 @@ def ahead(rows: list[dict], k: int, partial, warmup: int, threshold: float) -> d
         if reached is None and r["reward/mean"] >= threshold:
             reached = round(wall, 2)
     rest = rows[warmup:]
+    # the last k steps train what is queued while the engine, the stream over (run.steps), has
+    # nothing left to make: their idle is the run's end, not the scheduler's
+    making = rows[warmup:len(rows) - k]
     return {"staleness": k, "partial": partial,
             "tokens_per_s": round(sum(r["train/tokens"] for r in rest) / sum(r["time/step_s"] for r in rest), 1),
-            "engine_idle_frac": med("time/engine_idle_frac"),
+            "engine_idle_frac": round(statistics.median(r.get("time/engine_idle_frac", 0.0) for r in making), 4),
             "trainer_wait_frac": med("time/trainer_wait_frac"),
             "staleness_mean": round(statistics.mean(r["rollout/staleness_mean"] for r in rest), 3),
             "staleness_max": max(r["rollout/staleness_max"] for r in rows),
@@ -250,6 +255,10 @@ def main() -> None:
                     help="with --engine-time: rounds of the same sweep on the real hf engine (0: none)")
     a = ap.parse_args()
     a.engine_args = ["--rollout.engine=vllm", "--rollout.max_model_len=512"] if a.engine == "vllm" else []
+    last = max(a.staleness or [0, 1, 2, 4])
+    if (a.engine_time is not None or a.staleness is not None) and a.steps <= a.warmup + last:
+        raise SystemExit(f"--steps must exceed --warmup + the largest k ({a.warmup} + {last}): engine "
+                         "idle is the median over the steps after warm-up but the last k")
     if a.engine_time is not None:
         return engine_time_runs(a)
     if a.staleness is not None:

@@ -140,7 +140,7 @@ def test_e2e_engine_time():
     torchrun, entry = torchrun_parts(warm=True)
     e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": torchrun, "entry": entry})
     r = run(BENCH / "e2e.py", "--engine-time", "8b-h100", "--engine-scale", "0.2", "--staleness", "2",
-            "--steps", "3", "--warmup", "1", "--rounds", "1", "--real-rounds", "0", timeout=600, e=e)
+            "--steps", "4", "--warmup", "1", "--rounds", "1", "--real-rounds", "0", timeout=600, e=e)
     assert r["engine_time"]["scale"] == 0.2 and r["real"] == []
     rows = {row["partial"]: row for row in r["modelled"]}
     assert list(rows) == [False, "recompute", "keep"] and all(x["staleness"] == 2 for x in rows.values())
