@@ -18,6 +18,7 @@ from tests.util import ROOT, env, torchrun_parts
 BENCH = ROOT / "bench"
 # script -> where its smoke test is
 SMOKED = {"sync.py": "here", "step.py": "here", "e2e.py": "here", "verifier.py": "here",
+          "engine_time.py": "here (test_e2e_engine_time) + tests/test_bench_engine_time.py",
           "sync_memory.py": "here", "packing.py": "here", "colocate.py": "here",
           "vs_trl.py": "here + tests/test_bench_vs_trl.py",
           "device_check.sh": "tests/test_device_check.py"}
@@ -129,6 +130,24 @@ def test_e2e_staleness():
         assert {"tokens_per_s", "engine_idle_frac", "trainer_wait_frac", "staleness_mean",
                 "staleness_max", "wall_s_to_reward"} <= set(r) and r["tokens_per_s"] > 0
     assert rows[0]["staleness_max"] == 0 and 1 <= rows[1]["staleness_max"] <= 2
+
+
+@pytest.mark.slow
+def test_e2e_engine_time():
+    """`--engine-time`: k = 2 with partial off, "recompute" and "keep" on the modelled engine
+    (bench/engine_time.py, launched as a module through the warm launcher), one JSON object."""
+    e = env(warm=True)
+    torchrun, entry = torchrun_parts(warm=True)
+    e["GRPO_BENCH_LAUNCH"] = json.dumps({"torchrun": torchrun, "entry": entry})
+    r = run(BENCH / "e2e.py", "--engine-time", "8b-h100", "--engine-scale", "0.2", "--staleness", "2",
+            "--steps", "4", "--warmup", "1", "--rounds", "1", "--real-rounds", "0", timeout=600, e=e)
+    assert r["engine_time"]["scale"] == 0.2 and r["real"] == []
+    rows = {row["partial"]: row for row in r["modelled"]}
+    assert list(rows) == [False, "recompute", "keep"] and all(x["staleness"] == 2 for x in rows.values())
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and 0 <= row["engine_idle_frac"] <= 1 and row["staleness_max"] <= 2
+    assert rows["keep"]["reprefill_tokens"] == 0 and rows[False]["reprefill_tokens"] == 0
+    assert set(r["verdict"]["keep_over_recompute"]) == {"2"}
 
 
 @pytest.mark.slow
