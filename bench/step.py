@@ -123,7 +123,10 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--image-px", type=int, default=112)
     ap.add_argument("--bf16", action="store_true", help="FSDP2 bf16 mixed precision")
-    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--checkpointing", nargs="?", const="full", default="off",
+                    choices=["full", "selective", "off"],
+                    help="model.activation_checkpointing (alone: full)")
+    ap.add_argument("--compile", action="store_true", help="model.compile: each decoder layer compiled")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float)
@@ -160,11 +163,13 @@ def run_one(a, lora_rank: int) -> None:
     from PIL import Image
     from torch.distributed.device_mesh import DeviceMesh
 
+    import config as C
     import device as D
     import families as F
     import inputs as I
     import loss as L
     import model as M
+    import trainer
     import world as W
     from tests.util import CheckpointCounter
 
@@ -192,10 +197,10 @@ def run_one(a, lora_rank: int) -> None:
     n_text, n_vis = count_params(model)
     flops_model = model
     if lora_rank:  # as trainer.build: adapters on the language model's linear layers
-        import config as C
         import lora
         model = lora.add_lora(model, C.ModelConfig(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank))
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
+    trainer.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
     M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(model)
@@ -385,6 +390,7 @@ def run_grpo(a) -> dict:
 
     import device as D
     import microbatches as MB
+    import config as C
     import model as M
     import trainer as T
     import world as W
@@ -400,6 +406,7 @@ def run_grpo(a) -> dict:
     model = grpo_model(a.model, path, device)
     layout = MB.resolve_layout(cfg.train, procs, path, device)[0]  # as train.set_up decides it
     model.set_attn_implementation(M.attention_for(layout.packed))
+    T.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
     policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(policy)
@@ -432,7 +439,7 @@ def run_grpo(a) -> dict:
     K = len(shapes)
     out = {"mode": "grpo", "model": a.model, "device": D.device_name(dev),
            "dtype": "bf16-mixed" if a.bf16 else "fp32", "checkpointing": a.checkpointing,
-           "layout": layout.packed or "padded",
+           "compile": a.compile, "layout": layout.packed or "padded",
            "adamw": D.TABLE[dev.kind].adamw, "episodes": len(eps), "micro_batches": K,
            "micro_batch_tokens": a.mb_tokens,
            "tokens": sum(b["tokens"] for b in shapes), "predicted_tokens": sum(b["predicted"] for b in shapes),

@@ -50,7 +50,7 @@ def test_one_call_per_block_equals_one_call_per_window(tmp_path, t):
 
 def test_windows_pads_to_the_longest_and_puts_each_row_back():
     w = A.windows([0, 4, 4, 6, 9], torch.device("cpu"))  # an empty window is dropped
-    assert w.idx.tolist() == [[0, 1, 2, 3], [4, 5, 5, 5], [6, 7, 8, 8]]
+    assert w.idx.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [6, 7, 8, 8]]  # past a window: masked
     assert w.keep[:, 0, 0].tolist() == [[True] * 4, [True, True, False, False], [True, True, True, False]]
     assert w.where.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
     assert A.windows([0, 7], torch.device("cpu")).idx is None
