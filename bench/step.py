@@ -20,7 +20,10 @@ FLOPs per step (forward + backward = 3 x forward), counted as matmul FLOPs only:
 MFU = FLOPs / step time / peak. Peak: `--peak-tflops`, else a table by device name (H200/H100
 bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object, with
 `checkpoint_calls_per_step`: the layer forwards recomputed during the backward of one step
-(vision blocks + decoder layers with `--checkpointing`; 0 means checkpointing is not active).
+(the decoder layers with `--checkpointing [full|selective]`; the vision tower is never
+recomputed; 0 means checkpointing is not active). `--compile`: each decoder layer under
+torch.compile (`model.compile`). Both as trainer.build applies them (trainer.fewer_launches,
+model.apply_fsdp).
 
 `--lora-rank R`: the step twice, side by side in one JSON object, each in a process of its own
 (so each peak is its own): every parameter training, and LoRA of rank R on every linear layer of
