@@ -175,24 +175,29 @@ class Windows:
     """The sequences of one vision forward's `cu_seqlens` (its windows, or its whole images),
     padded to the longest for one batched call: `idx` [n, L] each sequence's rows (clamped into
     the S rows), `keep` [n, 1, 1, L] its real keys (None: none padded), `where` [S] each row's
-    place in the call's flattened [n * L] output; `idx` and `where` None for one sequence."""
+    place in the call's flattened [n * L] output; `idx` and `where` None for one sequence. For a
+    varlen kernel (device.varlen_attention): `cu` the bounds (int32) and `longest` = L."""
     idx: torch.Tensor | None
     keep: torch.Tensor | None
     where: torch.Tensor | None
+    cu: torch.Tensor
+    longest: int
 
 
 def windows(cu: list[int], device: torch.device) -> Windows:
     """:class:`Windows` of cumulative sequence bounds `cu` ([0, ..., S]; empty sequences dropped)."""
     lens = [b - a for a, b in zip(cu, cu[1:]) if b > a]
     starts = [a for a, b in zip(cu, cu[1:]) if b > a]
-    if len(lens) == 1:
-        return Windows(None, None, None)
     n, L, S = len(lens), max(lens), cu[-1]
+    bounds = torch.tensor([0, *starts[1:], S], dtype=torch.int32, device=device)
+    if n == 1:
+        return Windows(None, None, None, bounds, L)
     ar, lt, st = torch.arange(L), torch.tensor(lens), torch.tensor(starts)
     idx = (st[:, None] + ar[None, :]).clamp(max=S - 1)
     keep = None if min(lens) == L else (ar[None, :] < lt[:, None])[:, None, None, :]
     where = torch.repeat_interleave(torch.arange(n) * L - st, lt) + torch.arange(S)
-    return Windows(idx.to(device), None if keep is None else keep.to(device), where.to(device))
+    return Windows(idx.to(device), None if keep is None else keep.to(device), where.to(device),
+                   bounds, L)
 
 
 class WindowPlans:
@@ -228,7 +233,9 @@ def one_call_vision(model) -> bool:
 
 def vision_forward(module, rotary, plans: WindowPlans):
     """A vision attention module's forward: hidden [S, dim] -> [S, dim], each row attending to
-    the rows of its sequence in `cu_seqlens` (no mask within one), as transformers' own."""
+    the rows of its sequence in `cu_seqlens` (no mask within one), as transformers' own: one
+    varlen kernel call where the device has one (device.varlen_attention), else one SDPA call
+    over the sequences padded to the longest."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings=None,
@@ -237,6 +244,9 @@ def vision_forward(module, rotary, plans: WindowPlans):
         q, k, v = module.qkv(hidden_states).reshape(S, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = rotary(q, k, *position_embeddings)                             # [S, H, D]
         w = plans(cu_seqlens)
+        varlen = D.varlen_attention(q.device.type, q.dtype)
+        if varlen is not None and w.idx is not None:  # no padding: the kernel takes the bounds
+            return module.proj(varlen(q, k, v, w.cu, w.cu, w.longest, w.longest).reshape(S, -1))
         if w.idx is None:  # one sequence: the rows as they are
             out = sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=module.scaling)
             return module.proj(out[0].transpose(0, 1).reshape(S, -1))

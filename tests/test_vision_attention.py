@@ -54,3 +54,27 @@ def test_windows_pads_to_the_longest_and_puts_each_row_back():
     assert w.keep[:, 0, 0].tolist() == [[True] * 4, [True, True, False, False], [True, True, True, False]]
     assert w.where.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
     assert A.windows([0, 7], torch.device("cpu")).idx is None
+
+
+def test_a_varlen_kernel_gets_the_bounds_and_the_longest_window(tmp_path, monkeypatch):
+    """Where the device has a varlen kernel (CUDA, half precision: device.varlen_attention) the
+    block's one call is that kernel's, given every window's bounds and the longest; here a
+    reference kernel (one SDPA per sequence) stands in for it, and the features are unchanged."""
+    import device as D
+    model = M.load_model(str(F.build_tiny(tmp_path / "t"))).train()
+    pixels, grid = _pixels(model, [(1, 16, 12), (1, 8, 20)])
+    want = _features(model, pixels, grid)
+    seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k):
+        seen.append((cu_q.tolist(), max_q))
+        assert cu_q is cu_k and max_q == max_k and cu_q.dtype == torch.int32
+        b = cu_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[s:e].transpose(0, 1) for t in (q, k, v))).transpose(0, 1) for s, e in zip(b, b[1:])])
+    monkeypatch.setattr(D, "varlen_attention", lambda device_type, dtype: kernel)
+    assert A.one_call_vision(model)
+    got = _features(model, pixels, grid)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    windowed = [s for s in seen if len(s[0]) > 3]
+    assert windowed and all(m == max(b - a for a, b in zip(c, c[1:])) for c, m in seen)
