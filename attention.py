@@ -195,7 +195,7 @@ def windows(cu: list[int], device: torch.device) -> Windows:
     ar, lt, st = torch.arange(L), torch.tensor(lens), torch.tensor(starts)
     idx = (st[:, None] + ar[None, :]).clamp(max=S - 1)
     keep = None if min(lens) == L else (ar[None, :] < lt[:, None])[:, None, None, :]
-    where = torch.repeat_interleave(torch.arange(n) * L - st, lt) + torch.arange(S)
+    where = torch.repeat_interleave(torch.arange(n) * L - st, lt, output_size=S) + torch.arange(S)  # no .item()
     return Windows(idx.to(device), None if keep is None else keep.to(device), where.to(device),
                    bounds, L)
 
