@@ -169,4 +169,91 @@ def pairs(p: Plan) -> int:
     return sum(c.q.numel() * c.k.shape[1] for row in p.calls for c in row)
 
 
+# ----------------------------------------------------------------------------- the vision tower
+@dataclass(frozen=True)
+class Windows:
+    """The sequences of one vision forward's `cu_seqlens` (its windows, or its whole images),
+    padded to the longest for one batched call: `idx` [n, L] each sequence's rows (clamped into
+    the S rows), `keep` [n, 1, 1, L] its real keys (None: none padded), `where` [S] each row's
+    place in the call's flattened [n * L] output; `idx` and `where` None for one sequence. For a
+    varlen kernel (device.varlen_attention): `cu` the bounds (int32) and `longest` = L."""
+    idx: torch.Tensor | None
+    keep: torch.Tensor | None
+    where: torch.Tensor | None
+    cu: torch.Tensor
+    longest: int
+
+
+def windows(cu: list[int], device: torch.device) -> Windows:
+    """:class:`Windows` of cumulative sequence bounds `cu` ([0, ..., S]; empty sequences dropped)."""
+    lens = [b - a for a, b in zip(cu, cu[1:]) if b > a]
+    starts = [a for a, b in zip(cu, cu[1:]) if b > a]
+    n, L, S = len(lens), max(lens), cu[-1]
+    bounds = torch.tensor([0, *starts[1:], S], dtype=torch.int32, device=device)
+    if n == 1:
+        return Windows(None, None, None, bounds, L)
+    ar, lt, st = torch.arange(L), torch.tensor(lens), torch.tensor(starts)
+    idx = (st[:, None] + ar[None, :]).clamp(max=S - 1)
+    keep = None if min(lens) == L else (ar[None, :] < lt[:, None])[:, None, None, :]
+    where = torch.repeat_interleave(torch.arange(n) * L - st, lt, output_size=S) + torch.arange(S)  # no .item()
+    return Windows(idx.to(device), None if keep is None else keep.to(device), where.to(device),
+                   bounds, L)
+
+
+class WindowPlans:
+    """One tower's :class:`Windows` by `cu_seqlens` tensor: built on its first block (one copy
+    to the host per forward and kind of block, windowed or full), reused by the others."""
+
+    def __init__(self, keep: int = 4):
+        self.plans: list[tuple[torch.Tensor, Windows]] = []
+        self.keep = keep
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> Windows:
+        for t, w in self.plans:
+            if t is cu_seqlens:
+                return w
+        w = windows(cu_seqlens.tolist(), cu_seqlens.device)
+        self.plans = [(cu_seqlens, w), *self.plans][:self.keep]  # the tensor held: its id stays its
+        return w
+
+
+def one_call_vision(model) -> bool:
+    """Replace the forward of `model`'s vision attention modules (families.vision_attentions)
+    by :func:`vision_forward`: every window (or image) of a block in one SDPA call, padded to
+    the longest and masked, instead of transformers' one call per window after a `.tolist()` of
+    its lengths in every block. Not for a flash (varlen) tower, whose one call per block is
+    transformers' own. Returns whether it replaced any."""
+    import families as F
+    mods = [m for m in F.vision_attentions(model) if "flash" not in (m.config._attn_implementation or "")]
+    plans = WindowPlans()
+    for m in mods:
+        m.forward = vision_forward(m, F.vision_rotary(m), plans)
+    return bool(mods)
+
+
+def vision_forward(module, rotary, plans: WindowPlans):
+    """A vision attention module's forward: hidden [S, dim] -> [S, dim], each row attending to
+    the rows of its sequence in `cu_seqlens` (no mask within one), as transformers' own: one
+    varlen kernel call where the device has one (device.varlen_attention), else one SDPA call
+    over the sequences padded to the longest."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings=None,
+                **_kwargs) -> torch.Tensor:
+        S = hidden_states.shape[0]
+        q, k, v = module.qkv(hidden_states).reshape(S, 3, module.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = rotary(q, k, *position_embeddings)                             # [S, H, D]
+        w = plans(cu_seqlens)
+        varlen = D.varlen_attention(q.device.type, q.dtype)
+        if varlen is not None and w.idx is not None:  # no padding: the kernel takes the bounds
+            return module.proj(varlen(q, k, v, w.cu, w.cu, w.longest, w.longest).reshape(S, -1))
+        if w.idx is None:  # one sequence: the rows as they are
+            out = sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=module.scaling)
+            return module.proj(out[0].transpose(0, 1).reshape(S, -1))
+        q, k, v = (t[w.idx].transpose(1, 2) for t in (q, k, v))               # [n, H, L, D]
+        out = sdpa(q, k, v, attn_mask=w.keep, scale=module.scaling)           # [n, H, L, D]
+        return module.proj(out.transpose(1, 2).flatten(0, 1)[w.where].reshape(S, -1))
+    return forward
+
+
 AttentionInterface.register(NAME, segments_attention)

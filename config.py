@@ -128,7 +128,12 @@ class ModelConfig:
     min_pixels: int = num(56 * 56, ">= 1")   # image pixel bounds, shared by the trainer's processor and every engine
     max_pixels: int = num(112 * 112, ">= 1")
     mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
-    activation_checkpointing: bool = False   # trainer: recompute activations in backward
+    # trainer: recompute the decoder layers' activations in backward: "full" (= true: every op of
+    # every layer), "selective" (all but the matmuls' and attention's outputs, which stay saved),
+    # "off" (= false); the vision tower is never recomputed (model.checkpointing_options)
+    activation_checkpointing: bool | str = one_of(False, (False, True, "full", "selective", "off"))
+    # trainer: torch.compile each decoder layer (fewer launches per layer; the first step compiles)
+    compile: bool = False
     # LoRA (the peft library): 0 = off, every parameter trains. > 0: the base model is frozen and
     # low-rank adapters of this rank train (optimizer state for them only); the reference for
     # loss.kl_coef is the same model with its adapters disabled (no second copy); the engines get

@@ -311,6 +311,20 @@ def chunk_vision(model, limit: int | None) -> bool:
     return True
 
 
+def varlen_attention(device_type: str, dtype: torch.dtype):
+    """torch's variable-length attention, (q, k, v [T, H, D], cu_seq_q, cu_seq_k, max_q, max_k)
+    -> [T, H, D] without a mask, where the device has it: CUDA's flash kernels
+    (torch.nn.attention.varlen, half precision only); else None (attention.vision_forward: one
+    padded SDPA call). NPU's vision tower runs transformers' flash path (chunk_vision)."""
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 def _cat(parts: list):
     """One call's output field from the chunks' (tensors: concatenated; lists: per entry)."""
     if isinstance(parts[0], torch.Tensor):

@@ -221,6 +221,46 @@ def is_vlm(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def vision_tower(model):
+    """The vision tower module of `model` (every family's `visual`, at the top or under `.model`;
+    through FSDP2 and PEFT wrappers, whose modules are the model's own), or None (a text model)."""
+    for m in model.modules():
+        tower = getattr(m, "visual", None)
+        if tower is not None:
+            return tower
+    return None
+
+
+def vision_checkpointing_off(model) -> None:
+    """After transformers' gradient_checkpointing_enable: the vision tower's blocks run their
+    forward once (their activations are small beside the decoder's at these image sizes, and
+    recomputing them re-launches every operator of 32 blocks)."""
+    tower = vision_tower(model)
+    for m in tower.modules() if tower is not None else ():
+        if hasattr(m, "gradient_checkpointing"):
+            m.gradient_checkpointing = False
+
+
+# the vision towers' attention modules whose forward attention.one_call_vision replaces: each
+# projects qkv [S, 3, heads, D], rotates q and k with its module's apply_rotary_pos_emb_vision,
+# attends within each sequence of cu_seqlens (its windows, or its images) and projects back
+VISION_ATTENTIONS = frozenset({"VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
+                               "Qwen3VLMoeVisionAttention", "Qwen3_5VisionAttention",
+                               "Qwen3_5MoeVisionAttention"})
+
+
+def vision_attentions(model) -> list:
+    """The vision tower's attention modules of `model` ([] for a text model)."""
+    tower = vision_tower(model)
+    return [m for m in tower.modules() if type(m).__name__ in VISION_ATTENTIONS] if tower is not None else []
+
+
+def vision_rotary(attention) -> Callable:
+    """The rotary function (q, k, cos, sin) -> (q, k) of a vision attention module's family."""
+    import sys
+    return sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
+
+
 def auto_class(config):
     """transformers' Auto class for `config`: image-text-to-text for a VLM, else causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

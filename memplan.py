@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import families as F
 from errors import ConfigError
 from head import CHUNK_BYTES
+from model import checkpointing_mode
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -75,7 +76,12 @@ def terms(cfg, shape: Shape, trainers: int) -> dict[str, float]:
     tokens = tc.micro_batch_tokens or tc.micro_batch_size * (cfg.data.max_prompt_len + ro.max_new_tokens)
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     layer_act = compute * tokens * (7 * h + 2 * kv + 4 * shape.intermediate)
-    act = (shape.layers * compute * tokens * h + layer_act if mc.activation_checkpointing
+    # kept per layer: its input ("full"), and with "selective" the matmuls' and attention's outputs
+    # too (q, k, v, attention, o, gate, up, down); every activation of every layer ("off"); one
+    # layer's during its recompute
+    saved = {"full": h, "selective": 5 * h + 2 * kv + 2 * shape.intermediate}
+    mode = checkpointing_mode(mc.activation_checkpointing)
+    act = (shape.layers * compute * tokens * saved[mode] + layer_act if mode != "off"
            else shape.layers * layer_act)
     engine_weights = shape.params * BYTES[mc.dtype]
     rows = ro.prompts_per_step // max(1, len_gens(cfg, trainers)) * ro.group_size
@@ -128,8 +134,9 @@ def knob(phase: str, parts: dict[str, float], cfg, room: float) -> str:
         return f"lower rollout.gpu_memory_utilization (at most {room / share * cfg.rollout.gpu_memory_utilization:.2f} fits)"
     big = max((k for k in parts if not k.startswith("engine (")), key=parts.get)
     if big == "activations":
-        return ("lower train.micro_batch_tokens (or set model.activation_checkpointing = true)"
-                if cfg.model.activation_checkpointing is False else "lower train.micro_batch_tokens")
+        return ("lower train.micro_batch_tokens (or set model.activation_checkpointing = \"full\")"
+                if checkpointing_mode(cfg.model.activation_checkpointing) != "full"
+                else "lower train.micro_batch_tokens")
     if big in ("kv cache (hf)", "logits (hf)"):
         return "lower rollout.prompts_per_step or rollout.max_new_tokens (or use rollout.engine = 'vllm')"
     return "set model.lora_rank > 0 (LoRA), or launch more ranks"

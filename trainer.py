@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import attention as A
 import families
 import device as D
 import inputs as I
@@ -65,8 +66,8 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     # packed rows: one row per micro-batch, for attention.py's kernel ("segments") or
     # flash_attention_2's varlen path ("varlen")
     attention = M.attention_for(layout.packed)
-    policy = M.model_from_config(model_path, meta=True, device_type=device.type,
-                                 attention=attention)  # skeleton
+    policy = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
+                                                attention=attention), mc)  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
         policy = lora.add_lora(policy, mc, cfg.run.seed)
         full = lora.add_lora(full, mc, cfg.run.seed) if full is not None else None
@@ -80,7 +81,8 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
-        skeleton = M.model_from_config(model_path, meta=True, device_type=device.type, attention=attention)
+        skeleton = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
+                                                      attention=attention), mc)
         ref = M.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
@@ -89,7 +91,8 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     if folder:  # frozen like the reference; routed its own way (no replay hooks on it)
         if teacher_full is None and world.trainer_index == 0:
             teacher_full = M.load_model(folder, dtype=torch.float32)
-        skeleton = M.model_from_config(folder, meta=True, device_type=device.type, attention=attention)
+        skeleton = fewer_launches(M.model_from_config(folder, meta=True, device_type=device.type,
+                                                      attention=attention), mc)
         teacher = M.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
                                      world.train_group, mixed_precision=mc.mixed_precision or bf16).eval()
         teacher.requires_grad_(False)
@@ -107,6 +110,20 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     return Trainer(policy, ref, opt, sched, sender, device, layout,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref,
                    teacher=teacher, base_teacher=mc.teacher_path == "base")
+
+
+def fewer_launches(model, mc: ModelConfig):
+    """`model` as the trainer runs it: its vision blocks' windows in one attention call each
+    (attention.one_call_vision) and, with `model.compile`, each decoder layer compiled by
+    torch.compile (before FSDP2 wraps it, as torchtitan orders them; the first forward of each
+    new shape compiles)."""
+    A.one_call_vision(model)
+    if mc.compile:
+        tower = families.vision_tower(model)
+        for layer in M.fsdp_units(model):
+            if layer is not tower:
+                layer.compile()
+    return model
 
 
 def params_to(model, dtype: torch.dtype):

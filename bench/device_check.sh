@@ -25,16 +25,20 @@
 #             logprob_diff/max (engine fp32 vs trainer bf16 compute: about 1e-2 is expected).
 # step        bench/step.py on Qwen2.5-VL-3B's architecture at random init (nothing
 #             downloaded), seq 2048, bf16, activation checkpointing: tokens/s, MFU, peak memory,
-#             and checkpoint calls per step (layer forwards recomputed in backward: 32 vision
-#             blocks + 36 decoder layers = 68 when checkpointing works, 0 when it does not).
+#             and checkpoint calls per step (layer forwards recomputed in backward: the 36
+#             decoder layers when checkpointing works, 0 when it does not; the vision tower is
+#             never recomputed).
 # grpo        bench/step.py --grpo: one optimizer step as update.py runs it at the reference
 #             shapes (GRPO_PROMPTS Geometry3K-like prompts x 4 responses <= 512 tokens, images at
 #             vl3b.toml's pixel bounds, micro-batches of a 2048-token budget, the device's layout),
 #             Qwen2.5-VL-3B's architecture, bf16, no activation checkpointing: forward+backward
 #             MFU apart from the optimizer's time, peak memory per phase, aten operators and host
 #             syncs per micro-batch (torch.profiler).
-# grpo_ckpt   the same with activation checkpointing. (No torch.compile variant: the trainer has
-#             no `model.compile` option yet.)
+# grpo_ckpt   the same with activation checkpointing ("full": every decoder layer recomputed).
+# grpo_sel    the same with selective checkpointing (model.activation_checkpointing = "selective":
+#             the matmuls' and attention's outputs kept, the rest recomputed).
+# grpo_compile the same without checkpointing, each decoder layer under torch.compile
+#             (model.compile; the first pass compiles: its warm-up step is not timed).
 # head        bench/step.py --head HEAD_TOKENS: the LM head's peak memory, forward + backward, at
 #             the 151,936-token vocabulary, chunked (head.py) against the full [N, V] computation.
 # colocate    bench/colocate.py: a colocated step in a world of one, the HF engine and a trainer
@@ -45,7 +49,7 @@
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
 # CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), GRPO_PROMPTS (8; 1 on CPU),
 # HEAD_TOKENS (8192; 64 on CPU), STEPS (the steps to run, in this order; default all:
-# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head colocate"; e.g. STEPS=step to rerun one on
+# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile head colocate"; e.g. STEPS=step to rerun one on
 # a short lease).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -98,7 +102,7 @@ if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/version
   exit 3
 fi
 
-ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt head colocate"
+ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile head colocate"
 STEPS=${STEPS:-$ALL_STEPS}
 for name in $STEPS; do
   case " $ALL_STEPS " in *" $name "*) ;;
@@ -132,6 +136,10 @@ stage step 150 "$PY" bench/step.py --model "$STEP_MODEL" --seq-len "$STEP_SEQ" -
 stage grpo 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 "${GRPO_SIZE[@]}"
 stage grpo_ckpt 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
   --checkpointing "${GRPO_SIZE[@]}"
+stage grpo_sel 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
+  --checkpointing selective "${GRPO_SIZE[@]}"
+stage grpo_compile 300 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
+  --compile "${GRPO_SIZE[@]}"
 stage head 120 "$PY" bench/step.py --head "$HEAD_TOKENS"
 stage colocate 180 "$PY" bench/colocate.py --model "${STEP_MODEL%-depth}" "${COLOC_SIZE[@]}"
 
@@ -168,7 +176,8 @@ print(json.dumps({
     "logprob_diff/max": d["logprob_diff/max"] if d else None,
     "step": step, "demo": d, "demo_packed": demo("demo_packed"),
     "pack_3b": last_json("pack_3b"), "pack_tiny": last_json("pack_tiny"),
-    "grpo": last_json("grpo"), "grpo_ckpt": last_json("grpo_ckpt"), "head": last_json("head"),
+    "grpo": last_json("grpo"), "grpo_ckpt": last_json("grpo_ckpt"),
+    "grpo_sel": last_json("grpo_sel"), "grpo_compile": last_json("grpo_compile"), "head": last_json("head"),
     "colocate": last_json("colocate"),
 }))
 EOF

@@ -20,7 +20,10 @@ FLOPs per step (forward + backward = 3 x forward), counted as matmul FLOPs only:
 MFU = FLOPs / step time / peak. Peak: `--peak-tflops`, else a table by device name (H200/H100
 bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object, with
 `checkpoint_calls_per_step`: the layer forwards recomputed during the backward of one step
-(vision blocks + decoder layers with `--checkpointing`; 0 means checkpointing is not active).
+(the decoder layers with `--checkpointing [full|selective]`; the vision tower is never
+recomputed; 0 means checkpointing is not active). `--compile`: each decoder layer under
+torch.compile (`model.compile`). Both as trainer.build applies them (trainer.fewer_launches,
+model.apply_fsdp).
 
 `--lora-rank R`: the step twice, side by side in one JSON object, each in a process of its own
 (so each peak is its own): every parameter training, and LoRA of rank R on every linear layer of
@@ -123,7 +126,10 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--image-px", type=int, default=112)
     ap.add_argument("--bf16", action="store_true", help="FSDP2 bf16 mixed precision")
-    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--checkpointing", nargs="?", const="full", default="off",
+                    choices=["full", "selective", "off"],
+                    help="model.activation_checkpointing (alone: full)")
+    ap.add_argument("--compile", action="store_true", help="model.compile: each decoder layer compiled")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float)
@@ -160,11 +166,13 @@ def run_one(a, lora_rank: int) -> None:
     from PIL import Image
     from torch.distributed.device_mesh import DeviceMesh
 
+    import config as C
     import device as D
     import families as F
     import inputs as I
     import loss as L
     import model as M
+    import trainer
     import world as W
     from tests.util import CheckpointCounter
 
@@ -192,10 +200,10 @@ def run_one(a, lora_rank: int) -> None:
     n_text, n_vis = count_params(model)
     flops_model = model
     if lora_rank:  # as trainer.build: adapters on the language model's linear layers
-        import config as C
         import lora
         model = lora.add_lora(model, C.ModelConfig(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank))
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
+    trainer.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
     M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(model)
@@ -385,6 +393,7 @@ def run_grpo(a) -> dict:
 
     import device as D
     import microbatches as MB
+    import config as C
     import model as M
     import trainer as T
     import world as W
@@ -400,6 +409,7 @@ def run_grpo(a) -> dict:
     model = grpo_model(a.model, path, device)
     layout = MB.resolve_layout(cfg.train, procs, path, device)[0]  # as train.set_up decides it
     model.set_attn_implementation(M.attention_for(layout.packed))
+    T.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
     policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(policy)
@@ -432,7 +442,7 @@ def run_grpo(a) -> dict:
     K = len(shapes)
     out = {"mode": "grpo", "model": a.model, "device": D.device_name(dev),
            "dtype": "bf16-mixed" if a.bf16 else "fp32", "checkpointing": a.checkpointing,
-           "layout": layout.packed or "padded",
+           "compile": a.compile, "layout": layout.packed or "padded",
            "adamw": D.TABLE[dev.kind].adamw, "episodes": len(eps), "micro_batches": K,
            "micro_batch_tokens": a.mb_tokens,
            "tokens": sum(b["tokens"] for b in shapes), "predicted_tokens": sum(b["predicted"] for b in shapes),

@@ -31,8 +31,8 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     for key in ("peak_memory_gb", "tokens_per_s", "mfu", "checkpoint_calls_per_step",
                 "logprob_diff/max", "versions", "step", "demo"):
         assert key in r, key
-    assert r["checkpoint_calls_per_step"] == 4   # tiny model: 2 vision blocks + 2 decoder layers
-    assert r["step"]["dtype"] == "bf16-mixed" and r["step"]["checkpointing"] is True
+    assert r["checkpoint_calls_per_step"] == 2   # tiny model: 2 decoder layers (the tower: never)
+    assert r["step"]["dtype"] == "bf16-mixed" and r["step"]["checkpointing"] == "full"
     assert r["demo"]["steps"] == 4 and 0 < r["logprob_diff/max"] < 0.1  # bf16 trainer vs fp32 engine
     assert r["tokens_per_s"] > 0 and r["versions"]["PIL"] and r["failed"] == []
     # packed rows: exact against padded (fp32) and in the demo's logprob parity
@@ -40,11 +40,13 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     assert r["pack_3b"]["workload"]["model"] == "3b qwen2_5_vl, 1 layer(s)"
     assert r["pack_3b"]["packed"]["padding_frac"] == 0.0
     assert r["demo_packed"]["steps"] == 4 and r["demo_packed"]["logprob_diff/max"] <= 1e-4
-    # the GRPO step, checkpointing off and on (tiny: 2 vision blocks + 2 decoder layers recomputed
-    # per micro-batch), and the head's peak chunked against full
-    g, gc = r["grpo"], r["grpo_ckpt"]
-    assert g["mode"] == gc["mode"] == "grpo" and g["dtype"] == "bf16-mixed" and gc["checkpointing"]
-    assert g["checkpoint_calls_per_step"] == 0 and gc["checkpoint_calls_per_step"] == 4 * gc["micro_batches"]
+    # the GRPO step, checkpointing off, full and selective (tiny: 2 decoder layers recomputed per
+    # micro-batch), compiled, and the head's peak chunked against full
+    g, gc, gs, gk = r["grpo"], r["grpo_ckpt"], r["grpo_sel"], r["grpo_compile"]
+    assert g["mode"] == gc["mode"] == "grpo" and g["dtype"] == "bf16-mixed"
+    assert (g["checkpointing"], gc["checkpointing"], gs["checkpointing"]) == ("off", "full", "selective")
+    assert g["checkpoint_calls_per_step"] == 0 and gc["checkpoint_calls_per_step"] == 2 * gc["micro_batches"]
+    assert gs["checkpoint_calls_per_step"] == 2 * gs["micro_batches"] and gk["compile"] and not g["compile"]
     assert g["aten_ops_per_microbatch"] > 0 and g["forward_backward_s"] > 0 and g["optimizer_s"] > 0
     assert r["head"]["tokens"] == 64 and 0 < r["head"]["head_peak_mb"] and 0 < r["head"]["head_peak_mb_full"]
     # the colocated step: both phases ran, its figures present (memory: 0 on CPU)

@@ -54,8 +54,12 @@ def test_loads_strictly_with_its_own_class_and_text_models_build_no_vision(tiny_
     assert procs.vision == vision == F.is_vlm(model.config)
     assert any("visual" in n for n, _ in model.named_parameters()) == vision
     assert (M.rope_index_fn(model) is not None) == vision              # mRoPE iff a VLM
-    units = M.fsdp_units(model)
-    assert units and all(type(u).__name__ in model._no_split_modules for u in units)
+    units, tower = M.fsdp_units(model), F.vision_tower(model)
+    assert (tower is not None) == vision
+    layers = [u for u in units if u is not tower]  # the decoder layers, a unit each
+    assert len(layers) == model.config.get_text_config().num_hidden_layers
+    assert all(type(u).__name__ in model._no_split_modules for u in layers)
+    assert units == ([tower] if vision else []) + layers  # the tower one unit, its blocks inside it
     assert procs.packs_exactly == (not F.get(t).linear_attention)
 
 

@@ -184,7 +184,8 @@ def test_without_lora_the_kl_reference_is_a_second_copy(one_rank_world, tiny_dir
 
 def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, tiny_dir):
     """FSDP2 with bf16 compute and activation checkpointing, as without LoRA: every decoder layer
-    and vision block recomputed in backward, gradients on the adapters only, fp32 masters."""
+    recomputed in backward (the vision tower never is), gradients on the adapters only, fp32
+    masters."""
     path = tiny_dir("qwen2_5_vl")
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     tr = T.build(path, one_rank_world, CPU,
@@ -194,7 +195,7 @@ def test_mixed_precision_and_checkpointing_over_the_frozen_base(one_rank_world, 
     batch = I.collate(eps, images, procs, CPU)
     lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
     (lp * batch.response_mask).sum().backward()
-    assert (count.calls, count.recomputes) == (4, 4)
+    assert (count.calls, count.recomputes) == (2, 2)
     for n, p in tr.policy.named_parameters():
         assert p.dtype == torch.float32 and (p.grad is not None) == (".lora_" in n), n
 

@@ -155,31 +155,36 @@ def _batch(tiny, n: int = 2):
     return I.collate(eps, [p.images for p in problems], procs, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing", [True, "selective", False])
 def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, checkpointing):
     """trainer.build's policy is in train mode, so with model.activation_checkpointing every
-    vision block and decoder layer (2 + 2 in the tiny model) goes through the checkpoint function
-    and is recomputed during backward; train-mode logprobs equal eval-mode ones bitwise."""
+    decoder layer (2 in the tiny model; the vision tower never) goes through the checkpoint
+    function and is recomputed during backward ("selective": its non-matmul ops); the logprobs
+    and gradients equal those without checkpointing, train-mode logprobs eval-mode ones bitwise."""
     import config as C
     import trainer as T
     path, procs = tiny
     tokens = procs.tokens
-    mc = C.ModelConfig(activation_checkpointing=checkpointing)
-    tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
-    assert tr.policy.training
-    count = CheckpointCounter(tr.policy)
-    batch = _batch(tiny)
-    lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
-    layers = 4 if checkpointing else 0
-    assert (count.calls, count.recomputes) == (layers, 0)
-    (lp * batch.response_mask).sum().backward()
-    assert (count.calls, count.recomputes) == (layers, layers)
-    assert all(p.grad is not None for p in tr.policy.parameters() if p.requires_grad)
-    tr.policy.eval()
-    with torch.no_grad():
-        lp_eval, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
-    assert count.calls == layers  # eval mode: no checkpointing
-    assert torch.equal(lp.detach(), lp_eval)
+    batch, grads = _batch(tiny), []
+    for mode in (checkpointing, False):
+        mc = C.ModelConfig(activation_checkpointing=mode)
+        tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
+        assert tr.policy.training
+        count = CheckpointCounter(tr.policy)
+        lp, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
+        layers = 2 if mode else 0
+        assert (count.calls, count.recomputes) == (layers, 0)
+        (lp * batch.response_mask).sum().backward()
+        assert (count.calls, count.recomputes) == (layers, layers)
+        assert all(p.grad is not None for p in tr.policy.parameters() if p.requires_grad)
+        grads.append([p.grad.full_tensor() for p in tr.policy.parameters()])
+        tr.policy.eval()
+        with torch.no_grad():
+            lp_eval, _ = M.sequence_logprobs(tr.policy, batch, tokens, 1.0)
+        assert count.calls == layers  # eval mode: no checkpointing
+        assert torch.equal(lp.detach(), lp_eval)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_attention_dropout_is_refused_at_load(tmp_path):
@@ -278,3 +283,24 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
     e = E.Episode(problem.index, 0, I.prompt_ids(procs, data.user_text(problem), 1), [allowed[0]] * 3,
                   [0.0] * 3, 0.0, {}, 0, False)
     assert I.collate([e], [problem.images], procs, CPU, layout, vision=True).blank_image is None
+
+
+@pytest.mark.slow  # inductor compiles two layers, forward and backward (~a minute on 2 cores)
+def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(tiny, one_rank_world):
+    """model.compile: each decoder layer under torch.compile (trainer.fewer_launches), sharded
+    and checkpointed as usual; the logprobs and gradients equal the eager policy's."""
+    import config as C
+    import trainer as T
+    path, procs = tiny
+    batch, runs = _batch(tiny), []
+    for compiled in (True, False):
+        mc = C.ModelConfig(compile=compiled, activation_checkpointing="selective")
+        tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
+        layers = [u for u in M.fsdp_units(tr.policy) if u is not F.vision_tower(tr.policy)]
+        assert all((u._compiled_call_impl is not None) == compiled for u in layers)
+        lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
+        (lp * batch.response_mask).sum().backward()
+        runs.append((lp.detach(), [p.grad.full_tensor() for p in tr.policy.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-5, rtol=0)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
