@@ -205,13 +205,16 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     if batch.packed is not None:  # packed rows (inputs.pack)
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch.input_ids
-    mask = batch.response_mask[:, 1:].bool()                     # [B, L-1]: predicts t+1
-    rows = mask.nonzero(as_tuple=True)                           # the positions that predict, row-major
-    lp_sel, ent_sel = _logprobs_at(model, rows, ids[:, 1:][rows], tokens, temperature, entropy_grad,
+    with torch.profiler.record_function(HOST_SCOPE):  # from the host record: no device sync
+        h = batch.host if batch.host is not None else batch
+        at = h.response_mask.bool().nonzero(as_tuple=True)       # the response tokens, row-major
+        at = tuple(t.to(ids.device) for t in at)
+    rows = (at[0], at[1] - 1)                                    # column t - 1 predicts token t
+    lp_sel, ent_sel = _logprobs_at(model, rows, ids[at], tokens, temperature, entropy_grad,
                                    batch, input_ids=ids, attention_mask=batch.attention_mask,
                                    use_cache=False, **_model_inputs(batch, tokens))
     resp = batch.response_mask.bool()                            # column t holds token t
-    return _spread(lp_sel, ent_sel, resp, resp, entropy_grad)
+    return _spread(lp_sel, ent_sel, at, resp, entropy_grad)
 
 
 def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
@@ -233,8 +236,11 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                                    temperature, entropy_grad, batch, input_ids=ids, attention_mask=p.mask_4d,
                                    position_ids=packed_positions(model, batch, tokens), use_cache=False,
                                    **_model_inputs(batch, tokens), **layout)
+    with torch.profiler.record_function(HOST_SCOPE):  # from the host record: no device sync
+        h = batch.host if batch.host is not None else batch
+        at = tuple(t.to(ids.device) for t in h.packed.response_slots.bool().nonzero(as_tuple=True))
     # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
-    return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
+    return _spread(lp_sel, ent_sel, at, batch.response_mask.bool(), entropy_grad)
 
 
 def bind_sequences(model) -> None:
@@ -299,13 +305,14 @@ def _alone_forward(forward, now: dict):
     return run
 
 
-def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, at: tuple, keep: torch.Tensor,
             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] logprobs and entropies: the computed ones at `slots` (row-major), 0 outside `keep`;
-    the entropies detached unless `entropy_grad`."""
-    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device).masked_scatter(slots, lp_sel)
-    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(
-        slots, ent_sel if entropy_grad else ent_sel.detach())
+    """[B, T] (`keep`'s shape) logprobs and entropies: the computed ones at `at` (rows, columns;
+    row-major), 0 outside `keep`; the entropies detached unless `entropy_grad`. index_put, not
+    masked_scatter: the latter's backward reads the mask's count to the host."""
+    lp = torch.zeros(keep.shape, dtype=lp_sel.dtype, device=lp_sel.device).index_put(at, lp_sel)
+    ent = torch.zeros(keep.shape, dtype=ent_sel.dtype, device=ent_sel.device).index_put(
+        at, ent_sel if entropy_grad else ent_sel.detach())
     return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
