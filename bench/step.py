@@ -35,8 +35,9 @@ Geometry3K-like prompts (one synthetic geometry image each, at vl3b.toml's pixel
 `--group` long-tailed responses, micro-batches of a `--mb-tokens` budget in the device's layout;
 forward+backward time and MFU apart from the optimizer's, peak memory per phase, and per
 micro-batch the aten operators and host syncs torch.profiler counts (`aten_ops_per_microbatch`,
-`host_syncs_per_microbatch`). `--model 3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a
-width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
+`host_syncs_per_microbatch`; `host_reads_per_microbatch`: reads of host tensors inside
+model.HOST_SCOPE, the micro-batch's plan and positions, which sync no device). `--model
+3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
 at N response tokens, head.py's chunks (`head_peak_mb`) against the full [N, V] computation
 (`head_peak_mb_full`). docs/benchmarks.md has the figures and what each field counts.
 """
