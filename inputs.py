@@ -17,7 +17,7 @@ import families as F
 import routing
 from config import DataConfig, ModelConfig, RolloutConfig
 from errors import ModelError, one_line
-from model import MicroBatch, Packed, RowLayout, load_config, packs_exactly, text_config
+from model import HOST_SCOPE, MicroBatch, Packed, RowLayout, load_config, packs_exactly, text_config
 from synthetic import IMAGE_MARKER
 
 
@@ -350,10 +350,11 @@ def collate(episodes, images: list[list], procs: Processors, device: torch.devic
     on, its output counting zero (model.sequence_logprobs), so that every rank makes the tower's
     FSDP collectives.
     """
-    batch = (pack(episodes, images, procs, device, layout, pixels) if layout.share_prompt or layout.packed
-             else _padded(episodes, images, procs, pixels))
-    if vision and procs.vision and batch.pixel_values is None:
-        batch = replace(batch, blank_image=_vision_inputs(procs, [_blank()], pixels)[0])
+    with torch.profiler.record_function(HOST_SCOPE):  # built on the host: no device sync
+        batch = (pack(episodes, images, procs, device, layout, pixels) if layout.share_prompt or layout.packed
+                 else _padded(episodes, images, procs, pixels))
+        if vision and procs.vision and batch.pixel_values is None:
+            batch = replace(batch, blank_image=_vision_inputs(procs, [_blank()], pixels)[0])
     return batch.to(device)
 
 

@@ -479,7 +479,7 @@ def _check_knobs(k: Any, ref_logprobs: Tensor | None, behaviour_logprobs: Tensor
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 lc: Any = None, *, ref_logprobs: Tensor | None = None,
                 behaviour_logprobs: Tensor | None = None, entropy: Tensor | None = None,
-                loss_denominator: float | None = None, **knobs: Any) -> tuple[Tensor, dict[str, float]]:
+                loss_denominator: float | None = None, **knobs: Any) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO / Dr. GRPO / DAPO / GSPO / CISPO policy loss and its metrics.
 
     Knobs: ``lc`` is the ``[loss]`` section (``config.LossConfig``; None: its defaults); keyword
@@ -510,7 +510,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``ref_logprobs`` is required when ``kl_coef > 0``; when given with ``kl_coef == 0`` the KL
     is only measured. ``behaviour_logprobs`` without a correction is ignored.
 
-    Metrics (floats, over this call's masked tokens, no grad): the term's own (the built-ins:
+    Metrics (0-d tensors on the loss's device, over this call's masked tokens, no grad: nothing
+    is read to the host here, the trainer reads a step's metrics once, update.py): the term's own (the built-ins:
     ``clip_frac_low``, ``clip_frac_high``, and ``clip_frac_dual`` when dual clip is on: the share
     of tokens where that bound is active, see each term), ``approx_kl`` (KL(pi_old || pi) by k3 on tokens sampled from
     pi_old: ``rho - 1 - log rho``, per token for every objective), ``ratio_mean`` (the ratio the
@@ -541,22 +542,25 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         per_token = per_token - k.entropy_coef * entropy
     loss = aggregate(per_token, mask, k.aggregation, loss_denominator, k.max_response_len)
 
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d tensors where the loss is: no host sync (read once per step)
         m = mask.to(logprobs.dtype)
         n = m.sum()
 
-        def mean(x: Tensor) -> float:
-            return float((x * m).sum() / n) if n > 0 else 0.0
+        def mean(x: Tensor) -> Tensor:
+            return torch.where(n > 0, (x * m).sum() / n, 0.0)
+
+        def const(v: float) -> Tensor:
+            return torch.tensor(v, dtype=m.dtype, device=m.device)
 
         metrics = {name: mean(x.to(m.dtype)) for name, x in term.metrics.items()}
         metrics |= {
             "approx_kl": mean(kl_penalty(old_logprobs, logprobs, "k3")),
             "ratio_mean": mean(term.ratio),
-            "tis_weight_mean": mean(weight) if weight is not None else 1.0,
+            "tis_weight_mean": mean(weight) if weight is not None else const(1.0),
             "correction_masked_frac": (mean((weight == 0).to(m.dtype))
-                                       if weight is not None and CR.CORRECTIONS[mode].masks else 0.0),
-            "kl": mean(kl) if kl is not None else 0.0,
-            "tokens": float(n),
+                                       if weight is not None and CR.CORRECTIONS[mode].masks else const(0.0)),
+            "kl": mean(kl) if kl is not None else const(0.0),
+            "tokens": n,
         }
     return loss, metrics
 

@@ -95,9 +95,19 @@ class MicroBatch:
     # (pixel_values, image_grid_thw) of a blank image, for a micro-batch without images whose
     # peers' may show some: the vision tower runs on it, its output counting 0 (_blank_vision)
     blank_image: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the record as inputs.collate built it, on the host (set by `to`): what is planned per
+    # micro-batch (packed_positions) reads it there, with no device sync
+    host: "MicroBatch | None" = None
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return _to(self, device)
+        on_host = self.host if self.host is not None else (self if self.input_ids.device.type == "cpu" else None)
+        return replace(_to(self, device), host=on_host)
+
+
+# profiler scope (torch.profiler.record_function) of host-side work on host tensors (the
+# micro-batch's plan and positions): its `.item()` / `nonzero` read host memory, no device sync
+# (bench/step.py counts them apart from the host syncs)
+HOST_SCOPE = "grpo::host"
 
 
 def resolve_path(path: str, run_dir: Path, seed: int) -> str:
@@ -195,13 +205,16 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     if batch.packed is not None:  # packed rows (inputs.pack)
         return _packed_logprobs(model, batch, tokens, temperature, entropy_grad)
     ids = batch.input_ids
-    mask = batch.response_mask[:, 1:].bool()                     # [B, L-1]: predicts t+1
-    rows = mask.nonzero(as_tuple=True)                           # the positions that predict, row-major
-    lp_sel, ent_sel = _logprobs_at(model, rows, ids[:, 1:][rows], tokens, temperature, entropy_grad,
+    with torch.profiler.record_function(HOST_SCOPE):  # from the host record: no device sync
+        h = batch.host if batch.host is not None else batch
+        at = h.response_mask.bool().nonzero(as_tuple=True)       # the response tokens, row-major
+        at = tuple(t.to(ids.device) for t in at)
+    rows = (at[0], at[1] - 1)                                    # column t - 1 predicts token t
+    lp_sel, ent_sel = _logprobs_at(model, rows, ids[at], tokens, temperature, entropy_grad,
                                    batch, input_ids=ids, attention_mask=batch.attention_mask,
                                    use_cache=False, **_model_inputs(batch, tokens))
     resp = batch.response_mask.bool()                            # column t holds token t
-    return _spread(lp_sel, ent_sel, resp, resp, entropy_grad)
+    return _spread(lp_sel, ent_sel, at, resp, entropy_grad)
 
 
 def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
@@ -223,8 +236,11 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
                                    temperature, entropy_grad, batch, input_ids=ids, attention_mask=p.mask_4d,
                                    position_ids=packed_positions(model, batch, tokens), use_cache=False,
                                    **_model_inputs(batch, tokens), **layout)
+    with torch.profiler.record_function(HOST_SCOPE):  # from the host record: no device sync
+        h = batch.host if batch.host is not None else batch
+        at = tuple(t.to(ids.device) for t in h.packed.response_slots.bool().nonzero(as_tuple=True))
     # [B, T] episode-major as pred_row; multi-turn: without the inserted tokens
-    return _spread(lp_sel, ent_sel, p.response_slots.bool(), batch.response_mask.bool(), entropy_grad)
+    return _spread(lp_sel, ent_sel, at, batch.response_mask.bool(), entropy_grad)
 
 
 def bind_sequences(model) -> None:
@@ -289,13 +305,14 @@ def _alone_forward(forward, now: dict):
     return run
 
 
-def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+def _spread(lp_sel: torch.Tensor, ent_sel: torch.Tensor, at: tuple, keep: torch.Tensor,
             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] logprobs and entropies: the computed ones at `slots` (row-major), 0 outside `keep`;
-    the entropies detached unless `entropy_grad`."""
-    lp = torch.zeros(slots.shape, dtype=lp_sel.dtype, device=lp_sel.device).masked_scatter(slots, lp_sel)
-    ent = torch.zeros(slots.shape, dtype=ent_sel.dtype, device=ent_sel.device).masked_scatter(
-        slots, ent_sel if entropy_grad else ent_sel.detach())
+    """[B, T] (`keep`'s shape) logprobs and entropies: the computed ones at `at` (rows, columns;
+    row-major), 0 outside `keep`; the entropies detached unless `entropy_grad`. index_put, not
+    masked_scatter: the latter's backward reads the mask's count to the host."""
+    lp = torch.zeros(keep.shape, dtype=lp_sel.dtype, device=lp_sel.device).index_put(at, lp_sel)
+    ent = torch.zeros(keep.shape, dtype=ent_sel.dtype, device=ent_sel.device).index_put(
+        at, ent_sel if entropy_grad else ent_sel.detach())
     return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
@@ -319,37 +336,52 @@ def packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     """Position ids of a packed batch (inputs.pack): each sequence's prompt as the model computes
     it alone (mRoPE [3, rows, W] with its images' 3D grids, where the model has its own rope
     index; else 1-D [rows, W]), then every response of it continues from the prompt's largest
-    position + 1, as generation does. Padding gets 0."""
+    position + 1, as generation does. Padding gets 0. Computed on the host, from the record as
+    collated (MicroBatch.host), and moved to the batch's device once: the rope index reads its
+    grids and token types per sequence, which on the device would be a host sync each."""
+    with torch.profiler.record_function(HOST_SCOPE):
+        h = batch.host if batch.host is not None else batch
+        return _packed_positions(model, h, tokens).to(batch.input_ids.device)
+
+
+def _packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     p, ids = batch.packed, batch.input_ids
-    plen, row, col = p.prompt_len, p.seq_row, p.seq_col
-    order = sorted(range(len(plen)), key=lambda k: (int(row[k]), int(col[k])))  # as the images
-    S, P, dev = len(order), int(plen.max()), ids.device
-    lens = plen[order].to(dev)
-    am = torch.arange(P, device=dev)[None, :] < lens[:, None]                  # [S, P]
-    cols = (col[order].to(dev)[:, None] + torch.arange(P, device=dev)[None, :]).clamp(max=ids.shape[1] - 1)
-    prompt = torch.where(am, ids[row[order].to(dev)[:, None], cols], tokens.pad)  # [S, P]
+    plen, row, col = p.prompt_len.tolist(), p.seq_row.tolist(), p.seq_col.tolist()
+    order = sorted(range(len(plen)), key=lambda k: (row[k], col[k]))  # as the images
+    S, P, W = len(order), max(plen), ids.shape[1]
+    lens = torch.tensor([plen[k] for k in order])
+    am = torch.arange(P)[None, :] < lens[:, None]                               # [S, P]
+    rows = torch.tensor([row[k] for k in order])
+    cols = (torch.tensor([col[k] for k in order])[:, None] + torch.arange(P)[None, :]).clamp(max=W - 1)
+    prompt = torch.where(am, ids.cpu()[rows[:, None], cols], tokens.pad)        # [S, P]
     rope_index = rope_index_fn(model)
     if rope_index is None:
-        pos = (torch.arange(P, device=dev)[None, :] * am)[None]                 # [1, S, P]
+        pos = (torch.arange(P)[None, :] * am)[None]                              # [1, S, P]
     else:
-        pos, _ = rope_index(prompt, (prompt == tokens.image_pad).int(),
-                            image_grid_thw=batch.image_grid_thw, attention_mask=am.long())
-    out = torch.zeros(pos.shape[0], ids.shape[0], ids.shape[1], dtype=torch.long, device=dev)
-    r_idx = row[order].to(dev)[:, None].expand(-1, P)[am]
-    out[:, r_idx, cols[am]] = pos[:, am]
-    nxt = torch.zeros(S, dtype=torch.long, device=dev)
-    nxt[torch.tensor(order, device=dev)] = pos.amax(dim=(0, 2)) + 1
+        grid = None if batch.image_grid_thw is None else batch.image_grid_thw.cpu()
+        pos, _ = rope_index(prompt, (prompt == tokens.image_pad).int(), image_grid_thw=grid,
+                            attention_mask=am.long())
+    out = torch.zeros(pos.shape[0], ids.shape[0], W, dtype=torch.long)
+    # the prompts' own columns, sequence-major: (row, column) of each, and where in [S, P]
+    seq = [k for k in range(S) for _ in range(plen[order[k]])]
+    at = [j for k in range(S) for j in range(plen[order[k]])]
+    r_idx = rows[seq]
+    c_idx = cols[seq, at]
+    out[:, r_idx, c_idx] = pos[:, seq, at]
+    nxt = torch.zeros(S, dtype=torch.long)
+    nxt[torch.tensor(order)] = pos.amax(dim=(0, 2)) + 1
     # a response token j tokens into its response, of sequence k: position nxt[k] + j
-    out[:, p.pred_row, p.target_col] = (nxt[p.pred_seq] + p.offset).expand(pos.shape[0], -1)
+    pred_seq, pred_row, target_col, offset = (t.cpu() for t in (p.pred_seq, p.pred_row, p.target_col, p.offset))
+    out[:, pred_row, target_col] = (nxt[pred_seq] + offset).expand(pos.shape[0], -1)
     if rope_index is None:
         return out[0]
     if p.mask_4d is not None or p.plan is not None:
         return out
     # varlen: a first row of text positions restarting per sequence, which is where transformers'
     # VL models find packed sequences ([4, rows, W]: text + the 3 mRoPE rows)
-    text = torch.zeros(1, *ids.shape, dtype=torch.long, device=dev)
-    text[0, r_idx, cols[am]] = torch.arange(P, device=dev)[None, :].expand(S, P)[am]
-    text[0, p.pred_row, p.target_col] = plen.to(dev)[p.pred_seq] + p.offset
+    text = torch.zeros(1, *ids.shape, dtype=torch.long)
+    text[0, r_idx, c_idx] = torch.tensor(at, dtype=torch.long)
+    text[0, pred_row, target_col] = p.prompt_len.cpu()[pred_seq] + offset
     return torch.cat([text, out])
 
 

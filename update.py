@@ -314,7 +314,7 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
     entropy_grad = lc.entropy_coef > 0  # the entropy keeps its graph only for the bonus
     sums = dict.fromkeys(("loss", "entropy", "tokens", "episode_tokens", "slots", "resp_tokens",
                           "kept_tokens", "pairs", "episode_pairs", "fresh_tokens"), 0.0)
-    lp_diff = 0.0
+    on_device = []  # per micro-batch its device-side values, read once after the last (_read_sums)
     for k, mb in enumerate(u.plan):
         chunk = [u.idx[j] for j in mb]
         eps = [s.episodes[i] for i in chunk]
@@ -332,9 +332,10 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         else:
             old, ref_lp, _, teacher = u.proximal[k]
         adv = s.adv[chunk].to(lp.device)                                              # [b]
+        extra = {}
         if teacher is not None:  # on-policy distillation: one advantage per token [b, L]
             adv = L.distill_advantages(adv, old, teacher, lc.distill_coef)
-            sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(((old - teacher) * mask).sum())
+            extra["distill_kl"] = ((old - teacher) * mask).sum()
         behaviour = batch.engine_logprobs                                             # [b, L]
         loss, m = L.policy_loss(
             lp, old, adv, mask, lc, ref_logprobs=ref_lp,
@@ -346,35 +347,64 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         # FSDP2 averages gradients over the trainer ranks; the loss is already normalised by the
         # global denominator, so undo the average to get exactly the full-batch gradient.
         (loss * len(s.world.trainers)).backward()
-        lp_diff = max(lp_diff, _add_sums(sums, loss, m, batch, ent * mask, old, tr.version))
+        on_device.append(_add_sums(sums, loss, m, batch, ent * mask, old, tr.version) | extra)
+    sums["lp_diff"] = _read_sums(sums, on_device)
     sums["micro_batches"] = float(len(u.plan))
-    sums["lp_diff"] = lp_diff
     return sums
 
 
 def _add_sums(sums: dict, loss: torch.Tensor, m: dict, batch: M.MicroBatch, ent: torch.Tensor,
-              old: torch.Tensor, version: int) -> float:
-    """One micro-batch's share of the metric sums (`ent`: each kept token's entropy, 0 elsewhere);
-    returns its largest engine/proximal gap over the tokens sampled with the policy's own
-    `version` (all of them when nothing is stale)."""
-    rmask = batch.response_mask.bool()                                                # [b, L]
-    fresh = rmask & (batch.token_versions == version)
-    sums["fresh_tokens"] += float(fresh.sum())
-    sums["loss"] += float(loss.detach())
-    for key, v in m.items():  # policy_loss's means are over the kept tokens: weight by them
-        if key != "tokens":
-            sums[f"mean:{key}"] = sums.get(f"mean:{key}", 0.0) + float(v) * m["tokens"]
-    sums["kept_tokens"] += m["tokens"]
-    sums["entropy"] += float(ent.detach().sum())  # `ent`: masked to the kept tokens
-    sums["tokens"] += float(batch.attention_mask.sum())
-    sums["episode_tokens"] += float(batch.episode_tokens)
-    sums["slots"] += float(batch.attention_mask.numel())
-    sums["pairs"] += float(batch.attention_pairs)
-    sums["episode_pairs"] += float(batch.episode_pairs)
-    sums["resp_tokens"] += float(rmask.sum())
-    if not fresh.any():
+              old: torch.Tensor, version: int) -> dict[str, torch.Tensor]:
+    """One micro-batch's share of the metric sums (`ent`: each kept token's entropy, 0 elsewhere):
+    its counts, from the record as collated (on the host: MicroBatch.host), added to `sums`; what
+    the device computed returned as 0-d tensors, for :func:`_read_sums`: the loss, the entropy,
+    policy_loss's metrics (`m:<name>`), and the largest engine/proximal gap over the tokens
+    sampled with the policy's own `version` (`lp_diff`; 0 when none is)."""
+    with torch.profiler.record_function(M.HOST_SCOPE):
+        h = batch.host if batch.host is not None else batch
+        rmask = h.response_mask.bool()                                                # [b, L]
+        sums["fresh_tokens"] += float((rmask & (h.token_versions == version)).sum())
+        sums["tokens"] += float(h.attention_mask.sum())
+        sums["episode_tokens"] += float(h.episode_tokens)
+        sums["slots"] += float(h.attention_mask.numel())
+        sums["pairs"] += float(h.attention_pairs)
+        sums["episode_pairs"] += float(h.episode_pairs)
+        sums["resp_tokens"] += float(rmask.sum())
+    fresh = batch.response_mask.bool() & (batch.token_versions == version)          # [b, L]
+    gap = torch.where(fresh, (old - batch.engine_logprobs).abs(), 0.0)            # engine vs proximal
+    return {"loss": loss.detach(), "entropy": ent.detach().sum(), "lp_diff": gap.max(),
+            **{f"m:{k}": v for k, v in m.items()}}
+
+
+# profiler scope of the one read of a step's device-side metrics (bench/step.py counts it a sync)
+READ_SCOPE = "grpo::read_metrics"
+
+
+def _read_sums(sums: dict, on_device: list[dict[str, torch.Tensor]]) -> float:
+    """The micro-batches' device-side values (:func:`_add_sums`) added to `sums`, in micro-batch
+    order (the floats of reading each value at once): one stacked tensor, one read to the host.
+    policy_loss's means are over the kept tokens: weighted by them. Returns the largest lp_diff."""
+    if not on_device:
         return 0.0
-    return float((old - batch.engine_logprobs)[fresh].abs().max())  # engine vs proximal
+    keys = list(on_device[0])
+    dtype = torch.float32
+    for v in on_device[0].values():  # float64 values (tests) stay exact
+        dtype = torch.promote_types(dtype, v.dtype)
+    with torch.profiler.record_function(READ_SCOPE):
+        rows = torch.stack([torch.stack([d[k].to(dtype) for k in keys]) for d in on_device]).tolist()
+    lp_diff = 0.0
+    for row in rows:
+        v = dict(zip(keys, row))
+        sums["loss"] += v["loss"]
+        sums["entropy"] += v["entropy"]  # masked to the kept tokens
+        lp_diff = max(lp_diff, v["lp_diff"])
+        if "distill_kl" in v:
+            sums["distill_kl"] = sums.get("distill_kl", 0.0) + v["distill_kl"]
+        for key in keys:
+            if key.startswith("m:") and key != "m:tokens":
+                sums[f"mean:{key[2:]}"] = sums.get(f"mean:{key[2:]}", 0.0) + v[key] * v["m:tokens"]
+        sums["kept_tokens"] += v["m:tokens"]
+    return lp_diff
 
 
 def reduce_metrics(s: Step, sums: dict[str, float], lp_diff: float, norms: list[float],

@@ -38,8 +38,9 @@ Geometry3K-like prompts (one synthetic geometry image each, at vl3b.toml's pixel
 `--group` long-tailed responses, micro-batches of a `--mb-tokens` budget in the device's layout;
 forward+backward time and MFU apart from the optimizer's, peak memory per phase, and per
 micro-batch the aten operators and host syncs torch.profiler counts (`aten_ops_per_microbatch`,
-`host_syncs_per_microbatch`). `--model 3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a
-width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
+`host_syncs_per_microbatch`; `host_reads_per_microbatch`: reads of host tensors inside
+model.HOST_SCOPE, the micro-batch's plan and positions, which sync no device). `--model
+3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
 at N response tokens, head.py's chunks (`head_peak_mb`) against the full [N, V] computation
 (`head_peak_mb_full`). docs/benchmarks.md has the figures and what each field counts.
 """
@@ -362,24 +363,34 @@ def count_ops(s, U) -> list[dict]:
     """aten operator events and host syncs (SYNC_OPS) of each micro-batch's forward + backward
     (update.accumulate_gradients over it alone), counted with torch.profiler: every aten event,
     nested ones too (aten::linear and the aten::mm under it: an upper bound on the launches),
-    and the top-level ones alone (called from Python or autograd, not from another aten op)."""
+    and the top-level ones alone (called from Python or autograd, not from another aten op).
+    `host_syncs`: the SYNC_OPS outside model.HOST_SCOPE, plus update.READ_SCOPE's one read of
+    the step's metrics (a `.tolist()`: no aten event on a CPU); `host_reads`: the SYNC_OPS inside
+    model.HOST_SCOPE (the plan and positions computed from host tensors: no device sync)."""
     from torch.profiler import ProfilerActivity, profile
+
+    import model as M
     u, out = s.updates[0], []
     for mb in u.plan:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             U.accumulate_gradients(s, U.Update(u.idx, [mb], u.denom))
         events = [e for e in prof.events() if e.name.startswith("aten::")]
-        out.append({"aten_ops": len(events), "aten_ops_top_level": sum(not _under_aten(e) for e in events),
-                    "host_syncs": sum(e.name in SYNC_OPS for e in events)})
+        syncs = [e for e in events if e.name in SYNC_OPS]
+        host = sum(_under(e, lambda n: n == M.HOST_SCOPE) for e in syncs)
+        reads = sum(e.name == U.READ_SCOPE for e in prof.events())
+        out.append({"aten_ops": len(events),
+                    "aten_ops_top_level": sum(not _under(e, lambda n: n.startswith("aten::")) for e in events),
+                    "host_syncs": len(syncs) - host + reads, "host_reads": host})
     s.tr.policy.zero_grad(set_to_none=True)
     return out
 
 
-def _under_aten(event) -> bool:
-    """Whether a profiler event runs inside another aten operator (aten::mm under aten::linear)."""
+def _under(event, named) -> bool:
+    """Whether a profiler event runs inside one whose name `named` accepts (aten::mm under
+    aten::linear; an operator inside a record_function scope)."""
     p = event.cpu_parent
     while p is not None:
-        if p.name.startswith("aten::"):
+        if named(p.name):
             return True
         p = p.cpu_parent
     return False
@@ -457,6 +468,7 @@ def run_grpo(a) -> dict:
            "aten_ops_per_microbatch": round(statistics.mean(o["aten_ops"] for o in ops)) if ops else None,
            "host_syncs_per_microbatch": round(statistics.mean(o["host_syncs"] for o in ops), 1) if ops else None,
            "aten_ops_top_level_per_microbatch": round(statistics.mean(o["aten_ops_top_level"] for o in ops)) if ops else None,
+           "host_reads_per_microbatch": round(statistics.mean(o["host_reads"] for o in ops), 1) if ops else None,
            "per_microbatch": [b | o for b, o in zip(shapes, ops)] if ops else shapes}
     dist.destroy_process_group()
     return out

@@ -920,3 +920,23 @@ def test_per_token_advantages_equal_to_the_responses_give_its_loss_and_gradient(
     assert grads[0][1] is not None and grads[0][1].abs().sum() > 0
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-6)
     assert grads[0][2] == pytest.approx(grads[1][2])
+
+
+def test_policy_loss_metrics_stay_on_the_device_without_a_host_sync():
+    """Issue 51: the metrics are 0-d tensors, computed without reading anything to the host (no
+    `.item()` / `float()` / `nonzero`, counted with torch.profiler), also with every optional
+    metric (correction weights, KL) and an all-masked call, whose means are 0.0 as before. The
+    denominator given, as the trainer gives it (without one, :func:`local_denominator` counts the
+    call's own on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+    logp, old, adv, mask = loss_inputs()
+    for m in (mask, torch.zeros_like(mask)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss, met = policy_loss(logp, old, adv, m, ref_logprobs=old + 0.1, behaviour_logprobs=old,
+                                    correction="token_mask", kl_coef=0.1, loss_denominator=5.0)
+        syncs = [e.name for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::nonzero")]
+        assert syncs == []
+        assert all(torch.is_tensor(v) and v.dim() == 0 for v in met.values())
+        assert {"approx_kl", "ratio_mean", "tis_weight_mean", "correction_masked_frac", "kl",
+                "tokens", "clip_frac_low", "clip_frac_high"} <= set(met)
+    assert float(met["tokens"]) == 0 and all(float(v) == 0.0 for v in met.values())

@@ -227,3 +227,56 @@ def test_stale_tokens_leave_lpdiff_unmeasured_and_oversized_sequences_are_counte
     m, _ = run_step(s, make_trainer(s, cfg), cfg)
     per_episode = sum(n > budget for n in lengths)
     assert m["train/oversized_sequences"] == per_episode != sum(n > budget for n in shared)
+
+
+# --------------------------------------------------------------------------- host syncs (issue 51)
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")  # .item() / float() / bool(); nonzero
+
+
+def _own_syncs(prof) -> list[str]:
+    """The host syncs (SYNC_OPS) outside model.HOST_SCOPE whose nearest Python frame is in one of
+    the project's modules (not transformers' or torch's), as 'file(line): function'."""
+    from pathlib import Path
+    own = {p.name for p in Path(U.__file__).parent.glob("*.py")}
+    out = []
+    for e in prof.events():
+        if e.name not in SYNC_OPS:
+            continue
+        p, frame, host = e.cpu_parent, None, False
+        while p is not None:
+            host |= p.name == M.HOST_SCOPE
+            if frame is None and ".py(" in p.name and not p.name.startswith("<"):
+                frame = p.name
+            p = p.cpu_parent
+        file = (frame or "").split("(")[0]
+        if not host and file and Path(file).name in own and "site-packages" not in file:
+            out.append(frame)
+    return out
+
+
+@pytest.mark.parametrize("over", [["--train.packing=true"], ["--train.share_prompt=false"]])
+def test_a_micro_batch_makes_no_host_sync_in_the_trainers_code(tiny_step, over):
+    """Issue 51: forward + backward of an update's micro-batches makes no host sync in the
+    trainer's own code (policy_loss's metrics and update's sums stay on the device; the packed
+    positions and the logprobs' places come from the record as collated, on the host), and the
+    step's metrics are read to the host once, after the last micro-batch (update.READ_SCOPE).
+    Packed rows ("segments") and one row per episode. (transformers' own forward still syncs:
+    docs/benchmarks.md.)"""
+    from torch.profiler import ProfilerActivity, profile
+    s = tiny_step
+    total = sum(I.sequence_tokens(s.procs, [e], s.images[e.index]) for e in s.eps)
+    cfg = step_config(over + [f"--train.micro_batch_tokens={total // 8}", "--loss.kl_coef=0"])
+    tr = make_trainer(s, cfg)
+    tr.policy.set_attn_implementation(M.attention_for(tr.layout.packed))
+    step = U.Step(tr, s.world, s.procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, s.eps, s.images)
+    U.plan(step)
+    U.denominators(step)
+    U.advantages(step)
+    u = step.updates[0]
+    assert len(u.plan) >= 2 and (tr.layout.packed is not None) == ("--train.packing=true" in over)
+    u = U.Update(u.idx, u.plan[:2], u.denom)  # two micro-batches: the profiler's stacks are slow
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        sums = U.accumulate_gradients(step, u)
+    assert _own_syncs(prof) == []
+    assert sum(e.name == U.READ_SCOPE for e in prof.events()) == 1
+    assert sums["micro_batches"] == len(u.plan) and sums["kept_tokens"] == sums["resp_tokens"] > 0
