@@ -130,7 +130,7 @@ class ModelConfig:
     mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
     # trainer: recompute the decoder layers' activations in backward: "full" (= true: every op of
     # every layer), "selective" (all but the matmuls' and attention's outputs, which stay saved),
-    # "off" (= false); the vision tower is never recomputed (model.checkpointing_options)
+    # "off" (= false); the vision tower is never recomputed (sharding.checkpointing_options)
     activation_checkpointing: bool | str = one_of(False, (False, True, "full", "selective", "off"))
     # trainer: torch.compile each decoder layer (fewer launches per layer; the first step compiles)
     compile: bool = False

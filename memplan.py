@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import families as F
 from errors import ConfigError
 from head import CHUNK_BYTES
-from model import checkpointing_mode
+from sharding import checkpointing_mode
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2}

@@ -21,6 +21,7 @@ import device as D
 import inputs as I
 import lora
 import model as M
+import sharding
 import routing
 import sync as S
 from config import Config, ModelConfig, TrainConfig
@@ -76,14 +77,14 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over bf16 parameters)
     dtype, bf16 = MASTER_DTYPES[tc.master_dtype], tc.master_dtype == "bfloat16"
     # train(): transformers builds in eval mode, where activation checkpointing never runs
-    policy = M.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
+    policy = sharding.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision or bf16,
                                 checkpointing=mc.activation_checkpointing).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
         skeleton = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
                                                       attention=attention), mc)
-        ref = M.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
+        ref = sharding.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
                                  mixed_precision=mc.mixed_precision or bf16).eval()
         ref.requires_grad_(False)
         routing.attach(ref, mc.moe_routing_replay)
@@ -93,7 +94,7 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
             teacher_full = M.load_model(folder, dtype=torch.float32)
         skeleton = fewer_launches(M.model_from_config(folder, meta=True, device_type=device.type,
                                                       attention=attention), mc)
-        teacher = M.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
+        teacher = sharding.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
                                      world.train_group, mixed_precision=mc.mixed_precision or bf16).eval()
         teacher.requires_grad_(False)
     if not routing.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
@@ -120,7 +121,7 @@ def fewer_launches(model, mc: ModelConfig):
     A.one_call_vision(model)
     if mc.compile:
         tower = families.vision_tower(model)
-        for layer in M.fsdp_units(model):
+        for layer in sharding.fsdp_units(model):
             if layer is not tower:
                 layer.compile()
     return model

@@ -80,6 +80,7 @@ def run(a) -> dict:
     import inputs as I
     import microbatches as MB
     import model as M
+    import sharding
     import update as U
     import world as W
     from train import load_config
@@ -93,7 +94,7 @@ def run(a) -> dict:
     procs = I.load_processors(path, 56 * 56, 112 * 112)
     eps, images = workload(a, procs)
     model = M.load_model(path, device=device) if a.shapes == "tiny" else shaped_3b(path, a.layers, device)
-    policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
+    policy = sharding.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     world = SimpleNamespace(trainers=[0], trainer_index=0, train_group=dist.group.WORLD)
     tr = dict(policy=policy, ref=None, base_ref=False, device=device, pixels={}, kl_coef=None, version=0,

@@ -23,7 +23,7 @@ bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON
 (the decoder layers with `--checkpointing [full|selective]`; the vision tower is never
 recomputed; 0 means checkpointing is not active). `--compile`: each decoder layer under
 torch.compile (`model.compile`). Both as trainer.build applies them (trainer.fewer_launches,
-model.apply_fsdp).
+sharding.apply_fsdp).
 
 `--lora-rank R`: the step twice, side by side in one JSON object, each in a process of its own
 (so each peak is its own): every parameter training, and LoRA of rank R on every linear layer of
@@ -173,6 +173,7 @@ def run_one(a, lora_rank: int) -> None:
     import inputs as I
     import loss as L
     import model as M
+    import sharding
     import trainer
     import world as W
     from tests.util import CheckpointCounter
@@ -205,7 +206,7 @@ def run_one(a, lora_rank: int) -> None:
         model = lora.add_lora(model, C.ModelConfig(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank))
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
     trainer.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
-    M.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
+    sharding.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                  mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -406,6 +407,7 @@ def run_grpo(a) -> dict:
     import microbatches as MB
     import config as C
     import model as M
+    import sharding
     import trainer as T
     import world as W
     from tests.util import CheckpointCounter
@@ -421,7 +423,7 @@ def run_grpo(a) -> dict:
     layout = MB.resolve_layout(cfg.train, procs, path, device)[0]  # as train.set_up decides it
     model.set_attn_implementation(M.attention_for(layout.packed))
     T.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
-    policy = M.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
+    policy = sharding.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
                           mixed_precision=a.bf16, checkpointing=a.checkpointing)
     count = CheckpointCounter(policy)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6,

@@ -15,17 +15,21 @@ def test_table_rows():
     assert D.TABLE["cpu"] == D.Device("cpu", "gloo", None, "gloo", fan_out=True, vllm_workers="fork",
                                       vllm_eager_helpers=True, vllm_cpu_moe_fix=True,
                                       vllm_linear_attention=False, vllm_routed_experts=False,
-                                      vllm_chunked_prefill=False)
+                                      vllm_chunked_prefill=False, vllm_sleep_mode=False)
     # vLLM's CPU build dies on a seeded request's chunked prefill; GPU and NPU keep vLLM's default
     assert [D.vllm_engine_args(d) for d in D.TABLE.values()] == [{"enable_chunked_prefill": False}, {}, {}]
     assert D.TABLE["cpu"].packed_attention == "segments" and D.TABLE["cpu"].auto_packing == "always"
     assert D.TABLE["cpu"].bucket_ratio == 1.25
     assert D.TABLE["cuda"] == D.Device("cuda", "cpu:gloo,cuda:nccl", "CUDA_VISIBLE_DEVICES", "pynccl",
-                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused")
+                                       auto_packing="rows", bucket_ratio=4.0, varlen_fp32=False, adamw="fused",
+                                       weight_transfer=("nccl", "vllm.distributed.weight_transfer.nccl_engine",
+                                                        "NCCLWeightTransferEngine"))
     assert D.TABLE["cuda"].packed_attention == "segments"
     assert D.TABLE["npu"] == D.Device("npu", "cpu:gloo,npu:hccl", "ASCEND_RT_VISIBLE_DEVICES", "pyhccl",
                                       experts="eager", packed_attention="varlen", auto_packing="never",
-                                      varlen_package=None, varlen_max_seqs=1024, adamw="fused")
+                                      varlen_package=None, varlen_max_seqs=1024, adamw="fused",
+                                      weight_transfer=("hccl", "vllm_ascend.distributed.weight_transfer.hccl_engine",
+                                                       "HCCLWeightTransferEngine"))
     assert D.TABLE["cpu"].adamw == "foreach"
     # weight buckets: point to point only where the device's tensors travel over gloo
     assert [k for k, d in D.TABLE.items() if d.fan_out] == ["cpu"]
@@ -404,6 +408,7 @@ def test_chunked_vision_tower_under_fsdp2_equals_one_call(tiny_dir):
     from torch.distributed.device_mesh import DeviceMesh
 
     import model as M
+    import sharding
     from world import free_port
     path, grid = tiny_dir("qwen2_5_vl"), torch.tensor([[1, 8, 8], [1, 4, 8], [1, 8, 4]])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -414,7 +419,7 @@ def test_chunked_vision_tower_under_fsdp2_equals_one_call(tiny_dir):
             m = M.model_from_config(path)
             D.chunk_vision(m, limit)
             if limit:  # the root's own weights (the patch embedding) gathered as its forward would
-                M.apply_fsdp(m, DeviceMesh.from_group(dist.group.WORLD, "cpu")).unshard()
+                sharding.apply_fsdp(m, DeviceMesh.from_group(dist.group.WORLD, "cpu")).unshard()
             vc = m.model.visual.config
             x = torch.randn(int(grid.prod(-1).sum()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
                             generator=torch.Generator().manual_seed(1))

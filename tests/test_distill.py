@@ -59,13 +59,14 @@ def test_a_teacher_of_another_tokenizer_or_without_eyes_is_refused_at_start(tiny
 def _with_teacher(s, cfg, noise: float):
     """A trainer for tiny_step `s` whose teacher is the policy's weights plus seeded noise."""
     import model as M
+    import sharding
     tr = make_trainer(s, cfg)
     teacher = M.load_model(s.path)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(noise * torch.randn(p.shape, generator=g))
-    tr.teacher = M.apply_fsdp(teacher.eval(), s.mesh)
+    tr.teacher = sharding.apply_fsdp(teacher.eval(), s.mesh)
     tr.teacher.requires_grad_(False)
     return tr
 

@@ -22,6 +22,7 @@ import families as F
 from errors import ModelError
 import inputs as I
 import model as M
+import sharding
 import rollout as R
 import hf_engine as HF
 import episode as E
@@ -54,7 +55,7 @@ def test_loads_strictly_with_its_own_class_and_text_models_build_no_vision(tiny_
     assert procs.vision == vision == F.is_vlm(model.config)
     assert any("visual" in n for n, _ in model.named_parameters()) == vision
     assert (M.rope_index_fn(model) is not None) == vision              # mRoPE iff a VLM
-    units, tower = M.fsdp_units(model), F.vision_tower(model)
+    units, tower = sharding.fsdp_units(model), F.vision_tower(model)
     assert (tower is not None) == vision
     layers = [u for u in units if u is not tower]  # the decoder layers, a unit each
     assert len(layers) == model.config.get_text_config().num_hidden_layers

@@ -11,6 +11,7 @@ import torch
 
 import head as H
 import model as M
+import sharding
 
 
 def _full(hidden, weight, targets, suppressed, temperature):
@@ -143,7 +144,7 @@ def _fsdp_rank(rank: int, port: int, path: str, out: str) -> None:
             return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                     for n, p in model.named_parameters() if p.grad is not None}
 
-        sharded = M.apply_fsdp(M.load_model(path).train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+        sharded = sharding.apply_fsdp(M.load_model(path).train(), DeviceMesh.from_group(dist.group.WORLD, "cpu"),
                                checkpointing=True)
         got = grads(sharded)                     # FSDP2 averages the two ranks' equal gradients
         chunked = H.logprobs

@@ -14,6 +14,7 @@ import inputs as I
 import loss as L
 import microbatches as MB
 import model as M
+import sharding
 import hf_engine as HF
 import episode as E
 import synthetic
@@ -56,7 +57,7 @@ def test_accumulated_gradient_equals_full_batch(tmp_path, gloo_world):
                      c.truncated) for g, (p, cs) in enumerate(zip(problems, out)) for c in cs]
     images = {p.index: p.images for p in problems}
     policy = M.load_model(path)
-    M.apply_fsdp(policy, DeviceMesh.from_group(gloo_world, "cpu"))
+    sharding.apply_fsdp(policy, DeviceMesh.from_group(gloo_world, "cpu"))
     tr = T.Trainer(policy, None, None, None, None, torch.device("cpu"), M.RowLayout())
     adv = L.group_advantages(torch.tensor([e.reward for e in eps]), 4)
     keep = torch.ones(len(eps), dtype=torch.bool)

@@ -9,6 +9,7 @@ import data
 import families as F
 import inputs as I
 import model as M
+import sharding
 import synthetic
 import hf_engine as HF
 import episode as E
@@ -260,7 +261,7 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
     model = M.load_model(path)
     model.set_attn_implementation(M.attention_for(layout.packed))
     calls = []
-    for unit in M.fsdp_units(model):  # decoder layers and vision blocks
+    for unit in sharding.fsdp_units(model):  # decoder layers and vision blocks
         unit.register_forward_hook(lambda m, a, o: calls.append(m))
     runs = {}
     for vision in (False, True):
@@ -273,7 +274,7 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
         runs[vision] = (len(calls), lp.detach(), {n: p.grad for n, p in model.named_parameters()})
     (n_plain, lp_plain, plain), (n_blank, lp_blank, blank) = runs[False], runs[True]
     tower = {n for n, grad in plain.items() if grad is None}
-    assert tower and n_plain < n_blank == len(M.fsdp_units(model))  # once each: the tower ran
+    assert tower and n_plain < n_blank == len(sharding.fsdp_units(model))  # once each: the tower ran
     assert torch.equal(lp_blank, lp_plain)
     for n, grad in blank.items():
         assert grad is not None, n  # every weight joins the backward: FSDP reduces every one
@@ -296,7 +297,7 @@ def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(tiny, one_
     for compiled in (True, False):
         mc = C.ModelConfig(compile=compiled, activation_checkpointing="selective")
         tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
-        layers = [u for u in M.fsdp_units(tr.policy) if u is not F.vision_tower(tr.policy)]
+        layers = [u for u in sharding.fsdp_units(tr.policy) if u is not F.vision_tower(tr.policy)]
         assert all((u._compiled_call_impl is not None) == compiled for u in layers)
         lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
         (lp * batch.response_mask).sum().backward()

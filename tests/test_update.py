@@ -16,6 +16,7 @@ import inputs as I
 import loss as L
 import microbatches as MB
 import model as M
+import sharding
 import registry
 import trainer as T
 import update as U
@@ -47,7 +48,7 @@ def test_train_step_several_updates_in_one_process(tiny_step):
     def run(over):
         cfg = load_config(None, ["--loss.kl_coef=0", "--rollout.max_new_tokens=10", *over])
         policy = M.load_model(path)
-        M.apply_fsdp(policy, tiny_step.mesh)
+        sharding.apply_fsdp(policy, tiny_step.mesh)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         tr = T.Trainer(policy, None, opt, sched, None, CPU, layout_of(cfg.train, procs))

@@ -211,9 +211,10 @@ def make_trainer(s, cfg, ref_noise: float | None = None):
     import torch
 
     import model as M
+    import sharding
     import trainer as T
     T.quiet_view_warning()  # as trainer.build does (pytest resets warning filters per test)
-    policy = M.apply_fsdp(M.load_model(s.path), s.mesh)
+    policy = sharding.apply_fsdp(M.load_model(s.path), s.mesh)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: T.lr_factor(k, cfg.train, cfg.run.steps))
     ref = None
@@ -223,7 +224,7 @@ def make_trainer(s, cfg, ref_noise: float | None = None):
         with torch.no_grad():
             for p in ref.parameters():
                 p.add_(ref_noise * torch.randn(p.shape, generator=g))
-        ref = M.apply_fsdp(ref.eval(), s.mesh)
+        ref = sharding.apply_fsdp(ref.eval(), s.mesh)
         ref.requires_grad_(False)
     return T.Trainer(policy, ref, opt, sched, None, torch.device("cpu"), layout_of(cfg.train, s.procs))
 

@@ -1,0 +1,96 @@
+"""How the trainer ranks hold a model: FSDP2's units (each decoder layer, the vision tower whole),
+activation checkpointing's modes (model.activation_checkpointing: full | selective | off), and a
+model sharded from the one copy the first trainer rank loaded."""
+from __future__ import annotations
+
+import torch
+
+import families as F
+
+
+def fsdp_units(model) -> list:
+    """The modules FSDP2 shards one at a time, children before parents: every decoder layer (an
+    instance of the model's `_no_split_modules`) and the vision tower whole (families.vision_tower:
+    one all-gather and one reduce-scatter for its blocks, not one per block)."""
+    tower = F.vision_tower(model)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    inside = set(tower.modules()) if tower is not None else set()
+    layers = [m for m in model.modules() if type(m).__name__ in names and m not in inside]
+    return ([tower] if tower is not None else []) + layers
+
+
+# what "selective" checkpointing keeps from the forward: the matmuls' and attention kernels'
+# outputs (the compute); the elementwise ops between them (norms, rotary, activations) run again
+_SAVED = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def checkpointing_mode(value: bool | str) -> str:
+    """model.activation_checkpointing as a mode: true = "full", false = "off"."""
+    return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+def checkpointing_options(value: bool | str) -> dict | None:
+    """transformers' gradient_checkpointing_kwargs for model.activation_checkpointing's mode:
+    "full" recomputes every decoder layer in the backward, "selective" only what is not a matmul
+    or attention output (torch's selective checkpointing policy), "off" (None) nothing."""
+    mode = checkpointing_mode(value)
+    if mode == "off":
+        return None
+    options = {"use_reentrant": False}
+    if mode == "selective":
+        import functools
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(_ctx, op, *args, **kwargs):
+            name = op.name()
+            keep = name in _SAVED or "attention" in name  # SDPA's kernels, NPU's fusion attention
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    return options
+
+
+def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool | str = False):
+    """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh): :func:`fsdp_units` first,
+    then the root (embeddings, norms, lm_head). `checkpointing`: model.activation_checkpointing
+    (:func:`checkpointing_options`: the decoder layers only; the tower recomputes nothing)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    options = checkpointing_options(checkpointing)
+    if options is not None:  # acts only in train mode (transformers checks `self.training`)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        F.vision_checkpointing_off(model)
+    kw = {"mesh": mesh}
+    if mixed_precision:  # bf16 compute, fp32 master weights and gradient reduction
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for block in fsdp_units(model):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+@torch.no_grad()
+def shard_from_rank0(model, full, mesh, device: torch.device, group, *,
+                     mixed_precision: bool = False, checkpointing: bool | str = False):
+    """`model` sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
+    the first trainer rank, None on the others). `model`: the architecture on the meta device
+    (:func:`model_from_config`), with the same LoRA adapters as `full` if any; the first rank
+    scatters each weight and broadcasts the buffers (rotary tables are in no state dict), so a
+    trainer node holds one host copy of the model. Collective over `group` (the trainer ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    apply_fsdp(model, mesh, mixed_precision=mixed_precision, checkpointing=checkpointing)
+    model.to_empty(device=device)
+    src = dict(full.named_parameters()) if full is not None else {}
+    for name, p in model.named_parameters():  # every parameter is a DTensor after fully_shard
+        whole = (src[name].detach().to(device, p.dtype) if full is not None
+                 else torch.empty(p.shape, dtype=p.dtype, device=device))
+        p.to_local().copy_(distribute_tensor(whole, mesh, p.placements).to_local())
+    bufs = dict(full.named_buffers()) if full is not None else {}
+    for name, b in model.named_buffers():
+        if full is not None:
+            b.copy_(bufs[name])
+        dist.broadcast(b, dist.get_global_rank(group, 0), group=group)
+    return model
