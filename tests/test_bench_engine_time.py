@@ -12,7 +12,7 @@ import multiturn
 from episode import Sampling
 from tests.util import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # after the core: bench/sync.py must not shadow sync.py (a spawned vLLM process inherits sys.path)
 import engine_time as ET  # noqa: E402
 
 ANSWER = 7

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # after the core: bench/sync.py must not shadow sync.py (a spawned vLLM process inherits sys.path)
 
 import vs_trl as V  # noqa: E402
 

@@ -141,7 +141,9 @@ def test_a_one_node_run_listens_on_the_loopback_only_but_for_torchruns_own_store
     finally:
         end_group(p)
     assert p.returncode == 0
-    ranks = {a: pids - {p.pid} for a, pids in seen.items() if pids - {p.pid}}
-    assert len(ranks) >= 3 and all(a[0].startswith(("127.", "::1")) for a in ranks), seen
+    # a socket the agent holds is the agent's, even while a rank it forks still holds the inherited
+    # descriptor (between fork and exec, longer on a busy machine)
+    ranks = {a: pids - {p.pid} for a, pids in seen.items() if p.pid not in pids}
+    assert len(ranks) >= 3 and all(a[0].startswith(("127.", "::1")) for a in ranks), {a: p for a, p in seen.items() if not a[0].startswith(("127.", "::1"))}
     agent = [a for a, pids in seen.items() if p.pid in pids]
     assert len(agent) <= 2, seen
