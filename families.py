@@ -271,11 +271,16 @@ def vision_rotary(attention) -> Callable:
 
 def places_images(model) -> bool:
     """Whether the trainer places `model`'s image features itself (:attr:`Family.places_images`):
-    its family's row says so and transformers' vision towers take their grid-derived tensors
-    precomputed (`transformers.vision_utils`, 5.24; an older release's tower computes them on
-    the device, so the model keeps its own forward there)."""
+    its family's row says so and its vision tower's module takes the grid-derived tensors
+    precomputed (it imports transformers.vision_utils' helpers, which pop them from the tower's
+    kwargs: 5.24; a release whose tower computes them itself keeps the model's own forward)."""
+    import sys
     row = FAMILIES.get(getattr(model.config, "model_type", ""))
-    return bool(row and row.places_images) and importlib.util.find_spec("transformers.vision_utils") is not None
+    if not (row and row.places_images) or importlib.util.find_spec("transformers.vision_utils") is None:
+        return False
+    cls = next((c for c in type(vision_tower(model)).__mro__ if c.__module__.startswith("transformers.")), None)
+    tower = sys.modules[cls.__module__] if cls is not None else None  # past FSDP2's subclass
+    return all(hasattr(tower, f) for f in ("get_vision_attention_seqlens", "get_vision_position_ids"))
 
 
 def vision_inputs(model, grid_thw) -> dict:
