@@ -261,8 +261,8 @@ def test_a_micro_batch_makes_no_host_sync_in_the_trainers_code(tiny_step, over):
     trainer's own code (policy_loss's metrics and update's sums stay on the device; the packed
     positions and the logprobs' places come from the record as collated, on the host), and the
     step's metrics are read to the host once, after the last micro-batch (update.READ_SCOPE).
-    Packed rows ("segments") and one row per episode. (transformers' own forward still syncs:
-    docs/benchmarks.md.)"""
+    Packed rows ("segments") and one row per episode. (The whole forward, transformers'
+    included: the test after this one.)"""
     from torch.profiler import ProfilerActivity, profile
     s = tiny_step
     total = sum(I.sequence_tokens(s.procs, [e], s.images[e.index]) for e in s.eps)
