@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -163,6 +164,11 @@ class Family:
     # MoE: the class name of transformers' router modules (each returns (logits, top-k weights,
     # top-k indices) in 5.5.4, 5.17 and 5.24; routing.py hooks them); "" = a dense family
     router: str = ""
+    # the trainer places the vision tower's output into the token embeddings itself (model.py's
+    # image hook): the tower returns one [image tokens, hidden] tensor in token order and the
+    # language model needs nothing else of the images (Qwen3-VL's and Qwen3.5's towers also feed
+    # deepstack features into decoder layers: those keep transformers' own forward)
+    places_images: bool = False
 
 
 _QWEN2_VL_SYSTEM = "You are a helpful assistant."
@@ -171,8 +177,10 @@ _ONE_ROW = ("linear-attention layers: one sequence per episode, its prompt copie
             "off); packed rows run each sequence from a zero state")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
-    Family("qwen2_vl", _tiny_qwen2_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2VLProcessor"),
-    Family("qwen2_5_vl", _tiny_qwen2_5_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2_5_VLProcessor"),
+    Family("qwen2_vl", _tiny_qwen2_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2VLProcessor",
+           places_images=True),
+    Family("qwen2_5_vl", _tiny_qwen2_5_vl, _template(_QWEN2_VL_SYSTEM), "Qwen2_5_VLProcessor",
+           places_images=True),
     Family("qwen3_vl", _tiny_qwen3_vl, _template(), "Qwen3VLProcessor"),
     Family("qwen3_vl_moe", lambda i, h, n: _tiny_qwen3_vl(i, h, n, moe=True), _template(),
            "Qwen3VLProcessor", router="Qwen3VLMoeTextTopKRouter"),
@@ -259,6 +267,45 @@ def vision_rotary(attention) -> Callable:
     """The rotary function (q, k, cos, sin) -> (q, k) of a vision attention module's family."""
     import sys
     return sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
+
+
+def places_images(model) -> bool:
+    """Whether the trainer places `model`'s image features itself (:attr:`Family.places_images`):
+    its family's row says so and its vision tower's module takes the grid-derived tensors
+    precomputed (it imports transformers.vision_utils' helpers, which pop them from the tower's
+    kwargs: 5.24; a release whose tower computes them itself keeps the model's own forward)."""
+    import sys
+    row = FAMILIES.get(getattr(model.config, "model_type", ""))
+    if not (row and row.places_images) or importlib.util.find_spec("transformers.vision_utils") is None:
+        return False
+    cls = next((c for c in type(vision_tower(model)).__mro__ if c.__module__.startswith("transformers.")), None)
+    tower = sys.modules[cls.__module__] if cls is not None else None  # past FSDP2's subclass
+    return all(hasattr(tower, f) for f in ("get_vision_attention_seqlens", "get_vision_position_ids"))
+
+
+def vision_inputs(model, grid_thw) -> dict:
+    """What `model`'s vision tower derives from the image grid (`grid_thw`, on the host), as
+    its forward's keyword arguments: computed here by transformers.vision_utils' own functions
+    (a :func:`places_images` family only), so the tower, given them on its device, makes no
+    host sync."""
+    from transformers import vision_utils as VU
+    tower = vision_tower(model)
+    merge = tower.spatial_merge_size
+    cu = VU.get_vision_cu_seqlens(grid_thw)
+    out = {"position_ids": VU.get_vision_position_ids(grid_thw, merge), "cu_seqlens": cu,
+           "max_seqlen": int((cu[1:] - cu[:-1]).max())}
+    if getattr(tower, "window_size", None) is not None:  # Qwen2.5-VL: windowed blocks
+        index, cu_w = VU.get_vision_window_index(grid_thw, merge, tower.window_size, tower.patch_size)
+        out |= {"window_index": index, "cu_window_seqlens": cu_w,
+                "max_window_seqlen": int((cu_w[1:] - cu_w[:-1]).max())}
+    return out
+
+
+def image_features(model, pixel_values, grid_thw, inputs: dict):
+    """The vision tower's output for `pixel_values`: [image tokens, text hidden], the images in
+    the order their tokens come (`inputs`: :func:`vision_inputs`, on the tower's device)."""
+    tower = vision_tower(model)
+    return tower(pixel_values.type(tower.dtype), grid_thw=grid_thw, **inputs).pooler_output
 
 
 def auto_class(config):

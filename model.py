@@ -186,11 +186,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tokens,
     return picked, entropy
 
 
-def _model_inputs(batch: MicroBatch, tokens) -> dict:
+def _model_inputs(batch: MicroBatch, tokens, model=None) -> dict:
     """The images of a batch as the model takes them ({} without images). mm_token_type_ids
     marks the image tokens; without it transformers silently falls back to text-only positions
-    and the logprobs no longer match generation (mRoPE)."""
-    if batch.pixel_values is None:
+    and the logprobs no longer match generation (mRoPE). A family whose image features the
+    trainer places (families.places_images; `model` given) gets none: :func:`_image_hook` puts
+    them in."""
+    if batch.pixel_values is None or (model is not None and F.places_images(model)):
         return {}
     return dict(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
                 mm_token_type_ids=(batch.input_ids == tokens.image_pad).int())
@@ -210,9 +212,11 @@ def sequence_logprobs(model, batch: MicroBatch, tokens, temperature: float,
         at = h.response_mask.bool().nonzero(as_tuple=True)       # the response tokens, row-major
         at = tuple(t.to(ids.device) for t in at)
     rows = (at[0], at[1] - 1)                                    # column t - 1 predicts token t
+    placed = {} if batch.pixel_values is None or not F.places_images(model) else {
+        "position_ids": padded_positions(model, batch, tokens)}  # the model's own, from the host
     lp_sel, ent_sel = _logprobs_at(model, rows, ids[at], tokens, temperature, entropy_grad,
                                    batch, input_ids=ids, attention_mask=batch.attention_mask,
-                                   use_cache=False, **_model_inputs(batch, tokens))
+                                   use_cache=False, **_model_inputs(batch, tokens, model), **placed)
     resp = batch.response_mask.bool()                            # column t holds token t
     return _spread(lp_sel, ent_sel, at, resp, entropy_grad)
 
@@ -235,7 +239,7 @@ def _packed_logprobs(model, batch: MicroBatch, tokens, temperature: float,
     lp_sel, ent_sel = _logprobs_at(model, (p.pred_row, p.pred_col), ids[p.pred_row, p.target_col], tokens,
                                    temperature, entropy_grad, batch, input_ids=ids, attention_mask=p.mask_4d,
                                    position_ids=packed_positions(model, batch, tokens), use_cache=False,
-                                   **_model_inputs(batch, tokens), **layout)
+                                   **_model_inputs(batch, tokens, model), **layout)
     with torch.profiler.record_function(HOST_SCOPE):  # from the host record: no device sync
         h = batch.host if batch.host is not None else batch
         at = tuple(t.to(ids.device) for t in h.packed.response_slots.bool().nonzero(as_tuple=True))
@@ -332,6 +336,19 @@ def rope_index_fn(model):
     return None
 
 
+def padded_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
+    """Position ids of one row per episode with images (mRoPE [3, rows, W]), as transformers'
+    forward computes them from the same inputs (its rope index over the ids, image token types,
+    grids and attention mask), on the host record and moved once (no device sync)."""
+    with torch.profiler.record_function(HOST_SCOPE):
+        h = batch.host if batch.host is not None else batch
+        ids = h.input_ids.cpu()
+        pos, _ = rope_index_fn(model)(ids, (ids == tokens.image_pad).int(),
+                                      image_grid_thw=h.image_grid_thw.cpu(),
+                                      attention_mask=h.attention_mask.cpu())
+        return pos.to(batch.input_ids.device)
+
+
 def packed_positions(model, batch: MicroBatch, tokens) -> torch.Tensor:
     """Position ids of a packed batch (inputs.pack): each sequence's prompt as the model computes
     it alone (mRoPE [3, rows, W] with its images' 3D grids, where the model has its own rope
@@ -395,6 +412,8 @@ def _logprobs_at(model, at, targets: torch.Tensor, tokens, temperature: float, e
     if batch.blank_image is not None:
         handles.append(model.get_input_embeddings().register_forward_hook(
             _blank_vision(model, *batch.blank_image)))
+    if batch.pixel_values is not None and F.places_images(model):
+        handles.append(model.get_input_embeddings().register_forward_hook(_image_hook(model, batch, tokens)))
     try:
         with head.on_head(model.get_output_embeddings(), at, targets, tokens.suppressed, temperature,
                           entropy_grad), routing.replaying(model, batch.routing, batch.routing_counted):
@@ -421,6 +440,32 @@ def _blank_vision(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         features = model.get_image_features(pixel_values, image_grid_thw=grid_thw)
         zero = 0.0 * sum(t.float().sum() for t in _tensors(features))  # every output: every weight
         return out + zero.to(out.dtype)
+    return hook
+
+
+def _image_hook(model, batch: MicroBatch, tokens):
+    """A forward hook on the input embeddings that puts the batch's image features (the vision
+    tower's output, families.image_features) at its image tokens, whose places come from the
+    host record: what transformers' forward does with `get_placeholder_mask` and
+    `masked_scatter`, the same values in the same places, without their host syncs (the first
+    formats the image-token count into its check, the second's backward reads its mask's count).
+    The count is checked here, on the host."""
+    with torch.profiler.record_function(HOST_SCOPE):
+        h = batch.host if batch.host is not None else batch
+        grid = h.image_grid_thw.cpu()
+        at = (h.input_ids.cpu() == tokens.image_pad).nonzero(as_tuple=True)
+        merge = F.vision_tower(model).spatial_merge_size
+        if (n := int(grid.prod(-1).sum()) // merge ** 2) != at[0].numel():
+            raise ModelError(f"image features and image tokens do not match: {n} features, "
+                             f"{at[0].numel()} tokens")
+        device = batch.input_ids.device
+        at = tuple(t.to(device) for t in at)
+        tower = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in F.vision_inputs(model, grid).items()}
+
+    def hook(_module, _args, out):
+        features = F.image_features(model, batch.pixel_values, batch.image_grid_thw, tower)
+        return out.index_put(at, features.to(out.device, out.dtype))
     return hook
 
 

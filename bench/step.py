@@ -37,8 +37,9 @@ third of the step's; its MFU is then overstated by up to that much).
 Geometry3K-like prompts (one synthetic geometry image each, at vl3b.toml's pixel bounds) x
 `--group` long-tailed responses, micro-batches of a `--mb-tokens` budget in the device's layout;
 forward+backward time and MFU apart from the optimizer's, peak memory per phase, and per
-micro-batch the aten operators and host syncs torch.profiler counts (`aten_ops_per_microbatch`,
-`host_syncs_per_microbatch`; `host_reads_per_microbatch`: reads of host tensors inside
+micro-batch the aten operators and host syncs torch.profiler counts (`aten_ops_per_microbatch`:
+the top-level operators, each at least one launch; `aten_ops_nested_per_microbatch`: every aten
+event, nested ones too; `host_syncs_per_microbatch`; `host_reads_per_microbatch`: reads of host tensors inside
 model.HOST_SCOPE, the micro-batch's plan and positions, which sync no device). `--model
 3b-depth`: Qwen2.5-VL-3B's depth and vocabulary at a width a CPU runs. `--head N` (:func:`run_head`): the LM head's peak memory, forward + backward,
 at N response tokens, head.py's chunks (`head_peak_mb`) against the full [N, V] computation
@@ -362,9 +363,10 @@ def micro_batch_shapes(s, procs, device) -> list[dict]:
 
 def count_ops(s, U) -> list[dict]:
     """aten operator events and host syncs (SYNC_OPS) of each micro-batch's forward + backward
-    (update.accumulate_gradients over it alone), counted with torch.profiler: every aten event,
-    nested ones too (aten::linear and the aten::mm under it: an upper bound on the launches),
-    and the top-level ones alone (called from Python or autograd, not from another aten op).
+    (update.accumulate_gradients over it alone), counted with torch.profiler: `aten_ops`, the
+    top-level ones (called from Python or autograd, not from another aten op: each at least one
+    launch, issue 51's count), and `aten_ops_nested`, every aten event, nested ones too
+    (aten::linear and the aten::mm under it: its decomposition, an upper bound on the launches).
     `host_syncs`: the SYNC_OPS outside model.HOST_SCOPE, plus update.READ_SCOPE's one read of
     the step's metrics (a `.tolist()`: no aten event on a CPU); `host_reads`: the SYNC_OPS inside
     model.HOST_SCOPE (the plan and positions computed from host tensors: no device sync)."""
@@ -379,8 +381,8 @@ def count_ops(s, U) -> list[dict]:
         syncs = [e for e in events if e.name in SYNC_OPS]
         host = sum(_under(e, lambda n: n == M.HOST_SCOPE) for e in syncs)
         reads = sum(e.name == U.READ_SCOPE for e in prof.events())
-        out.append({"aten_ops": len(events),
-                    "aten_ops_top_level": sum(not _under(e, lambda n: n.startswith("aten::")) for e in events),
+        out.append({"aten_ops": sum(not _under(e, lambda n: n.startswith("aten::")) for e in events),
+                    "aten_ops_nested": len(events),
                     "host_syncs": len(syncs) - host + reads, "host_reads": host})
     s.tr.policy.zero_grad(set_to_none=True)
     return out
@@ -469,7 +471,7 @@ def run_grpo(a) -> dict:
            "checkpoint_calls_per_step": recomputed,
            "aten_ops_per_microbatch": round(statistics.mean(o["aten_ops"] for o in ops)) if ops else None,
            "host_syncs_per_microbatch": round(statistics.mean(o["host_syncs"] for o in ops), 1) if ops else None,
-           "aten_ops_top_level_per_microbatch": round(statistics.mean(o["aten_ops_top_level"] for o in ops)) if ops else None,
+           "aten_ops_nested_per_microbatch": round(statistics.mean(o["aten_ops_nested"] for o in ops)) if ops else None,
            "host_reads_per_microbatch": round(statistics.mean(o["host_reads"] for o in ops), 1) if ops else None,
            "per_microbatch": [b | o for b, o in zip(shapes, ops)] if ops else shapes}
     dist.destroy_process_group()

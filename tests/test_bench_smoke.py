@@ -168,6 +168,9 @@ def test_step_grpo():
     assert set(r["peak_memory_mb"]) == {"forward_backward", "optimizer"}
     assert len(r["per_microbatch"]) == r["micro_batches"] == len(r["images_per_microbatch"]) >= 1
     assert r["aten_ops_per_microbatch"] > 1000 and r["host_syncs_per_microbatch"] >= 1  # the read
+    # the contract's count is the top-level operators; the nested total is their decomposition
+    assert r["aten_ops_nested_per_microbatch"] > r["aten_ops_per_microbatch"]
+    assert all(o["aten_ops_nested"] > o["aten_ops"] > 0 for o in r["per_microbatch"])
     assert r["host_reads_per_microbatch"] > 0                   # the plan, built on the host
 
 

@@ -78,3 +78,81 @@ def test_a_varlen_kernel_gets_the_bounds_and_the_longest_window(tmp_path, monkey
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     windowed = [s for s in seen if len(s[0]) > 3]
     assert windowed and all(m == max(b - a for a, b in zip(c, c[1:])) for c, m in seen)
+
+
+# --------------------------------------------------------------------- the trainer places the images
+def _episodes_of(path: str, n: int = 3):
+    import data
+    import episode as E
+    import inputs as I
+    import synthetic
+    procs = I.load_processors(path, 56 * 56, 112 * 112)
+    problems = synthetic.make_synthetic(n, seed=5)
+    g = torch.Generator().manual_seed(0)
+    allowed = [i for i in range(procs.tokens.vocab_size) if i not in procs.tokens.suppressed]
+    eps = []
+    for i, p in enumerate(problems):
+        for r in range(2):  # two responses a prompt: a shared prompt's row holds both
+            resp = [allowed[j] for j in torch.randint(len(allowed), (5 + i + r,), generator=g)]
+            eps.append(E.Episode(p.index, i, I.prompt_ids(procs, data.user_text(p) * (1 + i), 1), resp,
+                                 [0.0] * len(resp), 0.0, {}, 0, True))
+    return procs, eps, [problems[e.group].images for e in eps]
+
+
+PLACED = [t for t in VLMS if F.get(t).places_images]
+
+
+@pytest.mark.parametrize("t", PLACED)
+@pytest.mark.parametrize("layout", [M.RowLayout(), M.RowLayout(share_prompt=True),
+                                    M.RowLayout(packed="segments", share_prompt=True)])
+def test_the_trainer_places_image_features_as_transformers_does(tmp_path, monkeypatch, t, layout):
+    """families.places_images: the vision tower's output put at the image tokens by the trainer
+    (no get_placeholder_mask, no masked_scatter, the tower's grid tensors from the host, the
+    positions from the host) gives transformers' own forward's logprobs, entropies and every
+    gradient, to 1e-6 (fp32), in every layout; and its forward + backward makes no host sync
+    outside model.HOST_SCOPE."""
+    import inputs as I
+    path = str(F.build_tiny(tmp_path / t, model_type=t))
+    procs, eps, images = _episodes_of(path)
+    model = M.load_model(path).train()
+    if layout.packed:
+        model.set_attn_implementation(M.attention_for(layout.packed))
+    assert A.one_call_vision(model) and F.places_images(model)
+    batch = I.collate(eps, images, procs, torch.device("cpu"), layout, {})
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run():
+        lp, ent = M.sequence_logprobs(model, batch, procs.tokens, 0.7, entropy_grad=True)
+        return lp, ent, torch.autograd.grad(lp.sum() + 0.01 * ent.sum(), params, allow_unused=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        lp, ent, grads = run()
+    monkeypatch.setattr(F, "places_images", lambda m: False)  # transformers' own forward
+    want_lp, want_ent, want = run()
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=0)
+    assert float(lp.detach().abs().sum()) > 0
+    for a, b in zip(grads, want):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-6 * max(float(b.abs().max()), 1.0), rtol=0)
+    syncs = _syncs(prof)
+    if batch.packed is not None:  # rows of whole sequences (a 4-D mask, or the segments' plan)
+        assert syncs == []
+    else:  # right-padded rows: transformers' sdpa mask asks whether any padding is there
+        assert syncs and all("_ignore_causal_mask_sdpa" in s for s in syncs)
+
+
+def _syncs(prof) -> list[str]:
+    """The host syncs (`.item()` and friends, `nonzero`) outside model.HOST_SCOPE, each as the
+    profiler's names of the scopes and Python frames around it."""
+    out = []
+    for e in prof.events():
+        if e.name in ("aten::_local_scalar_dense", "aten::nonzero"):
+            p, host, names = e.cpu_parent, False, []
+            while p is not None:
+                host |= p.name == M.HOST_SCOPE
+                names.append(p.name)
+                p = p.cpu_parent
+            if not host:
+                out.append(" < ".join(names))
+    return out
