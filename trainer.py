@@ -138,8 +138,8 @@ def params_to(model, dtype: torch.dtype):
 
 def check(cfg: Config) -> None:
     """The trainers' keys that need more than config.py knows, at load: model.teacher_path's
-    family (families.check_model_path), train.master_dtype against the model keys; one
-    ConfigError naming the keys."""
+    family (families.check_model_path), model.compile against the checkpointing mode,
+    train.master_dtype against the model keys; one ConfigError naming the keys."""
     tc, mc = cfg.train, cfg.model
     if mc.teacher_path not in ("", "base", mc.path):
         families.check_model_path(mc.teacher_path, "model.teacher_path")
@@ -147,6 +147,11 @@ def check(cfg: Config) -> None:
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
+    need(not (mc.compile and sharding.checkpointing_mode(mc.activation_checkpointing) != "off"),
+         "model.compile = true with model.activation_checkpointing = "
+         f"{mc.activation_checkpointing!r}: under transformers' checkpointing the compiled decoder "
+         "layers run eagerly (bench/step.py: the same operator count); set "
+         "--model.activation_checkpointing=off or --model.compile=false")
     need(tc.master_dtype in MASTER_DTYPES, f"train.master_dtype: unknown {tc.master_dtype!r} "
          f"(known: {', '.join(MASTER_DTYPES)})")
     if tc.master_dtype == "bfloat16":
