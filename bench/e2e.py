@@ -70,7 +70,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported, not run: after the core
+    sys.path.append(str(Path(__file__).resolve().parent))  # (bench/sync.py must not shadow sync.py)
 import engine_time  # noqa: E402  (bench/engine_time.py: the modelled engine's parameters)
 
 
