@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import families as F
 import inputs as I
 import loss as L
 import microbatches as MB
@@ -298,6 +299,9 @@ def test_a_one_image_micro_batch_makes_one_host_sync_in_its_whole_forward_and_ba
     total = sum(I.sequence_tokens(s.procs, [e], s.images[e.index]) for e in s.eps)
     cfg = step_config(["--train.packing=true", "--loss.kl_coef=0", f"--train.micro_batch_tokens={total // 8}"])
     model = T.fewer_launches(M.load_model(s.path), C.ModelConfig())
+    if not F.places_images(model):  # e.g. transformers 5.5.4 (the NPU stack): its own image path
+        pytest.skip("this transformers' vision tower computes its grid tensors itself: the trainer "
+                    "keeps the model's own forward and its host syncs (families.places_images)")
     policy = sharding.apply_fsdp(model.train(), s.mesh, checkpointing=checkpointing)
     tr = make_trainer(s, cfg)
     tr.policy = policy  # as trainer.build wraps it (make_trainer's: plain FSDP2)
