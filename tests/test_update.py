@@ -270,11 +270,7 @@ def test_a_micro_batch_makes_no_host_sync_in_the_trainers_code(tiny_step, over):
     cfg = step_config(over + [f"--train.micro_batch_tokens={total // 8}", "--loss.kl_coef=0"])
     tr = make_trainer(s, cfg)
     tr.policy.set_attn_implementation(M.attention_for(tr.layout.packed))
-    step = U.Step(tr, s.world, s.procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, s.eps, s.images)
-    U.plan(step)
-    U.denominators(step)
-    U.advantages(step)
-    u = step.updates[0]
+    step, u = _planned(s, tr, cfg)
     assert len(u.plan) >= 2 and (tr.layout.packed is not None) == ("--train.packing=true" in over)
     u = U.Update(u.idx, u.plan[:2], u.denom)  # two micro-batches: the profiler's stacks are slow
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
@@ -306,11 +302,7 @@ def test_a_one_image_micro_batch_makes_one_host_sync_in_its_whole_forward_and_ba
     tr = make_trainer(s, cfg)
     tr.policy = policy  # as trainer.build wraps it (make_trainer's: plain FSDP2)
     tr.policy.set_attn_implementation(M.attention_for(tr.layout.packed))
-    step = U.Step(tr, s.world, s.procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, s.eps, s.images)
-    U.plan(step)
-    U.denominators(step)
-    U.advantages(step)
-    u = step.updates[0]
+    step, u = _planned(s, tr, cfg)
     one = next(mb for mb in u.plan if len({s.eps[u.idx[j]].group for j in mb}) == 1)  # one image
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         U.accumulate_gradients(step, U.Update(u.idx, [one], u.denom))
@@ -319,6 +311,15 @@ def test_a_one_image_micro_batch_makes_one_host_sync_in_its_whole_forward_and_ba
     reads = sum(e.name == U.READ_SCOPE for e in prof.events())
     assert [e.name for e in syncs] == [] and reads == 1
     assert len(syncs) + reads <= 2                                    # issue 51's acceptance
+
+
+def _planned(s, tr, cfg):
+    """The step's record up to its updates (plan, denominators, advantages) and its first update."""
+    step = U.Step(tr, s.world, s.procs, cfg.train, cfg.loss, cfg.rollout, 0, 0, s.eps, s.images)
+    U.plan(step)
+    U.denominators(step)
+    U.advantages(step)
+    return step, step.updates[0]
 
 
 def _parents(event):
