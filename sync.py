@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: in
     buckets: list[list[Slot]] = [[]]
     used = 0
     for name, shape, dt in specs:
-        nbytes = _numel(shape) * DTYPES[dt].itemsize
+        nbytes = math.prod(shape) * DTYPES[dt].itemsize
         size = -(-nbytes // ALIGN) * ALIGN
         if buckets[-1] and (used + size > bucket_bytes or nbytes >= solo):
             buckets.append([])
@@ -76,13 +77,6 @@ def chunk_bytes(plan: list[list[Slot]]) -> int:
     ends derive it from the plan they share, as vLLM's producer and consumer must agree on it."""
     packed = [bucket_size(b) for b in plan if len(b) > 1]
     return max(packed or [bucket_size(b) for b in plan])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
