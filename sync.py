@@ -370,17 +370,14 @@ class LocalControl:
         raise RuntimeError("a local sync hands buckets over with Sender.send(sink=...)")
 
 
-class GatheredSource:
+class GatheredSource(LocalControl):
     """A colocated rank's sync into its own vLLM engine (an `episode.WeightSource`): the
     version and plan, and :meth:`Sender.gathered`'s buckets, pulled by the engine's one
     layerwise reload (a layer's weights may span buckets); nothing crosses a process."""
 
     def __init__(self, sender: Sender, version: int):
-        self.sender, self.version = sender, version
-        self.plan, self.partial = sender.plan, sender.partial
-
-    def control(self) -> tuple[int, list[list[Slot]]]:
-        return self.version, self.plan
+        super().__init__(version, sender.plan, sender.partial)
+        self.sender = sender
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         yield from self.sender.gathered()
