@@ -196,24 +196,18 @@ class Sender:
         gathered = 0              # bytes of gathered tensors whose broadcast is still pending
         sent = 0
         ring = 0
-        pieces = iter(self._pieces[which])
-        pos, whole = -1, None     # the tensor being sent, gathered
+        pieces = self._gather(which)
         for bucket in plan:
-            full, views = [], []
-            for _ in bucket:
-                p_pos, index = next(pieces)
-                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
-                    pos, whole = p_pos, tensors[p_pos].gather()
-                full.append(whole[index] if index else whole)
-                views.append(bool(index))
+            full = [next(pieces) for _ in bucket]  # gathered on every trainer rank
             if not self.is_root:
                 continue
-            t = full[0].detach()
+            first, pos, index = full[0]
+            t = first.detach()
             held = 0
-            if (len(bucket) == 1 and not views[0] and t.dtype == DTYPES[self.dtype]
+            if (len(bucket) == 1 and not index and t.dtype == DTYPES[self.dtype]
                     and t.is_contiguous() and t.device == self.device):
                 buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
-                if full[0] is not tensors[pos].parts[0]:  # a gathered copy, not the parameter
+                if first is not tensors[pos].parts[0]:  # a gathered copy, not the parameter
                     held = buf.numel()
             else:
                 slot, ring = ring, 1 - ring
@@ -221,7 +215,7 @@ class Sender:
                     if s == slot:
                         w.wait()
                 buf = self._buffer(slot, bucket_size(bucket))[:bucket_size(bucket)]
-                pack([x.detach().to(self.device, DTYPES[self.dtype]) for x in full], bucket, buf)
+                pack([x.detach().to(self.device, DTYPES[self.dtype]) for x, _, _ in full], bucket, buf)
             if sink is not None:
                 sink(unpack(buf, bucket))
             else:
@@ -246,17 +240,20 @@ class Sender:
         engine, :class:`GatheredSource`). A piece may be the trainer's own tensor (a world of one
         in the sync dtype): to be copied, never adopted."""
         which = self.which if which is None else which
-        pieces = iter(self._pieces[which])
-        pos, whole = -1, None
+        pieces = self._gather(which)
         for bucket in self.plans[which]:
-            named = []
-            for slot in bucket:
-                p_pos, index = next(pieces)
-                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
-                    pos, whole = p_pos, self.tensors[p_pos].gather()
-                named.append((slot.name, (whole[index] if index else whole).detach().to(
-                    self.device, DTYPES[slot.dtype])))
-            yield named
+            yield [(slot.name, next(pieces)[0].detach().to(self.device, DTYPES[slot.dtype]))
+                   for slot in bucket]
+
+    def _gather(self, which: int) -> Iterator[tuple[torch.Tensor, int, tuple]]:
+        """Plan `which`'s pieces in slot order as (tensor, its position in :attr:`tensors`, index
+        into it; (): the whole tensor): every trainer rank gathers each tensor once, in order,
+        when its first piece is asked for (a collective)."""
+        pos, whole = -1, None
+        for p_pos, index in self._pieces[which]:
+            if p_pos != pos:  # each tensor once, in order: a collective on every trainer
+                pos, whole = p_pos, self.tensors[p_pos].gather()
+            yield (whole[index] if index else whole), pos, index
 
     def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values
