@@ -141,12 +141,11 @@ def adamw_options(kind: str) -> dict:
 def device_count(dev: Device) -> int:
     """How many devices of `dev`'s kind this process sees (through any visibility the launcher
     set); 0 on CPU. Asked lazily: torch_npu is imported only here, on NPU."""
-    if dev.kind == "cuda":
-        return torch.cuda.device_count()
+    if dev.kind == "cpu":
+        return 0
     if dev.kind == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
-        return torch.npu.device_count()
-    return 0
+    return torch.get_device_module(dev.kind).device_count()
 
 
 def world_backend(dev: Device, uses_device: bool) -> str:
