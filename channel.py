@@ -249,9 +249,8 @@ def _own_channel_mover(world, dev: D.Device, port: int, device, n: int, timeout_
     sock, addr = listen(port) if world.is_root else (None, [None, None])
     dist.broadcast_object_list(addr, 0, group=world.ctrl)
     cls, size = transfer_engine(dev.kind), 1 + len(world.gens)
-    what = f"{dev.comm} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
-    if cls is not None:
-        what = f"{transfer_path(dev.kind)} at {addr[0]}:{addr[1]} (the vLLM engines' channel)"
+    what = (f"{dev.comm if cls is None else transfer_path(dev.kind)} at {addr[0]}:{addr[1]} "
+            "(the vLLM engines' channel)")
     if world.is_gen and cls is not None:
         return engine_receiver(cls, dev.weight_transfer[0], addr, 1 + world.gen_index, size, n), what
     if not (world.is_root or world.is_gen):

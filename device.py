@@ -141,12 +141,11 @@ def adamw_options(kind: str) -> dict:
 def device_count(dev: Device) -> int:
     """How many devices of `dev`'s kind this process sees (through any visibility the launcher
     set); 0 on CPU. Asked lazily: torch_npu is imported only here, on NPU."""
-    if dev.kind == "cuda":
-        return torch.cuda.device_count()
+    if dev.kind == "cpu":
+        return 0
     if dev.kind == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
-        return torch.npu.device_count()
-    return 0
+    return torch.get_device_module(dev.kind).device_count()
 
 
 def world_backend(dev: Device, uses_device: bool) -> str:
@@ -192,20 +191,15 @@ def torch_device(dev: Device, local_rank: int) -> torch.device:
     """The torch.device of this rank (CPU: always cpu) and make it current."""
     if dev.kind == "cpu":
         return torch.device("cpu")
-    if dev.kind == "cuda":
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.npu.set_device(local_rank)
+    torch.get_device_module(dev.kind).set_device(local_rank)
     return torch.device(dev.kind, local_rank)
 
 
 def current_device(dev: Device) -> torch.device:
     """The device this process made current (:func:`torch_device`); cpu on CPU."""
-    if dev.kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if dev.kind == "npu":
-        return torch.device("npu", torch.npu.current_device())
-    return torch.device("cpu")
+    if dev.kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(dev.kind, torch.get_device_module(dev.kind).current_device())
 
 
 def narrow_visible(dev: Device, device_ids: list[int]) -> None:
@@ -379,28 +373,22 @@ def vision_chunks(seqs_per_image: list[int], limit: int | None) -> list[range]:
 
 
 def synchronize(dev: Device) -> None:
-    if dev.kind == "cuda":
-        torch.cuda.synchronize()
-    elif dev.kind == "npu":
-        torch.npu.synchronize()
+    if dev.kind != "cpu":
+        torch.get_device_module(dev.kind).synchronize()
 
 
 def new_stream(device: torch.device):
     """A side stream on `device` (the weight channel's own); None on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.Stream(device=device)
-    if device.type == "npu":
-        return torch.npu.Stream(device=device)
-    return None
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device.type).Stream(device=device)
 
 
 def current_stream(device: torch.device):
     """This thread's current stream on `device` (None on CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device)
-    if device.type == "npu":
-        return torch.npu.current_stream(device)
-    return None
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device.type).current_stream(device)
 
 
 def stream_context(stream):
@@ -408,52 +396,40 @@ def stream_context(stream):
     CUDA through torch.cuda.set_stream, which vLLM patches to keep its own in step."""
     if stream is None:
         return contextlib.nullcontext()
-    if stream.device.type == "cuda":
-        return torch.cuda.stream(stream)
-    return torch.npu.stream(stream)
+    return torch.get_device_module(stream.device.type).stream(stream)
 
 
 def peak_memory_gb(dev: Device) -> float:
     """Peak allocated accelerator memory of this process (0 on CPU)."""
-    if dev.kind == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    if dev.kind == "npu":
-        return torch.npu.max_memory_allocated() / 2**30
-    return 0.0
+    if dev.kind == "cpu":
+        return 0.0
+    return torch.get_device_module(dev.kind).max_memory_allocated() / 2**30
 
 
 def release_cached_memory(device: torch.device) -> None:
     """Hand the caching allocator's free blocks on `device` back to the driver (a colocated
     engine's sleep); a no-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    elif device.type == "npu":
-        torch.npu.empty_cache()
+    if device.type != "cpu":
+        torch.get_device_module(device.type).empty_cache()
 
 
 def allocated_gb(dev: Device) -> float:
     """Accelerator memory this process's tensors hold now (0 on CPU)."""
-    if dev.kind == "cuda":
-        return torch.cuda.memory_allocated() / 2**30
-    if dev.kind == "npu":
-        return torch.npu.memory_allocated() / 2**30
-    return 0.0
+    if dev.kind == "cpu":
+        return 0.0
+    return torch.get_device_module(dev.kind).memory_allocated() / 2**30
 
 
 def reset_peak_memory(dev: Device) -> None:
     """Start :func:`peak_memory_gb` over from what is allocated now (a no-op on CPU)."""
-    if dev.kind == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    elif dev.kind == "npu":
-        torch.npu.reset_peak_memory_stats()
+    if dev.kind != "cpu":
+        torch.get_device_module(dev.kind).reset_peak_memory_stats()
 
 
 def device_name(dev: Device) -> str:
     """A human-readable name of this process's accelerator (the CPU's, on CPU)."""
-    if dev.kind == "cuda":
-        return torch.cuda.get_device_name()
-    if dev.kind == "npu":
-        return torch.npu.get_device_name()
+    if dev.kind != "cpu":
+        return torch.get_device_module(dev.kind).get_device_name()
     import platform
     return platform.processor() or platform.machine()
 
@@ -464,19 +440,15 @@ def manual_seed_all(seed: int) -> None:
 
 def rng_state(dev: Device) -> dict:
     state = {"cpu": torch.get_rng_state()}
-    if dev.kind == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state()
-    elif dev.kind == "npu":
-        state["npu"] = torch.npu.get_rng_state()
+    if dev.kind != "cpu":
+        state[dev.kind] = torch.get_device_module(dev.kind).get_rng_state()
     return state
 
 
 def set_rng_state(dev: Device, state: dict) -> None:
     torch.set_rng_state(state["cpu"])
-    if dev.kind == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    elif dev.kind == "npu" and "npu" in state:
-        torch.npu.set_rng_state(state["npu"])
+    if dev.kind != "cpu" and dev.kind in state:
+        torch.get_device_module(dev.kind).set_rng_state(state[dev.kind])
 
 
 def vllm_engine_args(dev: Device) -> dict:

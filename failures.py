@@ -40,7 +40,6 @@ def end(code: int) -> None:
     in C calls), after ending this process's children (vLLM's engine core would otherwise outlive
     the rank, holding its device memory): SIGTERM, then SIGKILL after 3 s."""
     import multiprocessing
-    import time
     kids = multiprocessing.active_children()
     for kid in kids:
         kid.terminate()
@@ -242,8 +241,7 @@ def is_communication_error(e: BaseException) -> bool:
     """A failed or timed-out collective (the culprit may be another rank), as opposed to this
     rank's own error. gloo raises plain RuntimeErrors, so the message decides."""
     import torch.distributed as dist
-    dist_error = getattr(dist, "DistError", ())
-    return (isinstance(e, dist_error) if dist_error else False) or bool(_COMM.search(str(e)))
+    return isinstance(e, getattr(dist, "DistError", ())) or bool(_COMM.search(str(e)))
 
 
 def on_signals(live: Liveness | None) -> None:
@@ -340,9 +338,8 @@ def world_failed(e: BaseException, timeout_s: float) -> int:
     """Setting up the world failed, before any failure handling exists: ONE line naming this
     rank, MASTER_ADDR, MASTER_PORT and the timeout; returns exit code 4. A network error prints
     no traceback; any other error prints its traceback first."""
-    import torch.distributed as dist
     env = os.environ
-    network = isinstance(e, getattr(dist, "DistError", ())) or is_communication_error(e)
+    network = is_communication_error(e)
     if not network:
         traceback.print_exc()
     hint = "; is rank 0's node up, and MASTER_PORT open to this one?" if network else ""

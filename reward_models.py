@@ -294,14 +294,6 @@ class TrainerScorer:
     def __init__(self, runner, problems: dict, max_new_tokens: int) -> None:
         self.runner, self.problems, self.max_new_tokens = runner, problems, max_new_tokens
 
-    def sample(self, e) -> dict:
-        """Episode `e`'s sample, as rollout.rollout builds it for the generation side's runner."""
-        import inputs as I
-        p = self.problems[e.index]
-        return {"answer": p.answer, "problem": p.problem, "index": p.index,
-                "response_len": I.sampled_tokens(e), "truncated": e.truncated,
-                "max_new_tokens": self.max_new_tokens, "columns": p.columns, "source": p.source}
-
     def score(self, episodes: list, world) -> dict[str, float]:
         """Every episode scored (this rank its share, i = trainer_index mod the trainer count,
         gathered over the trainer group: every trainer ends with the same rewards) and added to
@@ -309,7 +301,8 @@ class TrainerScorer:
         metrics (rollout.episode_metrics' reward/ keys) recomputed over the new rewards."""
         import rollout
         mine = list(range(world.trainer_index, len(episodes), len(world.trainers)))
-        got = self.runner.score([episodes[i].text for i in mine], [self.sample(episodes[i]) for i in mine])
+        got = self.runner.score([episodes[i].text for i in mine], [rollout.reward_sample(
+            self.problems[episodes[i].index], episodes[i], self.max_new_tokens) for i in mine])
         every = [None] * len(world.trainers)
         dist.all_gather_object(every, dict(zip(mine, got)), group=world.train_group)
         for part in every:

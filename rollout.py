@@ -41,11 +41,7 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
             rows.append((g, p, ids, c, before))
             # multi-turn: the last reply is graded
             texts.append(c.turns[-1]["content"] if c.turns else tokenizer.decode(c.ids, skip_special_tokens=True))
-            samples.append({"answer": p.answer, "problem": p.problem, "index": p.index,
-                            "response_len": I.sampled_tokens(c),
-                            "truncated": c.truncated,
-                            "max_new_tokens": sp.max_new_tokens, "columns": p.columns,
-                            "source": p.source})
+            samples.append(reward_sample(p, c, sp.max_new_tokens))
     episodes = []
     for (g, p, ids, c, before), text, parts in zip(rows, texts, scorer.score(texts, samples) if rows else []):
         total, info = parts.pop("reward"), parts.pop("info", {})
@@ -58,6 +54,14 @@ def rollout(engine: Engine, problems: list, procs: I.Processors, sp: Sampling, *
     return episodes, {"generate_s": t_gen, "reward_s": time.perf_counter() - t0 - t_gen,
                       "prompts": len(problems), "refill_rounds": 0,
                       "reprefill_tokens": sum(c.reprefilled for cs in completions for c in cs)}
+
+
+def reward_sample(p, c, max_new_tokens: int) -> dict:
+    """The `sample` a reward function gets (rewards/__init__.py) for problem `p`'s response `c` (a
+    Completion or an Episode): the same on the generation side and reward_models.TrainerScorer's."""
+    return {"answer": p.answer, "problem": p.problem, "index": p.index,
+            "response_len": I.sampled_tokens(c), "truncated": c.truncated,
+            "max_new_tokens": max_new_tokens, "columns": p.columns, "source": p.source}
 
 
 def engine_prompts(problems: list, procs: I.Processors, template: str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def plan_buckets(specs: list[tuple[str, tuple[int, ...], str]], bucket_bytes: in
     buckets: list[list[Slot]] = [[]]
     used = 0
     for name, shape, dt in specs:
-        nbytes = _numel(shape) * DTYPES[dt].itemsize
+        nbytes = math.prod(shape) * DTYPES[dt].itemsize
         size = -(-nbytes // ALIGN) * ALIGN
         if buckets[-1] and (used + size > bucket_bytes or nbytes >= solo):
             buckets.append([])
@@ -76,13 +77,6 @@ def chunk_bytes(plan: list[list[Slot]]) -> int:
     ends derive it from the plan they share, as vLLM's producer and consumer must agree on it."""
     packed = [bucket_size(b) for b in plan if len(b) > 1]
     return max(packed or [bucket_size(b) for b in plan])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def view(buf: torch.Tensor, slot: Slot) -> torch.Tensor:
@@ -202,24 +196,18 @@ class Sender:
         gathered = 0              # bytes of gathered tensors whose broadcast is still pending
         sent = 0
         ring = 0
-        pieces = iter(self._pieces[which])
-        pos, whole = -1, None     # the tensor being sent, gathered
+        pieces = self._gather(which)
         for bucket in plan:
-            full, views = [], []
-            for _ in bucket:
-                p_pos, index = next(pieces)
-                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
-                    pos, whole = p_pos, tensors[p_pos].gather()
-                full.append(whole[index] if index else whole)
-                views.append(bool(index))
+            full = [next(pieces) for _ in bucket]  # gathered on every trainer rank
             if not self.is_root:
                 continue
-            t = full[0].detach()
+            first, pos, index = full[0]
+            t = first.detach()
             held = 0
-            if (len(bucket) == 1 and not views[0] and t.dtype == DTYPES[self.dtype]
+            if (len(bucket) == 1 and not index and t.dtype == DTYPES[self.dtype]
                     and t.is_contiguous() and t.device == self.device):
                 buf, slot = t.reshape(-1).view(torch.uint8), None      # zero copy
-                if full[0] is not tensors[pos].parts[0]:  # a gathered copy, not the parameter
+                if first is not tensors[pos].parts[0]:  # a gathered copy, not the parameter
                     held = buf.numel()
             else:
                 slot, ring = ring, 1 - ring
@@ -227,7 +215,7 @@ class Sender:
                     if s == slot:
                         w.wait()
                 buf = self._buffer(slot, bucket_size(bucket))[:bucket_size(bucket)]
-                pack([x.detach().to(self.device, DTYPES[self.dtype]) for x in full], bucket, buf)
+                pack([x.detach().to(self.device, DTYPES[self.dtype]) for x, _, _ in full], bucket, buf)
             if sink is not None:
                 sink(unpack(buf, bucket))
             else:
@@ -252,17 +240,20 @@ class Sender:
         engine, :class:`GatheredSource`). A piece may be the trainer's own tensor (a world of one
         in the sync dtype): to be copied, never adopted."""
         which = self.which if which is None else which
-        pieces = iter(self._pieces[which])
-        pos, whole = -1, None
+        pieces = self._gather(which)
         for bucket in self.plans[which]:
-            named = []
-            for slot in bucket:
-                p_pos, index = next(pieces)
-                if p_pos != pos:  # each tensor once, in order: a collective on every trainer
-                    pos, whole = p_pos, self.tensors[p_pos].gather()
-                named.append((slot.name, (whole[index] if index else whole).detach().to(
-                    self.device, DTYPES[slot.dtype])))
-            yield named
+            yield [(slot.name, next(pieces)[0].detach().to(self.device, DTYPES[slot.dtype]))
+                   for slot in bucket]
+
+    def _gather(self, which: int) -> Iterator[tuple[torch.Tensor, int, tuple]]:
+        """Plan `which`'s pieces in slot order as (tensor, its position in :attr:`tensors`, index
+        into it; (): the whole tensor): every trainer rank gathers each tensor once, in order,
+        when its first piece is asked for (a collective)."""
+        pos, whole = -1, None
+        for p_pos, index in self._pieces[which]:
+            if p_pos != pos:  # each tensor once, in order: a collective on every trainer
+                pos, whole = p_pos, self.tensors[p_pos].gather()
+            yield (whole[index] if index else whole), pos, index
 
     def _send_control(self, version: int, which: int) -> None:
         if not self._plan_sent:  # metadata once, as plain Python values
@@ -376,17 +367,14 @@ class LocalControl:
         raise RuntimeError("a local sync hands buckets over with Sender.send(sink=...)")
 
 
-class GatheredSource:
+class GatheredSource(LocalControl):
     """A colocated rank's sync into its own vLLM engine (an `episode.WeightSource`): the
     version and plan, and :meth:`Sender.gathered`'s buckets, pulled by the engine's one
     layerwise reload (a layer's weights may span buckets); nothing crosses a process."""
 
     def __init__(self, sender: Sender, version: int):
-        self.sender, self.version = sender, version
-        self.plan, self.partial = sender.plan, sender.partial
-
-    def control(self) -> tuple[int, list[list[Slot]]]:
-        return self.version, self.plan
+        super().__init__(version, sender.plan, sender.partial)
+        self.sender = sender
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         yield from self.sender.gathered()

@@ -88,11 +88,6 @@ def fmt_pi(k: int) -> str:
     return "\\pi" if k == 1 else f"{k} \\pi"
 
 
-def fmt_tenth(x: float) -> str:
-    # Only irrational values (multiples of pi) are rounded, so there are no ties to break.
-    return f"{x:.1f}"
-
-
 # ---------------------------------------------------------------- synthetic kinds
 # Each kind is three pure functions: sample(rng) -> params, pose(params) -> (question, answer),
 # figure(params) -> Figure. Tests call pose and figure directly with hand-picked params.
@@ -213,7 +208,8 @@ def pose_circle(p: dict) -> tuple[str, str]:
     coef = 2 * p["r"] if p["ask"] == "circumference" else p["r"] ** 2  # value = coef * pi
     if p["exact"]:
         return f"Find the exact {p['ask']} of the circle.", fmt_pi(coef)
-    return f"Find the {p['ask']} of the circle. Round to the nearest tenth.", fmt_tenth(coef * math.pi)
+    # Only irrational values (multiples of pi) are rounded, so there are no ties to break.
+    return f"Find the {p['ask']} of the circle. Round to the nearest tenth.", f"{coef * math.pi:.1f}"
 
 
 def figure_circle(p: dict) -> Figure:
@@ -370,15 +366,11 @@ def render(fig: Figure, size: int) -> Image.Image:
     return img
 
 
-def draw_spec(spec: Spec, size: int = 112) -> Image.Image:
-    return render(KINDS[spec.kind][2](dict(spec.params)), size)
-
-
 def make_synthetic(
     n: int, seed: int, image_size: int = 112, *, split: str | None = None
 ) -> list[Problem]:
     """n synthetic problems, deterministic in seed; `split` keeps only that split's problems."""
-    return [Problem(i, [draw_spec(s, image_size)], s.question, s.answer)
+    return [Problem(i, [render(KINDS[s.kind][2](dict(s.params)), image_size)], s.question, s.answer)
             for i, s in enumerate(synthetic_specs(n, seed, split))]
 
 

@@ -70,7 +70,7 @@ class Trackers:
         """A few decoded samples of this step, one dict per row, e.g. {"index", "response",
         "reward", <reward parts>..., "version"}; a nested dict value (parts) becomes `key/sub`
         columns. Call it after `log(metrics, step)` of the same step (W&B drops earlier steps)."""
-        rows = [_flat_row(r) for r in rows]
+        rows = [_flatten(r, sep="/") for r in rows]
         if not rows:
             return
         columns = list(dict.fromkeys(k for r in rows for k in r))
@@ -238,11 +238,12 @@ def _plain(x):
     return str(x)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def _flatten(d: dict, prefix: str = "", sep: str = ".") -> dict:
+    """Nested dicts as one level: {"a": {"b": 1}} -> {"a.b": 1} (`sep` "/": "a/b")."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(_flatten(v, f"{prefix}{k}{sep}", sep))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -251,16 +252,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _hparam(v):
     """TensorBoard's hparams take numbers, strings and bools; lists are shown as text."""
     return v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
-
-
-def _flat_row(row: dict) -> dict:
-    out = {}
-    for k, v in row.items():
-        if isinstance(v, dict):
-            out.update({f"{k}/{sub}": x for sub, x in v.items()})
-        else:
-            out[k] = v
-    return out
 
 
 def _cell(v):

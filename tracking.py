@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -197,12 +198,8 @@ def startup_summary(cfg: C.Config, roles: list[str], device: str, n_params: int 
 
 def _runs(ranks: list[int]) -> str:
     """[0, 1, 3, 4] as "0-1,3-4" (cluster.layout = "per_node" interleaves the roles)."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
+    runs = [[r for _, r in run]  # a run of consecutive ranks has one rank - position
+            for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
@@ -325,19 +322,12 @@ def _duration(seconds: float) -> str:
 def quiet_other_ranks(rank: int) -> None:
     """Library warnings (transformers, torch, FSDP) once for the job: only rank 0 prints them;
     no rank draws weight-loading progress bars. Errors and this project's lines stay."""
-    try:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    from transformers.utils import logging as hf_logging  # train.py imported transformers already
+    hf_logging.disable_progress_bar()
     if rank == 0:
         return
     import logging
     warnings.filterwarnings("ignore")
     for name in ("transformers", "torch", "data", "py.warnings"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    hf_logging.set_verbosity_error()

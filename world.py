@@ -235,14 +235,13 @@ def plan_rows(world_size: int, gen_ranks: int, nproc_per_node: int, device_kind:
     plan = rank_plan(world_size, gen_ranks, nproc_per_node, engine_devices, layout, colocate)
     for row in plan:
         row["device"] = row["device"].format(dev=device_kind)
-    trainers = [r["rank"] for r in plan if r["role"] == "trainer"]
+    trainers = [r["rank"] for r in plan if "trainer" in r["role"]]  # colocated: "trainer+generation"
     gens = [r["rank"] for r in plan if r["role"] == "generation"]
     groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
               "trainers (FSDP2 mesh)": trainers, "sync (trainer 0 + engines)": [0] + gens}
     if colocate:
-        groups = {"world (gloo objects, control)": [r["rank"] for r in plan],
-                  "trainers (FSDP2 mesh)": [r["rank"] for r in plan],
-                  "sync": "none: each rank loads its own engine in-process (colocated)"}
+        del groups["sync (trainer 0 + engines)"]
+        groups["sync"] = "none: each rank loads its own engine in-process (colocated)"
     elif own_channel:
         groups["vLLM weight channel (outside torch's world)"] = (
             ["trainer rank 0"] + [f"rank {g} worker {w}" for g in gens for w in range(engine_devices)])
