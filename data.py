@@ -171,11 +171,9 @@ def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
             **{canon: row[name] for canon, name in cols.items()}}
 
 
-def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None,
-                key: str = "data") -> Iterator[dict | _BadRow]:
+def _read_jsonl(path: Path, cols: dict[str, str], key: str) -> Iterator[dict | _BadRow]:
     # split as bytes, decoded per line: a line that is not UTF-8 is one bad row, and a U+2028
     # inside a JSON string (where str.splitlines() would cut) stays in its row
-    cols = _mapping(columns)
     for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         try:
             line = raw.decode("utf-8")
@@ -200,10 +198,8 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None,
         yield row
 
 
-def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None,
-                  key: str = "data") -> Iterator[dict]:
+def _read_parquet(paths: list[Path], cols: dict[str, str], key: str) -> Iterator[dict]:
     pa, pq = _pyarrow()
-    cols = _mapping(columns)
     for path in paths:
         try:
             table = pq.read_table(path)
@@ -214,14 +210,12 @@ def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None,
             yield _canonical(row, cols)
 
 
-def _read_hub(name: str, split: str, columns: Mapping[str, str] | None = None,
-              key: str = "data") -> Iterator[dict]:
+def _read_hub(name: str, split: str, cols: dict[str, str], key: str) -> Iterator[dict]:
     try:
         import datasets
     except ImportError:
         raise ImportError(f"loading {name!r} needs `pip install datasets`; or pass a local folder") from None
     ds = datasets.load_dataset(name, split=split)
-    cols = _mapping(columns)
     _missing(f"{name} [{split}]", ds.column_names, cols, key)
     return (_canonical(row, cols) for row in ds)
 
@@ -237,11 +231,11 @@ def load_split(
     if source in SYNTHETIC:
         return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
                                text=source == "synthetic-text"), []
-    root = Path(source).expanduser()
+    root, cols = Path(source).expanduser(), _mapping(columns)
     if root.is_dir():
         files = _split_files(root, split)
-        rows = (_read_jsonl(files[0], columns, key) if files[0].suffix == ".jsonl"
-                else _read_parquet(files, columns, key))
+        rows = (_read_jsonl(files[0], cols, key) if files[0].suffix == ".jsonl"
+                else _read_parquet(files, cols, key))
         kept, skipped = skip_bad_rows(rows)
         if not kept and not skipped:  # not a max_prompt_len matter: there is nothing to read
             raise ValueError(f"{key}.source: {' + '.join(map(str, files))} is empty (no rows in "
@@ -250,7 +244,7 @@ def load_split(
     problem = source_problem(source)
     if problem:
         raise ValueError(f"{key}.source: {problem}")
-    return skip_bad_rows(_read_hub(source, split, columns, key))
+    return skip_bad_rows(_read_hub(source, split, cols, key))
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -260,11 +254,11 @@ _LOCAL_FIRST = {"data", "dataset", "datasets", "runs", "out", "output", "outputs
                 "mnt", "scratch", "work", "local", "shared"}
 
 
-def check_source(source: str) -> None:
-    """`data.source` can be read (:func:`source_problem`), else a ConfigError naming the key."""
+def check_source(source: str, key: str = "data") -> None:
+    """`<key>.source` can be read (:func:`source_problem`), else a ConfigError naming the key."""
     problem = source_problem(source)
     if problem:
-        raise ConfigError(f"data.source: {problem}")
+        raise ConfigError(f"{key}.source: {problem}")
 
 
 def source_problem(source: str) -> str | None:
@@ -409,9 +403,7 @@ def check_sources(dc: DataConfig, check_functions: Callable[[str, list], None] |
         seen[e["name"]] = i
         if check_functions is not None and "reward_functions" in e:
             check_functions(f"{key}.reward_functions", e["reward_functions"])
-        problem = source_problem(e["source"])
-        if problem:
-            raise ConfigError(f"{key}.source: {problem}")
+        check_source(e["source"], key)
 
 
 def _check_entry(key: str, e: dict, seen: dict[str, int]) -> None:
