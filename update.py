@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import reduce
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -387,21 +388,18 @@ def _read_sums(sums: dict, on_device: list[dict[str, torch.Tensor]]) -> float:
     if not on_device:
         return 0.0
     keys = list(on_device[0])
-    dtype = torch.float32
-    for v in on_device[0].values():  # float64 values (tests) stay exact
-        dtype = torch.promote_types(dtype, v.dtype)
+    # float64 values (tests) stay exact
+    dtype = reduce(torch.promote_types, [v.dtype for v in on_device[0].values()], torch.float32)
     with torch.profiler.record_function(READ_SCOPE):
         rows = torch.stack([torch.stack([d[k].to(dtype) for k in keys]) for d in on_device]).tolist()
     lp_diff = 0.0
     for row in rows:
         v = dict(zip(keys, row))
-        sums["loss"] += v["loss"]
-        sums["entropy"] += v["entropy"]  # masked to the kept tokens
         lp_diff = max(lp_diff, v["lp_diff"])
-        if "distill_kl" in v:
-            sums["distill_kl"] = sums.get("distill_kl", 0.0) + v["distill_kl"]
         for key in keys:
-            if key.startswith("m:") and key != "m:tokens":
+            if key in ("loss", "entropy", "distill_kl"):  # the entropy: masked to the kept tokens
+                sums[key] = sums.get(key, 0.0) + v[key]
+            elif key.startswith("m:") and key != "m:tokens":
                 sums[f"mean:{key[2:]}"] = sums.get(f"mean:{key[2:]}", 0.0) + v[key] * v["m:tokens"]
         sums["kept_tokens"] += v["m:tokens"]
     return lp_diff
