@@ -63,25 +63,21 @@ class _BadRow(Exception):
 
 def _open_image(obj: Any) -> Image.Image:
     """An RGB copy of one `images` entry: PIL image, {"bytes", "path"} dict, or path string."""
-    raw = path = None
-    if isinstance(obj, Image.Image):
-        src = obj
-    elif isinstance(obj, Mapping) and isinstance(obj.get("bytes"), (bytes, bytearray)):
-        raw = bytes(obj["bytes"])
+    src = obj  # a PIL image, or what Image.open reads: a path or the bytes
+    if isinstance(obj, Mapping) and isinstance(obj.get("bytes"), (bytes, bytearray)):
+        src = io.BytesIO(bytes(obj["bytes"]))
     elif isinstance(obj, Mapping) and isinstance(obj.get("path"), str):
-        path = obj["path"]
-    elif isinstance(obj, str):
-        path = obj
-    else:
+        src = obj["path"]
+    elif not isinstance(obj, (Image.Image, str)):
         raise _BadRow(f"image is {type(obj).__name__}, not an image")
-    if path is not None and not Path(path).is_file():
-        raise _BadRow(f"missing image file {path}")
+    if isinstance(src, str) and not Path(src).is_file():
+        raise _BadRow(f"missing image file {src}")
     try:  # decoders raise many types (OSError, SyntaxError, ValueError, ...) on corrupt input
-        if raw is not None or path is not None:
-            with Image.open(io.BytesIO(raw) if raw is not None else path) as src:
-                src.load()
-                return src.convert("RGB")
-        return src.convert("RGB")
+        if isinstance(src, Image.Image):
+            return src.convert("RGB")
+        with Image.open(src) as im:
+            im.load()
+            return im.convert("RGB")
     except Exception as e:
         raise _BadRow(f"unreadable image ({type(e).__name__}: {e})") from None
 
@@ -112,9 +108,7 @@ def _to_problem(index: int, row: Any) -> Problem:
     if markers and markers != len(images):
         raise _BadRow(f"{len(images)} image(s) for {markers} {IMAGE_MARKER} placeholder(s)")
     # kept only where a marker sits after some text: leading markers (Geometry3K) = images first
-    lead = problem.strip()
-    while lead.startswith(IMAGE_MARKER):
-        lead = lead[len(IMAGE_MARKER):].lstrip()
+    lead = re.sub(rf"^(?:{re.escape(IMAGE_MARKER)}|\s)+", "", problem)
     raw = problem.strip() if IMAGE_MARKER in lead else ""
     return Problem(index, images, problem.replace(IMAGE_MARKER, "").strip(), answer.strip(), raw,
                    columns)
