@@ -142,13 +142,6 @@ def _split_files(root: Path, split: str) -> list[Path]:
     raise ValueError(f"{root}: no split file {split}.jsonl, {split}.parquet or data/{split}-*.parquet")
 
 
-def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
-    """canonical name -> the dataset's own column name (identity where not mapped; an images
-    column mapped to "" is left out: a text-only set)."""
-    cols = {c: (columns or {}).get(c, c) for c in COLUMNS}
-    return {c: name for c, name in cols.items() if name}
-
-
 def _missing(where: str, have: Iterable[str], cols: dict[str, str], key: str = "data") -> None:
     have = list(have)
     for canon in ("problem", "answer", "images"):
@@ -225,7 +218,9 @@ def load_split(
     if source in SYNTHETIC:
         return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
                                text=source == "synthetic-text"), []
-    root, cols = Path(source).expanduser(), _mapping(columns)
+    root = Path(source).expanduser()
+    # canonical name -> the dataset's own (identity where not mapped; images mapped to "": left out)
+    cols = {c: name for c in COLUMNS if (name := (columns or {}).get(c, c))}
     if root.is_dir():
         files = _split_files(root, split)
         rows = (_read_jsonl(files[0], cols, key) if files[0].suffix == ".jsonl"
