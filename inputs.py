@@ -406,17 +406,13 @@ def _routing(shape, parts: list, pred: tuple, prompts: list) -> tuple:
     return routing.batch_routing(tuple(shape), *pred, parts, prompts) or (None, None)
 
 
-def _same_images(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
 def units(episodes, images: list[list], share_prompt: bool) -> list[list[int]]:
     """The sequences of a packed batch: runs of consecutive episodes with the same prompt (and
     images) with `share_prompt`, else one episode each."""
     out: list[list[int]] = []
     for i, e in enumerate(episodes):
         if (share_prompt and out and episodes[out[-1][0]].prompt_ids == e.prompt_ids
-                and _same_images(images[out[-1][0]], images[i])):
+                and list(map(id, images[out[-1][0]])) == list(map(id, images[i]))):  # the same objects
             out[-1].append(i)
         else:
             out.append([i])
