@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -260,7 +261,6 @@ def vision_attentions(model) -> list:
 
 def vision_rotary(attention) -> Callable:
     """The rotary function (q, k, cos, sin) -> (q, k) of a vision attention module's family."""
-    import sys
     return sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
 
 
@@ -269,7 +269,6 @@ def places_images(model) -> bool:
     its family's row says so and its vision tower's module takes the grid-derived tensors
     precomputed (it imports transformers.vision_utils' helpers, which pop them from the tower's
     kwargs: 5.24; a release whose tower computes them itself keeps the model's own forward)."""
-    import sys
     row = FAMILIES.get(getattr(model.config, "model_type", ""))
     if not (row and row.places_images) or importlib.util.find_spec("transformers.vision_utils") is None:
         return False
@@ -321,11 +320,8 @@ def supported() -> list[str]:
 
 def model_type_of(path: str | Path) -> str:
     """`model_type` of the model folder at `path` (its config.json); "" when it has none."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return ""
-    try:
-        return str(json.loads(cfg.read_text()).get("model_type", ""))
+    try:  # no such file (or a folder of that name): OSError
+        return str(json.loads((Path(path) / "config.json").read_text()).get("model_type", ""))
     except (OSError, ValueError):
         return ""
 
