@@ -482,13 +482,11 @@ class Mixture:
         if not self.names:
             return step_problems(self.problems, step, self.per_step, self.seed)
         with self.lock:
-            while len(self.counts) <= step:
-                row = list(self.counts[-1])
-                for k in self.draw(len(self.counts) - 1):
-                    row[k] += 1
-                self.counts.append(row)
+            order = self.draw(step)  # every earlier step's quotas drawn too
+            while len(self.counts) <= step:  # counts[s] = counts[s - 1] + quotas[s - 1]
+                self.counts.append([c + q for c, q in zip(self.counts[-1], self.quotas[len(self.counts) - 1])])
             at, out = list(self.counts[step]), []
-            for k in self.draw(step):
+            for k in order:
                 out.append(self._nth(k, at[k]))
                 at[k] += 1
         return out
