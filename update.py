@@ -325,11 +325,9 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
         if u.proximal is None:
-            old, ref_lp, teacher = lp.detach(), None, None
-            if has_reference(tr):
-                ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature)
-            if has_teacher(tr):
-                teacher = teacher_logprobs(tr, batch, tk, s.rc.temperature)
+            old = lp.detach()
+            ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature) if has_reference(tr) else None
+            teacher = teacher_logprobs(tr, batch, tk, s.rc.temperature) if has_teacher(tr) else None
         else:
             old, ref_lp, _, teacher = u.proximal[k]
         adv = s.adv[chunk].to(lp.device)                                              # [b]
@@ -337,10 +335,9 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         if teacher is not None:  # on-policy distillation: one advantage per token [b, L]
             adv = L.distill_advantages(adv, old, teacher, lc.distill_coef)
             extra["distill_kl"] = ((old - teacher) * mask).sum()
-        behaviour = batch.engine_logprobs                                             # [b, L]
         loss, m = L.policy_loss(
             lp, old, adv, mask, lc, ref_logprobs=ref_lp,
-            behaviour_logprobs=behaviour,
+            behaviour_logprobs=batch.engine_logprobs,                                 # [b, L]
             entropy=ent if entropy_grad else None, loss_denominator=float(u.denom),
             max_response_len=max_sampled_tokens(s.rc), kl_coef=kl_coef)
         if fault_active("nan_loss", s.step):  # tests: a non-finite loss
