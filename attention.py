@@ -209,11 +209,10 @@ class WindowPlans:
         self.keep = keep
 
     def __call__(self, cu_seqlens: torch.Tensor) -> Windows:
-        for t, w in self.plans:
-            if t is cu_seqlens:
-                return w
-        w = windows(cu_seqlens.tolist(), cu_seqlens.device)
-        self.plans = [(cu_seqlens, w), *self.plans][:self.keep]  # the tensor held: its id stays its
+        w = next((w for t, w in self.plans if t is cu_seqlens), None)
+        if w is None:
+            w = windows(cu_seqlens.tolist(), cu_seqlens.device)
+            self.plans = [(cu_seqlens, w), *self.plans][:self.keep]  # the tensor held: its id stays its
         return w
 
 

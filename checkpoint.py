@@ -327,9 +327,6 @@ def pick(out_dir: Path, named: str | None, *, ctrl, train_group, is_root: bool,
         if is_root and problem is None:
             try:
                 meta = read_meta(Path(c))
-                meta = {k: meta[k] for k in ("step", "version", "skipped_in_row", "skipped_total",
-                                              "optimizer_steps", "kl_coef", "config", "world_size",
-                                              "stream", "base", "rng", "sched") if k in meta}
                 for key in ("step", "version", "skipped_in_row", "skipped_total", "rng", "sched"):
                     meta[key]  # noqa: B018 - a KeyError names what is missing
                 meta["trainers"] = len(meta.pop("rng"))

@@ -402,14 +402,6 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
         sub.sources, sub.source = ([], sub.source) if key == "source" else (sub.sources, "")
 
 
-def _parse_value(text: str) -> Any:
-    """A command-line value: a TOML value if it parses as one, else the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
     """Defaults < TOML file(s) in order (a preset after the base) < `--section.key=value`
     overrides; then `validate`."""
@@ -438,14 +430,17 @@ def load(paths: str | list[str] | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override {item!r}: expected --section.key=value")
         dotted, text = item[2:].split("=", 1)
         section, key = dotted.split(".", 1)
-        _apply(cfg, section, key, _parse_value(text))
+        try:  # a TOML value if it parses as one, else the bare string
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        _apply(cfg, section, key, value)
     if cfg.reward.extra_functions and cfg.data.sources and all(
             isinstance(e, dict) and "reward_functions" in e for e in cfg.data.sources):
         raise ConfigError("reward.extra_functions join [reward] functions, which no source uses: every "
                           "data.sources entry has its own reward_functions; list the extra functions there")
-    if isinstance(cfg.reward.extra_functions, list) and isinstance(cfg.reward.functions, list):
-        cfg.reward.functions = cfg.reward.functions + cfg.reward.extra_functions
-        cfg.reward.extra_functions = []
+    cfg.reward.functions = cfg.reward.functions + cfg.reward.extra_functions  # lists: _apply checked
+    cfg.reward.extra_functions = []
     validate(cfg)
     return cfg
 

@@ -63,25 +63,21 @@ class _BadRow(Exception):
 
 def _open_image(obj: Any) -> Image.Image:
     """An RGB copy of one `images` entry: PIL image, {"bytes", "path"} dict, or path string."""
-    raw = path = None
-    if isinstance(obj, Image.Image):
-        src = obj
-    elif isinstance(obj, Mapping) and isinstance(obj.get("bytes"), (bytes, bytearray)):
-        raw = bytes(obj["bytes"])
+    src = obj  # a PIL image, or what Image.open reads: a path or the bytes
+    if isinstance(obj, Mapping) and isinstance(obj.get("bytes"), (bytes, bytearray)):
+        src = io.BytesIO(bytes(obj["bytes"]))
     elif isinstance(obj, Mapping) and isinstance(obj.get("path"), str):
-        path = obj["path"]
-    elif isinstance(obj, str):
-        path = obj
-    else:
+        src = obj["path"]
+    elif not isinstance(obj, (Image.Image, str)):
         raise _BadRow(f"image is {type(obj).__name__}, not an image")
-    if path is not None and not Path(path).is_file():
-        raise _BadRow(f"missing image file {path}")
+    if isinstance(src, str) and not Path(src).is_file():
+        raise _BadRow(f"missing image file {src}")
     try:  # decoders raise many types (OSError, SyntaxError, ValueError, ...) on corrupt input
-        if raw is not None or path is not None:
-            with Image.open(io.BytesIO(raw) if raw is not None else path) as src:
-                src.load()
-                return src.convert("RGB")
-        return src.convert("RGB")
+        if isinstance(src, Image.Image):
+            return src.convert("RGB")
+        with Image.open(src) as im:
+            im.load()
+            return im.convert("RGB")
     except Exception as e:
         raise _BadRow(f"unreadable image ({type(e).__name__}: {e})") from None
 
@@ -112,9 +108,7 @@ def _to_problem(index: int, row: Any) -> Problem:
     if markers and markers != len(images):
         raise _BadRow(f"{len(images)} image(s) for {markers} {IMAGE_MARKER} placeholder(s)")
     # kept only where a marker sits after some text: leading markers (Geometry3K) = images first
-    lead = problem.strip()
-    while lead.startswith(IMAGE_MARKER):
-        lead = lead[len(IMAGE_MARKER):].lstrip()
+    lead = re.sub(rf"^(?:{re.escape(IMAGE_MARKER)}|\s)+", "", problem)
     raw = problem.strip() if IMAGE_MARKER in lead else ""
     return Problem(index, images, problem.replace(IMAGE_MARKER, "").strip(), answer.strip(), raw,
                    columns)
@@ -148,13 +142,6 @@ def _split_files(root: Path, split: str) -> list[Path]:
     raise ValueError(f"{root}: no split file {split}.jsonl, {split}.parquet or data/{split}-*.parquet")
 
 
-def _mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
-    """canonical name -> the dataset's own column name (identity where not mapped; an images
-    column mapped to "" is left out: a text-only set)."""
-    cols = {c: (columns or {}).get(c, c) for c in COLUMNS}
-    return {c: name for c, name in cols.items() if name}
-
-
 def _missing(where: str, have: Iterable[str], cols: dict[str, str], key: str = "data") -> None:
     have = list(have)
     for canon in ("problem", "answer", "images"):
@@ -171,11 +158,9 @@ def _canonical(row: Mapping, cols: dict[str, str]) -> dict:
             **{canon: row[name] for canon, name in cols.items()}}
 
 
-def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None,
-                key: str = "data") -> Iterator[dict | _BadRow]:
+def _read_jsonl(path: Path, cols: dict[str, str], key: str) -> Iterator[dict | _BadRow]:
     # split as bytes, decoded per line: a line that is not UTF-8 is one bad row, and a U+2028
     # inside a JSON string (where str.splitlines() would cut) stays in its row
-    cols = _mapping(columns)
     for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         try:
             line = raw.decode("utf-8")
@@ -200,10 +185,8 @@ def _read_jsonl(path: Path, columns: Mapping[str, str] | None = None,
         yield row
 
 
-def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None,
-                  key: str = "data") -> Iterator[dict]:
+def _read_parquet(paths: list[Path], cols: dict[str, str], key: str) -> Iterator[dict]:
     pa, pq = _pyarrow()
-    cols = _mapping(columns)
     for path in paths:
         try:
             table = pq.read_table(path)
@@ -214,14 +197,12 @@ def _read_parquet(paths: list[Path], columns: Mapping[str, str] | None = None,
             yield _canonical(row, cols)
 
 
-def _read_hub(name: str, split: str, columns: Mapping[str, str] | None = None,
-              key: str = "data") -> Iterator[dict]:
+def _read_hub(name: str, split: str, cols: dict[str, str], key: str) -> Iterator[dict]:
     try:
         import datasets
     except ImportError:
         raise ImportError(f"loading {name!r} needs `pip install datasets`; or pass a local folder") from None
     ds = datasets.load_dataset(name, split=split)
-    cols = _mapping(columns)
     _missing(f"{name} [{split}]", ds.column_names, cols, key)
     return (_canonical(row, cols) for row in ds)
 
@@ -238,10 +219,12 @@ def load_split(
         return synthetic_split(split, seed=seed, n=n_synthetic, image_size=image_size,
                                text=source == "synthetic-text"), []
     root = Path(source).expanduser()
+    # canonical name -> the dataset's own (identity where not mapped; images mapped to "": left out)
+    cols = {c: name for c in COLUMNS if (name := (columns or {}).get(c, c))}
     if root.is_dir():
         files = _split_files(root, split)
-        rows = (_read_jsonl(files[0], columns, key) if files[0].suffix == ".jsonl"
-                else _read_parquet(files, columns, key))
+        rows = (_read_jsonl(files[0], cols, key) if files[0].suffix == ".jsonl"
+                else _read_parquet(files, cols, key))
         kept, skipped = skip_bad_rows(rows)
         if not kept and not skipped:  # not a max_prompt_len matter: there is nothing to read
             raise ValueError(f"{key}.source: {' + '.join(map(str, files))} is empty (no rows in "
@@ -250,7 +233,7 @@ def load_split(
     problem = source_problem(source)
     if problem:
         raise ValueError(f"{key}.source: {problem}")
-    return skip_bad_rows(_read_hub(source, split, columns, key))
+    return skip_bad_rows(_read_hub(source, split, cols, key))
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -260,11 +243,11 @@ _LOCAL_FIRST = {"data", "dataset", "datasets", "runs", "out", "output", "outputs
                 "mnt", "scratch", "work", "local", "shared"}
 
 
-def check_source(source: str) -> None:
-    """`data.source` can be read (:func:`source_problem`), else a ConfigError naming the key."""
+def check_source(source: str, key: str = "data") -> None:
+    """`<key>.source` can be read (:func:`source_problem`), else a ConfigError naming the key."""
     problem = source_problem(source)
     if problem:
-        raise ConfigError(f"data.source: {problem}")
+        raise ConfigError(f"{key}.source: {problem}")
 
 
 def source_problem(source: str) -> str | None:
@@ -409,9 +392,7 @@ def check_sources(dc: DataConfig, check_functions: Callable[[str, list], None] |
         seen[e["name"]] = i
         if check_functions is not None and "reward_functions" in e:
             check_functions(f"{key}.reward_functions", e["reward_functions"])
-        problem = source_problem(e["source"])
-        if problem:
-            raise ConfigError(f"{key}.source: {problem}")
+        check_source(e["source"], key)
 
 
 def _check_entry(key: str, e: dict, seen: dict[str, int]) -> None:
@@ -501,13 +482,11 @@ class Mixture:
         if not self.names:
             return step_problems(self.problems, step, self.per_step, self.seed)
         with self.lock:
-            while len(self.counts) <= step:
-                row = list(self.counts[-1])
-                for k in self.draw(len(self.counts) - 1):
-                    row[k] += 1
-                self.counts.append(row)
+            order = self.draw(step)  # every earlier step's quotas drawn too
+            while len(self.counts) <= step:  # counts[s] = counts[s - 1] + quotas[s - 1]
+                self.counts.append([c + q for c, q in zip(self.counts[-1], self.quotas[len(self.counts) - 1])])
             at, out = list(self.counts[step]), []
-            for k in self.draw(step):
+            for k in order:
                 out.append(self._nth(k, at[k]))
                 at[k] += 1
         return out

@@ -24,8 +24,7 @@ def evaluate(world, engine: Engine | None, scorer, problems: list, procs: I.Proc
     ev, ro = cfg.eval, cfg.rollout
     local: tuple[list, dict] = ([], {})
     if world.is_gen:
-        sp = sampling(ev, ro)
-        local = R.rollout(engine, problems[world.gen_index::len(world.gens)], procs, sp,
+        local = R.rollout(engine, problems[world.gen_index::len(world.gens)], procs, sampling(ev, ro),
                           template=cfg.data.template, scorer=scorer, version=version,
                           group_offset=0, seed=seed + world.gen_index, turns=turns)
     got: list = [None] * world.size

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -105,17 +106,12 @@ def _vision3(hidden: int, **extra) -> dict:
                 num_position_embeddings=64, **extra)
 
 
-def _moe(hidden: int) -> dict:
-    # expert size 96 != hidden 64 and 2 x 96 != 64: a transposed expert weight cannot load by
-    # accident; norm_topk_prob as the released MoE configs set it (vLLM's loaders read it)
-    return dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
-                norm_topk_prob=True)
-
-
-def _linear_attention() -> dict:
-    """Qwen3.5's Gated DeltaNet layers (3 of every 4), tiny."""
-    return dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                linear_num_value_heads=4)
+# expert size 96 != hidden 64 and 2 x 96 != 64: a transposed expert weight cannot load by
+# accident; norm_topk_prob as the released MoE configs set it (vLLM's loaders read it)
+_MOE = dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+# Qwen3.5's Gated DeltaNet layers (3 of every 4), tiny
+_LINEAR_ATTENTION = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4)
 
 
 def _tiny_qwen2_vl(ids, hidden, layers):
@@ -133,20 +129,20 @@ def _tiny_qwen2_5_vl(ids, hidden, layers):
 
 def _tiny_qwen3_vl(ids, hidden, layers, moe=False):
     text = _text(ids, hidden, layers, rope_parameters=_rope(mrope=True, interleaved=True),
-                 **(_moe(hidden) if moe else {}))
+                 **(_MOE if moe else {}))
     return _vlm(ids, text, _vision3(hidden, deepstack_visual_indexes=[0]))
 
 
 def _tiny_qwen3_5(ids, hidden, layers, moe=False):
     # 4 layers: three linear-attention layers and one full-attention layer, as the real ratio
     rope = {**_rope(mrope=True, interleaved=True), "partial_rotary_factor": 1.0}
-    extra = dict(_moe(hidden), shared_expert_intermediate_size=96) if moe else {}
-    text = _text(ids, hidden, max(layers, 4), rope_parameters=rope, **_linear_attention(), **extra)
+    extra = dict(_MOE, shared_expert_intermediate_size=96) if moe else {}
+    text = _text(ids, hidden, max(layers, 4), rope_parameters=rope, **_LINEAR_ATTENTION, **extra)
     return _vlm(ids, text, _vision3(hidden))
 
 
 def _tiny_text(ids, hidden, layers, moe=False, tied=False):
-    return _text(ids, hidden, layers, rope_parameters=_rope(), **(_moe(hidden) if moe else {}),
+    return _text(ids, hidden, layers, rope_parameters=_rope(), **(_MOE if moe else {}),
                  ) | dict(tie_word_embeddings=tied)
 
 
@@ -265,7 +261,6 @@ def vision_attentions(model) -> list:
 
 def vision_rotary(attention) -> Callable:
     """The rotary function (q, k, cos, sin) -> (q, k) of a vision attention module's family."""
-    import sys
     return sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
 
 
@@ -274,7 +269,6 @@ def places_images(model) -> bool:
     its family's row says so and its vision tower's module takes the grid-derived tensors
     precomputed (it imports transformers.vision_utils' helpers, which pop them from the tower's
     kwargs: 5.24; a release whose tower computes them itself keeps the model's own forward)."""
-    import sys
     row = FAMILIES.get(getattr(model.config, "model_type", ""))
     if not (row and row.places_images) or importlib.util.find_spec("transformers.vision_utils") is None:
         return False
@@ -326,11 +320,8 @@ def supported() -> list[str]:
 
 def model_type_of(path: str | Path) -> str:
     """`model_type` of the model folder at `path` (its config.json); "" when it has none."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return ""
-    try:
-        return str(json.loads(cfg.read_text()).get("model_type", ""))
+    try:  # no such file (or a folder of that name): OSError
+        return str(json.loads((Path(path) / "config.json").read_text()).get("model_type", ""))
     except (OSError, ValueError):
         return ""
 

@@ -124,7 +124,8 @@ def head_weight(head: torch.nn.Module) -> torch.Tensor:
     """The [V, H] weight `head` applies: a Linear's own, or for a peft LoRA layer on the head
     (`[model] lora_target_modules` naming an untied head) its base weight plus each active
     adapter's `get_delta_weight` (differentiable: the adapters train through it; the project's
-    adapters have no dropout). Inside the forward: FSDP2's unsharded tensors."""
+    adapters have no dropout: lora.add_lora makes them with 0, config.check_lora refuses
+    model.lora_dropout > 0). Inside the forward: FSDP2's unsharded tensors."""
     if isinstance(head, torch.nn.Linear):
         return head.weight
     weight = head.base_layer.weight
@@ -132,9 +133,6 @@ def head_weight(head: torch.nn.Module) -> torch.Tensor:
         return weight                                         # peft's forward: the base alone
     for name in head.active_adapters:
         if name in head.lora_A:
-            drop = head.lora_dropout[name]
-            if getattr(drop, "p", 0.0) and head.training:
-                raise ValueError(f"the chunked LM head cannot apply LoRA dropout ({drop!r})")
             weight = weight + head.get_delta_weight(name)
     return weight
 

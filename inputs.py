@@ -244,15 +244,12 @@ def n_image_tokens(grid_thw: torch.Tensor | None, merge_size: int = 2) -> list[i
     return [] if grid_thw is None else [int(g.prod()) // merge_size ** 2 for g in grid_thw]
 
 
-def n_image_tokens_of(image_processor, image) -> int:
-    """Image tokens one PIL image becomes (without running the processor on its pixels)."""
-    ip = image_processor
-    return ip.get_number_of_image_patches(image.height, image.width, {}) // ip.merge_size ** 2
-
-
 def image_tokens(procs: Processors, images: list) -> int:
-    """Tokens `images` take in a prompt once expanded (0 for none)."""
-    return sum(n_image_tokens_of(procs.image_processor, im) for im in images)
+    """Tokens `images` take in a prompt once expanded (0 for none), without running the
+    processor on their pixels."""
+    ip = procs.image_processor
+    return sum(ip.get_number_of_image_patches(im.height, im.width, {}) // ip.merge_size ** 2
+               for im in images)
 
 
 def sequence_tokens(procs: Processors, episodes: list, images: list) -> int:
@@ -272,13 +269,7 @@ def expand_images(ids: list[int], counts: list[int], image_pad: int) -> list[int
     """Repeat the i-th image placeholder counts[i] times (transformers' expanded form)."""
     if ids.count(image_pad) != len(counts):
         raise ValueError(f"{ids.count(image_pad)} image placeholders for {len(counts)} images")
-    if not counts:
-        return list(ids)
-    out: list[int] = []
-    it = iter(counts)
-    for t in ids:
-        out.extend([t] * next(it) if t == image_pad else [t])
-    return out
+    return [ids[j] for j in _expanded_index(ids, counts, image_pad)]
 
 
 def _vision_inputs(procs: Processors, images: list, pixels: dict | None) -> tuple[tuple, list[int]]:
@@ -415,17 +406,13 @@ def _routing(shape, parts: list, pred: tuple, prompts: list) -> tuple:
     return routing.batch_routing(tuple(shape), *pred, parts, prompts) or (None, None)
 
 
-def _same_images(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
 def units(episodes, images: list[list], share_prompt: bool) -> list[list[int]]:
     """The sequences of a packed batch: runs of consecutive episodes with the same prompt (and
     images) with `share_prompt`, else one episode each."""
     out: list[list[int]] = []
     for i, e in enumerate(episodes):
         if (share_prompt and out and episodes[out[-1][0]].prompt_ids == e.prompt_ids
-                and _same_images(images[out[-1][0]], images[i])):
+                and list(map(id, images[out[-1][0]])) == list(map(id, images[i]))):  # the same objects
             out[-1].append(i)
         else:
             out.append([i])

@@ -119,9 +119,7 @@ def plain_model(model):
 def plain_name(name: str) -> str:
     """A parameter's name in the model without adapters (peft's `base_model.model.` prefix and
     `.base_layer` removed)."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
-    return name.replace(".base_layer.", ".")
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -533,11 +533,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     if mode != "none":
         weight = CR.weight(mode, low, high, old_logprobs, behaviour_logprobs, mask)
         per_token = per_token * weight
-    kl = None
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, k.kl_estimator, k.kl_clamp)
-        if k.kl_coef > 0:
-            per_token = per_token + k.kl_coef * kl
+    kl = None if ref_logprobs is None else kl_penalty(logprobs, ref_logprobs, k.kl_estimator, k.kl_clamp)
+    if k.kl_coef > 0:  # with ref_logprobs (_check_knobs)
+        per_token = per_token + k.kl_coef * kl
     if k.entropy_coef > 0:
         per_token = per_token - k.entropy_coef * entropy
     loss = aggregate(per_token, mask, k.aggregation, loss_denominator, k.max_response_len)

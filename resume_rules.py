@@ -41,11 +41,6 @@ def lookup(tree: dict, dotted: str, default: Any = None) -> Any:
     return tree.get(section, {}).get(key, default)
 
 
-def all_keys(cfg: C.Config | None = None) -> tuple[str, ...]:
-    """Every `section.key` of the config tree (`cfg`'s: with its parts' keys)."""
-    return tuple(f"{s}.{k}" for s, table in C.to_dict(cfg or C.Config()).items() for k in table)
-
-
 def changed_keys(old: dict, new: C.Config, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
     """(key, old, new) for each of `keys` that differs between the config dict a checkpoint saved
     and `new`; a key the old config lacks (an older checkpoint) counts as its default."""
@@ -83,8 +78,9 @@ def resume_plan(cfg: C.Config, picked: tuple[Path, dict] | None, world_size: int
     n_opt = meta["step"] * cfg.train.mini_batches * cfg.train.ppo_epochs
     plan.update(path=str(path), finished=meta["step"] >= cfg.run.steps, meaning_changes=changes,
                 optimizer_changes=changed_keys(old, cfg, schedule),
-                other_changes=changed_keys(old, cfg, tuple(k for k in all_keys(cfg)
-                                                             if k not in listed)),
+                other_changes=changed_keys(old, cfg, tuple(  # every other key, its parts' too
+                    f"{s}.{k}" for s, table in C.to_dict(cfg).items() for k in table
+                    if f"{s}.{k}" not in listed)),
                 meta={**{k: meta[k] for k in ("step", "version", "skipped_in_row",
                                               "skipped_total")},
                       "optimizer_steps": meta.get("optimizer_steps", n_opt),

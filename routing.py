@@ -142,7 +142,6 @@ def capture(model):
     prefill, then one call per decode step). Yields the list of calls, each [L] of [N, k]."""
     routers = families.moe_routers(model)
     calls: list[list[torch.Tensor]] = []
-    handles = []
 
     def make(layer: int):
         def record(_module, _args, out):
@@ -151,8 +150,7 @@ def capture(model):
             calls[-1].append(out[2].detach())
         return record
 
-    for layer, r in enumerate(routers):
-        handles.append(r.register_forward_hook(make(layer)))
+    handles = [r.register_forward_hook(make(layer)) for layer, r in enumerate(routers)]
     try:
         yield calls
     finally:

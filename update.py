@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import reduce
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -324,11 +325,9 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         lp, ent = M.sequence_logprobs(tr.policy, batch, tk, s.rc.temperature,
                                       entropy_grad=entropy_grad)                     # [b, L]
         if u.proximal is None:
-            old, ref_lp, teacher = lp.detach(), None, None
-            if has_reference(tr):
-                ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature)
-            if has_teacher(tr):
-                teacher = teacher_logprobs(tr, batch, tk, s.rc.temperature)
+            old = lp.detach()
+            ref_lp = reference_logprobs(tr, batch, tk, s.rc.temperature) if has_reference(tr) else None
+            teacher = teacher_logprobs(tr, batch, tk, s.rc.temperature) if has_teacher(tr) else None
         else:
             old, ref_lp, _, teacher = u.proximal[k]
         adv = s.adv[chunk].to(lp.device)                                              # [b]
@@ -336,10 +335,9 @@ def accumulate_gradients(s: Step, u: Update) -> dict[str, float]:
         if teacher is not None:  # on-policy distillation: one advantage per token [b, L]
             adv = L.distill_advantages(adv, old, teacher, lc.distill_coef)
             extra["distill_kl"] = ((old - teacher) * mask).sum()
-        behaviour = batch.engine_logprobs                                             # [b, L]
         loss, m = L.policy_loss(
             lp, old, adv, mask, lc, ref_logprobs=ref_lp,
-            behaviour_logprobs=behaviour,
+            behaviour_logprobs=batch.engine_logprobs,                                 # [b, L]
             entropy=ent if entropy_grad else None, loss_denominator=float(u.denom),
             max_response_len=max_sampled_tokens(s.rc), kl_coef=kl_coef)
         if fault_active("nan_loss", s.step):  # tests: a non-finite loss
@@ -387,21 +385,18 @@ def _read_sums(sums: dict, on_device: list[dict[str, torch.Tensor]]) -> float:
     if not on_device:
         return 0.0
     keys = list(on_device[0])
-    dtype = torch.float32
-    for v in on_device[0].values():  # float64 values (tests) stay exact
-        dtype = torch.promote_types(dtype, v.dtype)
+    # float64 values (tests) stay exact
+    dtype = reduce(torch.promote_types, [v.dtype for v in on_device[0].values()], torch.float32)
     with torch.profiler.record_function(READ_SCOPE):
         rows = torch.stack([torch.stack([d[k].to(dtype) for k in keys]) for d in on_device]).tolist()
     lp_diff = 0.0
     for row in rows:
         v = dict(zip(keys, row))
-        sums["loss"] += v["loss"]
-        sums["entropy"] += v["entropy"]  # masked to the kept tokens
         lp_diff = max(lp_diff, v["lp_diff"])
-        if "distill_kl" in v:
-            sums["distill_kl"] = sums.get("distill_kl", 0.0) + v["distill_kl"]
         for key in keys:
-            if key.startswith("m:") and key != "m:tokens":
+            if key in ("loss", "entropy", "distill_kl"):  # the entropy: masked to the kept tokens
+                sums[key] = sums.get(key, 0.0) + v[key]
+            elif key.startswith("m:") and key != "m:tokens":
                 sums[f"mean:{key[2:]}"] = sums.get(f"mean:{key[2:]}", 0.0) + v[key] * v["m:tokens"]
         sums["kept_tokens"] += v["m:tokens"]
     return lp_diff
