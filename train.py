@@ -149,14 +149,13 @@ def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
     return torch_device(dev, world.local_rank)
 
 
-def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path, build: bool = True) -> str:
-    """Rank 0 makes the run folder and builds the tiny model once (if asked); the model path."""
+def prepare_model(cfg: config.Config, world: World, out_dir: Path) -> str:
+    """Rank 0 builds the tiny model once (if asked) in the run folder (ckpt.claim_run_dir made
+    it); the model path."""
     if world.is_root:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if build:
-            model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+        model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
     dist.barrier(group=world.ctrl)
-    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed) if build else ""
+    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
 def load_problems(cfg: config.Config, split: str, procs: inputs.Processors,
@@ -215,7 +214,7 @@ class Setup:
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
     device, ro = rank_device(cfg, world, dev), cfg.rollout
-    model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
+    model_path = prepare_model(cfg, world, Path(cfg.run.out_dir))
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
@@ -428,7 +427,6 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
-    prepare_run_dir(cfg, world, out_dir, build=False)  # the checkpoint's export is the whole model
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)
