@@ -88,11 +88,9 @@ def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, che
         out = engine.generate(rows, replace(sp, n=sp.n if call == 0 else 1, max_new_tokens=max(room)),
                               seed + call * SEED_STRIDE, check)
         for c, comp, r in zip(todo, [x for cs in out for x in cs], room, strict=True):
-            if _add_tokens(c, comp, r):
-                if turns is None:
-                    c.done = True
-                else:
-                    turns.after_reply(c)
+            if _add_tokens(c, comp, r):  # the reply is over: so is the sample, or turns says
+                c.done = turns is None
+                turns and turns.after_reply(c)
         call += 1
     done = [_completion(c, turns) for c in live]
     return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
