@@ -197,13 +197,9 @@ class Turns:
         environment's step: its message, its reward kept on the reply's turn."""
         if self.runner is not None and not c.done:
             calls = self.parse(raw)[:self.max_calls]  # rollout.max_tool_calls per reply
-            if calls:
-                out = []
-                for call in calls:
-                    content, ok = self.runner.run(call)
-                    out.append({"role": "tool", "content": content, "name": call.name,
-                                **({} if ok else {"error": True})})
-                return out
+            if calls:  # each call's (content, ok) from the runner, in order
+                return [{"role": "tool", "content": content, "name": call.name, **({} if ok else {"error": True})}
+                        for call in calls for content, ok in [self.runner.run(call)]]
         if self.env is None:
             return []
         msg, reward = self._env(c.problem).step(c.state, c.turns)
