@@ -263,7 +263,7 @@ def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) ->
     text). ValueError when the template loses the reply's content or a message's."""
     texts: list[str] = []  # every message's text, in order, each rendered as a placeholder
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _REPLY}]
-    after = procs.tokenizer.apply_chat_template(base + [_held(_plain(m), texts) for m in messages],
+    after = procs.tokenizer.apply_chat_template(base + [_held(m, texts) for m in messages],
                                                 chat_template=procs.chat.template, tokenize=False,
                                                 add_generation_prompt=True, **I.template_kwargs(procs.chat))
     if _REPLY not in after:
@@ -290,20 +290,15 @@ _HELD = "<<text %d>>"  # an inserted message's text while the template renders a
 
 
 def _held(m: dict, texts: list[str]) -> dict:
-    """`m` with its text (the content, or each text part of it) as placeholders, the text
-    appended to `texts`."""
+    """`m` as the template takes it (its role, content, a tool's name) with its text (the
+    content, or each text part of it) as placeholders, the text appended to `texts`."""
     def hold(text: str) -> str:
         texts.append(str(text))
         return _HELD % (len(texts) - 1)
     c = m["content"]
     content = ([{**part, "text": hold(part["text"])} if part.get("type") == "text" else part for part in c]
                if isinstance(c, list) else hold(c))
-    return {**m, "content": content}
-
-
-def _plain(m: dict) -> dict:
-    """A message as the template takes it (roles, content, a tool's name)."""
-    return {k: v for k, v in m.items() if k in ("role", "content", "name")}
+    return {k: content if k == "content" else v for k, v in m.items() if k in ("role", "content", "name")}
 
 
 def max_sampled_tokens(rc) -> int:
