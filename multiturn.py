@@ -316,10 +316,9 @@ def turn_metrics(episodes: list) -> dict[str, float]:
     environment rewards, where the environment gave any): {} for single-turn ones."""
     if not any(getattr(e, "turns", None) for e in episodes):
         return {}
-    n = max(1, len(episodes))
     roles = [[t["role"] for t in e.turns] for e in episodes]
-    out = {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / n,
-           "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / n,
+    out = {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / len(roles),
+           "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / len(roles),
            "rollout/tool_errors": float(sum(bool(t.get("error")) for e in episodes for t in e.turns))}
     graded = [t["reward"] for e in episodes for t in e.turns if "reward" in t]
     if graded:
