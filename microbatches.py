@@ -4,6 +4,7 @@ packed row per prompt where the model allows it (`train.share_prompt`)."""
 from __future__ import annotations
 
 from importlib.util import find_spec
+from itertools import groupby
 from typing import Any, Mapping
 
 import torch
@@ -89,12 +90,8 @@ def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.P
     """The sequences of this rank's episodes `idx` (positions into `idx`): the runs of one
     prompt with `share` (prompt once + every response), else one episode each; and each one's
     tokens (images expanded)."""
-    units: list[list[int]] = []
-    for j, i in enumerate(idx):
-        if share and units and episodes[idx[units[-1][0]]].group == episodes[i].group:
-            units[-1].append(j)
-        else:
-            units.append([j])
+    units = ([[j for j, _ in run] for _, run in groupby(enumerate(idx), key=lambda ji: episodes[ji[1]].group)]
+             if share else [[j] for j in range(len(idx))])
     lengths = [I.sequence_tokens(procs, [episodes[idx[j]] for j in u],
                                  images[episodes[idx[u[0]]].index]) for u in units]
     return units, lengths
