@@ -150,12 +150,8 @@ class Turns:
         :func:`episode_seed` (None and None without an environment)."""
         if self.env is None:
             return None, None
-        texts, states = [], []
-        for g, p in enumerate(problems):
-            starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]
-            texts.append(starts[0][1])
-            states += [state for state, _ in starts]
-        return texts, states
+        starts = [[self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)] for g, p in enumerate(problems)]
+        return [group[0][1] for group in starts], [state for group in starts for state, _ in group]
 
     def room(self, c: _Live, sp: Sampling) -> int:
         """The tokens the conversation's reply in progress may still take."""
