@@ -107,8 +107,7 @@ class HFEngine:
                 output_logits=True, return_dict_in_generate=True)
         resp = out.sequences[:, width:]                                   # [P*n, T]
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
-        temp = 1.0 if sp.greedy else sp.temperature
-        lp, _ = M.token_logprobs(logits, resp, tk, temp)
+        lp, _ = M.token_logprobs(logits, resp, tk, 1.0 if sp.greedy else sp.temperature)
         if not self.experts:
             return resp.tolist(), lp.tolist(), [None] * resp.shape[0], [None] * resp.shape[0]
         routes = list(R.generated_routing(calls, *resp.shape, self.experts).cpu())
