@@ -286,8 +286,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         return 0
     s, progress, rec = started
     first, by_index = progress.step, {p.index: p for p in s.problems}
-    gen = pipeline.Generation(s.engine, cfg, world, progress,
-                              lambda step, version, check=None: generate(s, cfg, world, step, version, check))
+    gen = pipeline.Generation(s.engine, cfg, world, progress, functools.partial(generate, s, cfg, world))
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
