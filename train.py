@@ -142,7 +142,7 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
 
 
 # ----------------------------------------------------------------------------- set-up
-def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
+def rank_device(world: World, dev: Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
     if world.own_channel and world.is_gen and not world.is_trainer:
         return torch.device("cpu")
@@ -213,7 +213,7 @@ class Setup:
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
-    device, ro = rank_device(cfg, world, dev), cfg.rollout
+    device, ro = rank_device(world, dev), cfg.rollout
     model_path = prepare_model(cfg, world, Path(cfg.run.out_dir))
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
@@ -434,7 +434,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     if world.is_root and skipped:
         print(f"note: {skipped} rows of split {cfg.eval.split!r} skipped (prompts over "
               "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
-    engine, turns, warmed = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path,
+    engine, turns, warmed = engines.start(cfg, world, dev, rank_device(world, dev), live, model_path,
                                           procs, eval_set, evaluation.sampling(cfg.eval, cfg.rollout))
     world.is_root and print(warmed, flush=True)  # (no start-up summary here)
     (scorer,) = reward_models.runners(cfg, world, dev, live, (cfg.eval.functions,))
