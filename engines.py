@@ -117,7 +117,10 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
     `rollout.start_timeout_s`: vLLM's start-up, and a first request that compiles operators,
     outlast any collective timeout. Returns (engine, turns, the warm-up's start-up line)."""
     engine = turns = seconds = None
-    prompt = warm_up_prompt(problems, procs, cfg.data.template)
+    # the warm-up's prompt, built as the run's are: the first of `problems` with an image (a
+    # vision model then runs its vision tower too), else the first
+    prompt = rollout.engine_prompts([next((p for p in problems if p.images), problems[0])], procs,
+                                    cfg.data.template)[0]
     short = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, WARM_UP_TOKENS))
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
@@ -136,13 +139,6 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
 
 
 WARM_UP_TOKENS = 4  # new tokens of the warm-up request: its prefill and a few decode steps
-
-
-def warm_up_prompt(problems: list, procs, template: str) -> Prompt:
-    """The warm-up's prompt, built as the run's are (rollout.engine_prompts): the first of
-    `problems` with an image (a vision model then runs its vision tower too), else the first."""
-    return rollout.engine_prompts([next((p for p in problems if p.images), problems[0])],
-                                  procs, template)[0]
 
 
 def warm_up(engine: Engine, sp: Sampling, prompt: Prompt, seed: int) -> float:
