@@ -84,26 +84,25 @@ def reap(rank: int, proc: str = "/proc", interval: float = 0.5, grace: float = 1
             break
         last = now
         sleep(interval)
-    killed, waiting = [], [(p, s) for p, s in last if spared(proc, p)]
-    for pid, start in last:
-        if (pid, start) not in waiting and _started(proc, pid) == start:
-            killed.append(pid)
-            _kill(kill, pid)
+    waiting = [(p, s) for p, s in last if spared(proc, p)]
+    killed = _kill_alive(proc, kill, [p for p in last if p not in waiting])
     deadline = clock() + grace
     while any(_started(proc, p) == s for p, s in waiting) and clock() < deadline:
         sleep(interval)
-    for pid, start in waiting:  # stuck past its grace: killed after all (its segments leak)
+    return killed + _kill_alive(proc, kill, waiting)  # stuck past its grace: killed after all (its segments leak)
+
+
+def _kill_alive(proc: str, kill: Callable[[int, int], None], listed: list[tuple[int, str]]) -> list[int]:
+    """SIGKILL each of `listed` (pid, start time) still alive with that start time; their pids."""
+    killed = []
+    for pid, start in listed:
         if _started(proc, pid) == start:
             killed.append(pid)
-            _kill(kill, pid)
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     return killed
-
-
-def _kill(kill: Callable[[int, int], None], pid: int) -> None:
-    try:
-        kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def start_reaper() -> subprocess.Popen:

@@ -117,7 +117,11 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
     `rollout.start_timeout_s`: vLLM's start-up, and a first request that compiles operators,
     outlast any collective timeout. Returns (engine, turns, the warm-up's start-up line)."""
     engine = turns = seconds = None
-    prompt = warm_up_prompt(problems, procs, cfg.data.template)
+    # the warm-up's prompt, built as the run's are: the first of `problems` with an image (a
+    # vision model then runs its vision tower too), else the first
+    prompt = rollout.engine_prompts([next((p for p in problems if p.images), problems[0])], procs,
+                                    cfg.data.template)[0]
+    short = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, WARM_UP_TOKENS))
     if world.is_gen:
         live.phase(None, f"start: starting the {cfg.rollout.engine} engine")
         failures.inject_start(cfg.cluster.timeout_s)
@@ -127,38 +131,27 @@ def start(cfg, world, dev, device, live: failures.Liveness, model_path: str, pro
         own = {e["name"]: e["env_args"] for e in cfg.data.sources if "env_args" in e}  # a source's env keys
         turns = multiturn.turns(cfg.rollout, procs, own)  # None for single-turn episodes
         live.phase(None, "start: the engine's warm-up request")
-        seconds = warm_up(engine, sp, prompt, seed=cfg.run.seed)
+        seconds = warm_up(engine, short, prompt, seed=cfg.run.seed)
     live.phase(None, "start: waiting for every engine to start")
     failures.start_barrier(live, cfg.rollout.start_timeout_s, "rollout.start_timeout_s")
     live.phase(None, "start-up")
-    return engine, turns, warm_up_line(world, seconds, warm_up_sampling(sp), prompt)
+    return engine, turns, warm_up_line(world, seconds, short, prompt)
 
 
 WARM_UP_TOKENS = 4  # new tokens of the warm-up request: its prefill and a few decode steps
 
 
-def warm_up_sampling(sp: Sampling) -> Sampling:
-    """The run's sampling `sp` (its samples per prompt, temperature, top_p, top_k, greedy) for at
-    most WARM_UP_TOKENS new tokens."""
-    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, WARM_UP_TOKENS))
-
-
-def warm_up_prompt(problems: list, procs, template: str) -> Prompt:
-    """The warm-up's prompt, built as the run's are (rollout.engine_prompts): the first of
-    `problems` with an image (a vision model then runs its vision tower too), else the first."""
-    return rollout.engine_prompts([next((p for p in problems if p.images), problems[0])],
-                                  procs, template)[0]
-
-
 def warm_up(engine: Engine, sp: Sampling, prompt: Prompt, seed: int) -> float:
-    """One short request through the engine's own `generate` before step 1 (or an --eval-only
-    evaluation): what a first request costs once (operators compiled on an NPU, vLLM's first
-    scheduling and buffers, lazy allocations) is paid here, so step 1's time is the step's.
+    """One short request (`sp`: the run's sampling, its samples per prompt, temperature, top_p,
+    top_k, greedy, for at most WARM_UP_TOKENS new tokens) through the engine's own `generate`
+    before step 1 (or an --eval-only evaluation): what a first request costs once (operators
+    compiled on an NPU, vLLM's first scheduling and buffers, lazy allocations) is paid here, so
+    step 1's time is the step's.
     Nothing of it reaches a metric or a random stream of the run: an engine seeds each call's
     samples from its `seed` alone (hf_engine: a forked generator; vLLM: per-request seeds).
     Returns its seconds."""
     t0 = time.perf_counter()
-    engine.generate([prompt], warm_up_sampling(sp), seed)
+    engine.generate([prompt], sp, seed)
     return time.perf_counter() - t0
 
 

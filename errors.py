@@ -45,10 +45,8 @@ def one_line(e: BaseException, limit: int = 300, typed: bool = True) -> str:
     """`Type: message` (`typed=False`: the message alone) with the message's whitespace (newlines
     included) collapsed, at most `limit` characters; a CheckpointException is described by the
     first rank's error inside it."""
-    if getattr(e, "failures", None) and len(causes(e)) > 1:
-        inner = [c for c in causes(e)[1:] if not getattr(c, "failures", None)]
-        if inner:
-            e = inner[0]
+    if getattr(e, "failures", None):
+        e = next((c for c in causes(e)[1:] if not getattr(c, "failures", None)), e)
     message = " ".join(str(e).split())
     text = (f"{type(e).__name__}: {message}" if typed else message) if message else type(e).__name__
     return text if len(text) <= limit else text[:limit - 3] + "..."

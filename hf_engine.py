@@ -97,19 +97,17 @@ class HFEngine:
         mm_kw = {} if not mm else dict(pixel_values=mm["pixel_values"].to(self.device, self.model.dtype),
                                        image_grid_thw=mm["image_grid_thw"].to(self.device),
                                        mm_token_type_ids=(ids == tk.image_pad).int())
-        if stop is not None:
-            knobs["stopping_criteria"] = StoppingCriteriaList([stop])
         with D.fork_rng(self.device), (R.capture(self.model) if self.experts else nullcontext()) as calls:
             torch.manual_seed(seed)  # fork_rng: the device type explicitly (NPU: not "cuda")
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, **mm_kw,
+                input_ids=ids, attention_mask=mask, **mm_kw, **knobs,
                 num_return_sequences=1 if sp.greedy else sp.n, max_new_tokens=sp.max_new_tokens,
                 suppress_tokens=list(tk.suppressed), eos_token_id=list(tk.stops), pad_token_id=tk.pad,
-                output_logits=True, return_dict_in_generate=True, **knobs)
+                stopping_criteria=None if stop is None else StoppingCriteriaList([stop]),
+                output_logits=True, return_dict_in_generate=True)
         resp = out.sequences[:, width:]                                   # [P*n, T]
         logits = torch.stack(out.logits, 1)                               # [P*n, T, V] raw
-        temp = 1.0 if sp.greedy else sp.temperature
-        lp, _ = M.token_logprobs(logits, resp, tk, temp)
+        lp, _ = M.token_logprobs(logits, resp, tk, 1.0 if sp.greedy else sp.temperature)
         if not self.experts:
             return resp.tolist(), lp.tolist(), [None] * resp.shape[0], [None] * resp.shape[0]
         routes = list(R.generated_routing(calls, *resp.shape, self.experts).cpu())

@@ -4,6 +4,7 @@ packed row per prompt where the model allows it (`train.share_prompt`)."""
 from __future__ import annotations
 
 from importlib.util import find_spec
+from itertools import groupby
 from typing import Any, Mapping
 
 import torch
@@ -30,10 +31,10 @@ def plan_micro_batches(lengths: list[int], max_seqs: int, max_tokens: int = 0) -
     return [m for m in mbs if m]
 
 
-def split_to(mbs: list[list[int]], count: int | None, n: int) -> list[list[int]]:
+def split_to(mbs: list[list[int]], count: int, n: int) -> list[list[int]]:
     """Split the largest micro-batches (of `n` sequences in all) until there are `count` of them
     (every trainer rank runs the same number: FSDP collectives)."""
-    while count is not None and len(mbs) < count:
+    while len(mbs) < count:
         k = max(range(len(mbs)), key=lambda j: len(mbs[j]))
         if len(mbs[k]) < 2:
             raise ValueError(f"cannot make {count} micro-batches from {n} sequences")
@@ -89,19 +90,15 @@ def _units(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.P
     """The sequences of this rank's episodes `idx` (positions into `idx`): the runs of one
     prompt with `share` (prompt once + every response), else one episode each; and each one's
     tokens (images expanded)."""
-    units: list[list[int]] = []
-    for j, i in enumerate(idx):
-        if share and units and episodes[idx[units[-1][0]]].group == episodes[i].group:
-            units[-1].append(j)
-        else:
-            units.append([j])
+    units = ([[j for j, _ in run] for _, run in groupby(enumerate(idx), key=lambda ji: episodes[ji[1]].group)]
+             if share else [[j] for j in range(len(idx))])
     lengths = [I.sequence_tokens(procs, [episodes[idx[j]] for j in u],
                                  images[episodes[idx[u[0]]].index]) for u in units]
     return units, lengths
 
 
 def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs: I.Processors,
-               tc: TrainConfig, layout: M.RowLayout, count: int | None = None) -> list[list[int]]:
+               tc: TrainConfig, layout: M.RowLayout) -> list[list[int]]:
     """This rank's micro-batches over its episodes `idx` (positions into `idx`). Packed rows
     (`layout.packed`): the sequences (:func:`_units`) first-fit into micro-batches of
     `micro_batch_tokens` (0: `micro_batch_size` x the longest; one longer sequence alone), each
@@ -115,7 +112,7 @@ def plan_share(episodes: list, idx: list[int], images: Mapping[int, Any], procs:
         plan = [sorted(r) for r in I.first_fit(lengths, max(budget, max(lengths)))]
     else:
         plan = plan_micro_batches(lengths, tc.micro_batch_size, tc.micro_batch_tokens)
-    return split_to([[j for u in mb for j in units[u]] for mb in plan], count, len(idx))
+    return [[j for u in mb for j in units[u]] for mb in plan]
 
 
 def rank_shares(episodes: list, images: Mapping[int, Any], procs: I.Processors, tc: TrainConfig,
@@ -162,9 +159,8 @@ def agree_plans(shares: list[list[int]], episodes: list, images: Mapping[int, An
                 train_group) -> list[list[list[int]]]:
     """The micro-batch plan of each mini-batch share (`shares[j]`: this rank's episodes of
     mini-batch j), with the same number of micro-batches per mini-batch on every trainer rank
-    (FSDP collectives); one all-reduce for all of them."""
+    (FSDP collectives: :func:`split_to`); one all-reduce for all of them."""
     plans = [plan_share(episodes, sh, images, procs, tc, layout) for sh in shares]
     n = torch.tensor([len(p) for p in plans])
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=train_group)
-    return [plan_share(episodes, sh, images, procs, tc, layout, count=int(c))
-            for sh, c in zip(shares, n.tolist())]
+    return [split_to(p, int(c), len(sh)) for p, sh, c in zip(plans, shares, n.tolist())]

@@ -88,11 +88,9 @@ def generate(engine: Engine, prompts: list[Prompt], sp: Sampling, seed: int, che
         out = engine.generate(rows, replace(sp, n=sp.n if call == 0 else 1, max_new_tokens=max(room)),
                               seed + call * SEED_STRIDE, check)
         for c, comp, r in zip(todo, [x for cs in out for x in cs], room, strict=True):
-            if _add_tokens(c, comp, r):
-                if turns is None:
-                    c.done = True
-                else:
-                    turns.after_reply(c)
+            if _add_tokens(c, comp, r):  # the reply is over: so is the sample, or turns says
+                c.done = turns is None
+                turns and turns.after_reply(c)
         call += 1
     done = [_completion(c, turns) for c in live]
     return [done[i * per:(i + 1) * per] for i in range(len(prompts))]
@@ -152,12 +150,8 @@ class Turns:
         :func:`episode_seed` (None and None without an environment)."""
         if self.env is None:
             return None, None
-        texts, states = [], []
-        for g, p in enumerate(problems):
-            starts = [self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)]
-            texts.append(starts[0][1])
-            states += [state for state, _ in starts]
-        return texts, states
+        starts = [[self._env(p).reset(p, episode_seed(seed, g)) for _ in range(per)] for g, p in enumerate(problems)]
+        return [group[0][1] for group in starts], [state for group in starts for state, _ in group]
 
     def room(self, c: _Live, sp: Sampling) -> int:
         """The tokens the conversation's reply in progress may still take."""
@@ -199,13 +193,9 @@ class Turns:
         environment's step: its message, its reward kept on the reply's turn."""
         if self.runner is not None and not c.done:
             calls = self.parse(raw)[:self.max_calls]  # rollout.max_tool_calls per reply
-            if calls:
-                out = []
-                for call in calls:
-                    content, ok = self.runner.run(call)
-                    out.append({"role": "tool", "content": content, "name": call.name,
-                                **({} if ok else {"error": True})})
-                return out
+            if calls:  # each call's (content, ok) from the runner, in order
+                return [{"role": "tool", "content": content, "name": call.name, **({} if ok else {"error": True})}
+                        for call in calls for content, ok in [self.runner.run(call)]]
         if self.env is None:
             return []
         msg, reward = self._env(c.problem).step(c.state, c.turns)
@@ -269,7 +259,7 @@ def inserted_ids(procs: I.Processors, messages: list[dict], stop: int | None) ->
     text). ValueError when the template loses the reply's content or a message's."""
     texts: list[str] = []  # every message's text, in order, each rendered as a placeholder
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _REPLY}]
-    after = procs.tokenizer.apply_chat_template(base + [_held(_plain(m), texts) for m in messages],
+    after = procs.tokenizer.apply_chat_template(base + [_held(m, texts) for m in messages],
                                                 chat_template=procs.chat.template, tokenize=False,
                                                 add_generation_prompt=True, **I.template_kwargs(procs.chat))
     if _REPLY not in after:
@@ -296,20 +286,15 @@ _HELD = "<<text %d>>"  # an inserted message's text while the template renders a
 
 
 def _held(m: dict, texts: list[str]) -> dict:
-    """`m` with its text (the content, or each text part of it) as placeholders, the text
-    appended to `texts`."""
+    """`m` as the template takes it (its role, content, a tool's name) with its text (the
+    content, or each text part of it) as placeholders, the text appended to `texts`."""
     def hold(text: str) -> str:
         texts.append(str(text))
         return _HELD % (len(texts) - 1)
     c = m["content"]
     content = ([{**part, "text": hold(part["text"])} if part.get("type") == "text" else part for part in c]
                if isinstance(c, list) else hold(c))
-    return {**m, "content": content}
-
-
-def _plain(m: dict) -> dict:
-    """A message as the template takes it (roles, content, a tool's name)."""
-    return {k: v for k, v in m.items() if k in ("role", "content", "name")}
+    return {k: content if k == "content" else v for k, v in m.items() if k in ("role", "content", "name")}
 
 
 def max_sampled_tokens(rc) -> int:
@@ -327,10 +312,9 @@ def turn_metrics(episodes: list) -> dict[str, float]:
     environment rewards, where the environment gave any): {} for single-turn ones."""
     if not any(getattr(e, "turns", None) for e in episodes):
         return {}
-    n = max(1, len(episodes))
     roles = [[t["role"] for t in e.turns] for e in episodes]
-    out = {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / n,
-           "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / n,
+    out = {"rollout/turns_mean": sum(r.count("assistant") for r in roles) / len(roles),
+           "rollout/tool_calls_mean": sum(r.count("tool") for r in roles) / len(roles),
            "rollout/tool_errors": float(sum(bool(t.get("error")) for e in episodes for t in e.turns))}
     graded = [t["reward"] for e in episodes for t in e.turns if "reward" in t]
     if graded:

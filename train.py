@@ -142,21 +142,20 @@ def run(cfg: config.Config, resume: str | None = None, eval_checkpoint: str | No
 
 
 # ----------------------------------------------------------------------------- set-up
-def rank_device(cfg: config.Config, world: World, dev: Device) -> torch.device:
+def rank_device(world: World, dev: Device) -> torch.device:
     # A vLLM generation rank never touches the accelerator itself (its engine process does).
     if world.own_channel and world.is_gen and not world.is_trainer:
         return torch.device("cpu")
     return torch_device(dev, world.local_rank)
 
 
-def prepare_run_dir(cfg: config.Config, world: World, out_dir: Path, build: bool = True) -> str:
-    """Rank 0 makes the run folder and builds the tiny model once (if asked); the model path."""
+def prepare_model(cfg: config.Config, world: World, out_dir: Path) -> str:
+    """Rank 0 builds the tiny model once (if asked) in the run folder (ckpt.claim_run_dir made
+    it); the model path."""
     if world.is_root:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if build:
-            model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
+        model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
     dist.barrier(group=world.ctrl)
-    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed) if build else ""
+    return model.resolve_path(cfg.model.path, out_dir, cfg.run.seed)
 
 
 def load_problems(cfg: config.Config, split: str, procs: inputs.Processors,
@@ -214,8 +213,8 @@ class Setup:
 
 
 def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Liveness) -> Setup:
-    device, ro = rank_device(cfg, world, dev), cfg.rollout
-    model_path = prepare_run_dir(cfg, world, Path(cfg.run.out_dir))
+    device, ro = rank_device(world, dev), cfg.rollout
+    model_path = prepare_model(cfg, world, Path(cfg.run.out_dir))
     manual_seed_all(cfg.run.seed)
     procs = inputs.processors(model_path, cfg.model, cfg.data, cfg.rollout)  # a bad folder: a config error
     problems, n_skipped = load_problems(cfg, "train", procs)
@@ -287,8 +286,7 @@ def train(cfg: config.Config, world: World, dev: Device, live: failures.Liveness
         return 0
     s, progress, rec = started
     first, by_index = progress.step, {p.index: p for p in s.problems}
-    gen = pipeline.Generation(s.engine, cfg, world, progress,
-                              lambda step, version, check=None: generate(s, cfg, world, step, version, check))
+    gen = pipeline.Generation(s.engine, cfg, world, progress, functools.partial(generate, s, cfg, world))
     dist.barrier(group=world.ctrl)  # start-up skew must not count as step 0's time
     rec and rec.begin()
     for step in range(progress.step, cfg.run.steps):
@@ -428,7 +426,6 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     """`--eval-only`: the engines evaluate a saved HF export with the [eval] keys; the metrics go
     to eval.jsonl, the generations to eval/<checkpoint folder>.jsonl."""
     out_dir = Path(cfg.run.out_dir)
-    prepare_run_dir(cfg, world, out_dir, build=False)  # the checkpoint's export is the whole model
     hf = Path(checkpoint) / "hf"
     model_path = str(hf if hf.is_dir() else checkpoint)
     manual_seed_all(cfg.run.seed)
@@ -437,7 +434,7 @@ def evaluate_checkpoint(cfg: config.Config, world: World, dev: Device, live: fai
     if world.is_root and skipped:
         print(f"note: {skipped} rows of split {cfg.eval.split!r} skipped (prompts over "
               "data.max_prompt_len or bad rows; eval/skipped_rows)", flush=True)
-    engine, turns, warmed = engines.start(cfg, world, dev, rank_device(cfg, world, dev), live, model_path,
+    engine, turns, warmed = engines.start(cfg, world, dev, rank_device(world, dev), live, model_path,
                                           procs, eval_set, evaluation.sampling(cfg.eval, cfg.rollout))
     world.is_root and print(warmed, flush=True)  # (no start-up summary here)
     (scorer,) = reward_models.runners(cfg, world, dev, live, (cfg.eval.functions,))
