@@ -145,6 +145,8 @@ def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None =
                 extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
             if partial:
                 extra += [f"--rollout.partial={'true' if partial is True else partial}"]
+            if partial and timed:  # the modelled engine shares its steps as vLLM's: k + 1 batches at once
+                extra += [f"--rollout.batches_in_flight={k + 1}"]
             name = f"{'t' if timed else 'r'}k{k}{partial or ''}{i}"
             rows = run(Path(d) / name, a.nproc, a.steps, extra, timed)
             got[(k, partial)].append(ahead(rows, k, partial, a.warmup, a.reward_threshold))
@@ -183,8 +185,8 @@ def calibrate(a, d: str) -> dict:
                {"model": a.engine_time, "scale": 1.0})[a.warmup:]
     gen = statistics.median(r["time/generate_s"] for r in rows)
     train = statistics.median(r["time/train_s"] for r in rows)
-    return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4),
-            "scale": float(f"{train / gen:.3g}"), "follow": round(gen, 4)}
+    return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4), "gen_ratio": a.gen_ratio,
+            "scale": float(f"{a.gen_ratio * train / gen:.3g}"), "follow": round(gen / a.gen_ratio, 4)}
 
 
 def verdict(rows: list[dict]) -> dict:
@@ -252,6 +254,9 @@ def main() -> None:
     ap.add_argument("--engine-scale", type=float, default=None,
                     help="with --engine-time: a fixed scale of the time model (default: it follows the "
                          "trainers' train time, bench/engine_time.py)")
+    ap.add_argument("--gen-ratio", type=float, default=2.0,
+                    help="with --engine-time: a synchronous step's generation time over its train time "
+                         "(the workload's balance; see the docstring)")
     ap.add_argument("--real-rounds", type=int, default=1,
                     help="with --engine-time: rounds of the same sweep on the real hf engine (0: none)")
     a = ap.parse_args()

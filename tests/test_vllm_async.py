@@ -41,8 +41,11 @@ class FakeEngine:
         self.added: list[tuple[str, list, dict]] = []
         self.steps = 0
         self.on_step = None
+        self.salts: list[str | None] = []  # each request's cache_salt
 
     def add_request(self, rid, prompt, params):
+        self.salts.append(prompt.get("cache_salt"))
+        prompt = prompt["prompt_token_ids"]
         self.added.append((rid, list(prompt), dict(params)))
         self.reqs[rid] = {"prompt": list(prompt), "p": params,
                           "kids": [{"seed": params["seed"] + j, "out": [], "done": False}
@@ -79,10 +82,10 @@ class FakeEngine:
 def _eng(fake):
     """A VLLMEngine stand-in over `fake`: its `generate` with a check is vllm_ahead.stepped."""
     eng = SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), owner=A.Owner("rank 2 (generation)", 5.0),
-                          render=lambda rows: [ids for ids, _ in rows],
+                          render=lambda rows: [{"prompt_token_ids": ids} for ids, _ in rows],
                           stream_params=lambda sp, seed: {"n": 1 if sp.greedy else sp.n, "seed": seed,
                                                           "max_tokens": sp.max_new_tokens},
-                          weight_version=0)
+                          weight_version=0, keep=False, stale_caches=False, fresh_caches=lambda: None)
     eng.generate = lambda rows, sp, seed, check: A.stepped(eng, rows, sp, seed, check)
     return eng
 
