@@ -85,6 +85,7 @@ class Producer:
         self.lanes = lanes                  # batches generated at once (rollout.batches_in_flight)
         self.flight: dict[int, tuple | None] = {}  # started batches not queued -> (groups, stats) once made
         self.redo: list[int] = []           # batches a pause ended, made again from their start
+        self.most = 0                       # the most batches generating at once since the last take
         self.cv = threading.Condition()
         self.weights = threading.Lock()     # the receiver's buffers: written by receive, read by _load
         self.error: BaseException | None = None
@@ -145,6 +146,7 @@ class Producer:
                     else:
                         self.index += 1
                     self.flight[index], self._checks[index] = None, 0
+                    self.most = max(self.most, sum(v is None for v in self.flight.values()))
                 if self.lanes == 1:
                     self._make(index)
                     continue
@@ -282,7 +284,8 @@ class Producer:
         """The oldest `n` groups whose version (their oldest token's) is at least `min_version`,
         renumbered `group_offset + j`; older ones are dropped. Waits while the queue is empty.
         Stats: the batches' summed timings, `dropped` (groups), `queue_groups` (left queued),
-        `engine_idle_frac` (since the last take), `position`."""
+        `engine_idle_frac` and `in_flight` (the most batches generating at once; both since the
+        last take), `position`."""
         out, dropped, stats = [], 0, {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0,
                                        "refill_rounds": 0, "reprefill_tokens": 0}
         with self.cv:
@@ -305,10 +308,10 @@ class Producer:
             now = time.perf_counter()
             idle = self.idle_s + (now - self._idle_since if self._idle_since else 0.0)
             self.idle_s, self._idle_since = 0.0, (now if self.idle else None)
-            stats.update(dropped=dropped, queue_groups=sum(len(q[1]) for q in self.queue),
+            stats.update(dropped=dropped, queue_groups=sum(len(q[1]) for q in self.queue), in_flight=self.most,
                          engine_idle_frac=idle / max(1e-9, now - self._last_take),
                          position=self.position())
-            self._last_take = now
+            self._last_take, self.most = now, sum(v is None for v in self.flight.values())
         for j, group in enumerate(out):
             for e in group:
                 e.group = group_offset + j

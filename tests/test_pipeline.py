@@ -242,7 +242,9 @@ def test_batches_in_flight_overlap_and_queue_in_stream_order():
             p.cv.notify_all()
         release[0].set()
         release[1].set()
-        assert [{e.index for e in p.take(PER, -2, 0)[0]} for _ in range(3)] == [{0}, {1}, {2}]
+        got = [p.take(PER, -2, 0) for _ in range(3)]
+        assert [{e.index for e in eps} for eps, _ in got] == [{0}, {1}, {2}]
+        assert got[0][1]["in_flight"] == 3                  # rollout/batches_in_flight
         assert started.count(0) == started.count(1) == 2 and started.count(2) == 1
     finally:
         for e in release.values():

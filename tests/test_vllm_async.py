@@ -437,9 +437,12 @@ def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatc
     requests kept (vllm_ahead.load_kept): nothing prefilled again (rollout/reprefill_tokens 0);
     "recompute" aborts and prefills the continued rows again (> 0). Engine == trainer on the
     tokens of the trainers' own version (logprob_diff/max <= 1e-4, fp32; a kept episode counts
-    only when all its tokens have it: inputs.compared_versions)."""
+    only when all its tokens have it: inputs.compared_versions). "keep" runs with
+    `rollout.batches_in_flight = 5`: up to five batches share vLLM's steps
+    (vllm_ahead.share_steps), and more than one did (rollout/batches_in_flight)."""
     monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
-    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32",
+    lanes = ["--rollout.batches_in_flight=5"] if partial == "keep" else []
+    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32", *lanes,
                  f"--run.out_dir={tmp_path}"], timeout=1200)
     rows = metrics(tmp_path)
     again = [r["rollout/reprefill_tokens"] for r in rows]
@@ -450,6 +453,8 @@ def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatc
     assert [r["step"] for r in rows] == list(range(32))
     assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
     assert (again[1] > 0) if partial == "true" else not any(again), again
+    most = max(r["rollout/batches_in_flight"] for r in rows)
+    assert (2 <= most <= 5) if lanes else most == 1, most
     assert all(r["rollout/staleness_max"] <= 4 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) > 1                   # it ran ahead
     assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
