@@ -110,6 +110,8 @@ class Producer:
         if (self.pause_asked or self.error is not None or len(self.flight) >= self.lanes
                 or (self.limit is not None and self._next() >= self.limit)):
             return False
+        if self.flight and self.partial and not self._held and fault_active("hold_for_weights"):
+            return False  # tests: one batch at a time until the hold, which holds every batch's steps
         if self.bound.stale == "drop":
             return len(self.queue) + len(self.flight) <= self.bound.k
         have = max(self.loaded, self.staged[0] if self.staged else self.loaded)

@@ -275,20 +275,18 @@ def _step_calls(eng, me: _Call) -> None:
                 if keep and eng.stale_caches:
                     eng.fresh_caches()
             _start_calls(eng, owner, live)
-            live = [c for c in owner.calls if c.started and not c.ended]
+            live = _running(owner)
             if not live:
                 continue
             kind.step(eng, [c.batch for c in live])
-            for c in live:
-                if not c.batch.live:
-                    _end(owner, c)
-            live = [c for c in live if not c.ended]
+            live = _running(owner)
             if live and not keep and owner.needs_empty():  # a load ends every call
                 for c in live:
                     _end(owner, c)
                 continue
             if keep and live and (owner.tasks or lockstep):
                 kind.load_kept(eng, [c.batch for c in live], lockstep)
+                live = _running(owner)  # the steps taken in may have ended some
             for c in live:
                 try:
                     version = c.check()
@@ -321,6 +319,13 @@ def _step_calls(eng, me: _Call) -> None:
                 owner._give()
 
 
+def _running(owner: Owner) -> list[_Call]:
+    """The started calls not ended, those whose requests are all done ended first."""
+    for c in [c for c in owner.calls if c.started and not c.ended and not c.batch.live]:
+        _end(owner, c)
+    return [c for c in owner.calls if c.started and not c.ended]
+
+
 def _start_calls(eng, owner: Owner, live: list[_Call]) -> None:
     """The calls registered since the last step: each its check's version, then its requests.
     With "keep" after a load mid-call (caches stale) a batch with images waits for the engine
@@ -347,7 +352,10 @@ def load_kept(eng, batches: list, lockstep: bool = False) -> None:
     try:
         if lockstep:
             for c in [c for c in eng.owner.calls if c.started and not c.ended]:
-                c.check()
+                try:
+                    c.check()
+                except BaseException as e:  # noqa: BLE001 - raised in the call's own thread
+                    _end(eng.owner, c, e)
         for _ in range(queued_steps(engine)):
             outputs = engine.step()
             for b in batches:

@@ -21,8 +21,9 @@ multiplied by `scale`. Weight loads are the tiny model's real copies, not modell
 
 The scale: generation and training take comparable time a step, as on real hardware where each
 has its own devices (an 8B engine on one H100 is faster than these 2 shared CPU cores train the
-tiny model, so the scale is below 1). bench/e2e.py first measures `follow`, the modelled
-generate seconds a step at scale 1 (a synchronous run), and hands it over; the engine then sets
+tiny model, so the scale is below 1). bench/e2e.py first measures the modelled generate seconds
+a step at scale 1 (a synchronous run) and hands over `follow`, that over its `--gen-ratio` (a
+synchronous step's generation time over its train time); the engine then sets
 `scale = median(last 4 steps' time/train_s) / follow` at each call (step 0 left out: its
 train time holds one-off costs, 10x a step's), from the run's own
 metrics.jsonl (rank 0 writes it; same machine). This machine's speed drifts up to 2x within
