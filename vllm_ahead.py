@@ -244,7 +244,9 @@ def share_steps(eng, batch, check: Check) -> None:
         owner.calls.append(me)
         while not me.ended and owner.holder not in (None, me.thread):
             owner.cv.wait()
-        if not me.ended:
+        if me.ended:  # by the stepper (done, or its error): this thread never stepped
+            owner.calls.remove(me)
+        else:
             owner.holder = me.thread
     if not me.ended:
         _step_calls(eng, me)
@@ -269,7 +271,7 @@ def _step_calls(eng, me: _Call) -> None:
     lockstep = keep and fault_active("hold_for_weights")
     try:
         while not me.ended:
-            live = [c for c in owner.calls if c.started and not c.ended]
+            live = [c for c in _calls(owner) if c.started and not c.ended]
             if not live:  # the engine is empty: posted calls, then no stale cache is reused
                 owner.run_tasks()
                 if keep and eng.stale_caches:
@@ -300,7 +302,7 @@ def _step_calls(eng, me: _Call) -> None:
             if not keep and owner.tasks and any(not c.ended for c in live):
                 owner.run_tasks(keep=True)  # posted since the checks: a weight load waits for them
     except BaseException as e:
-        for c in [c for c in owner.calls if not c.ended]:
+        for c in [c for c in _calls(owner) if not c.ended]:
             _end(owner, c, e if c is me else RuntimeError(f"the engine's stepping failed: {e!r}"))
         raise
     finally:
@@ -321,16 +323,22 @@ def _step_calls(eng, me: _Call) -> None:
 
 def _running(owner: Owner) -> list[_Call]:
     """The started calls not ended, those whose requests are all done ended first."""
-    for c in [c for c in owner.calls if c.started and not c.ended and not c.batch.live]:
+    for c in [c for c in _calls(owner) if c.started and not c.ended and not c.batch.live]:
         _end(owner, c)
-    return [c for c in owner.calls if c.started and not c.ended]
+    return [c for c in _calls(owner) if c.started and not c.ended]
+
+
+def _calls(owner: Owner) -> list[_Call]:
+    """The registered calls now (other threads add and remove theirs)."""
+    with owner.cv:
+        return list(owner.calls)
 
 
 def _start_calls(eng, owner: Owner, live: list[_Call]) -> None:
     """The calls registered since the last step: each its check's version, then its requests.
     With "keep" after a load mid-call (caches stale) a batch with images waits for the engine
     to empty: vLLM's encoder cache is keyed by the image alone (prompts are salted by version)."""
-    for c in [c for c in owner.calls if not c.started and not c.ended]:
+    for c in [c for c in _calls(owner) if not c.started and not c.ended]:
         if live and eng.stale_caches and c.batch.has_images:
             continue
         try:
@@ -351,7 +359,7 @@ def load_kept(eng, batches: list, lockstep: bool = False) -> None:
     eng.llm.sleep(level=0, mode="keep")
     try:
         if lockstep:
-            for c in [c for c in eng.owner.calls if c.started and not c.ended]:
+            for c in [c for c in _calls(eng.owner) if c.started and not c.ended]:
                 try:
                     c.check()
                 except BaseException as e:  # noqa: BLE001 - raised in the call's own thread

@@ -487,3 +487,46 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     assert "a staged weight sync holds" in p.stdout + p.stderr
     assert [r["step"] for r in rows if "eval/n" in r] == [2, 5]  # the worker paused between batches
 
+
+
+def test_concurrent_calls_share_steps_and_a_load_ends_every_one():
+    """rollout.batches_in_flight on vLLM's stepped path (vllm_ahead.share_steps): two batches'
+    calls from two threads are stepped together, one engine step advancing both; a load posted
+    mid-way (`empty`, "recompute") aborts every call's requests, runs with none in flight, and
+    each batch goes on under the new version in its own next call, its tokens those of its own
+    seeds whatever the other batch did."""
+    fake = FakeEngine()
+    eng = _eng(fake)
+    seen, out, registered = [], [None, None], threading.Event()
+
+    def load():
+        seen.append(len(fake.reqs))
+        fake.version = eng.weight_version = 1
+
+    def on_step(n):
+        if n == 1:  # the second batch is registered before the first one's second step
+            registered.wait(10)
+            while len(eng.owner.calls) < 2:
+                time.sleep(0.001)
+        if n == 3:
+            threading.Thread(target=lambda: eng.owner.call(load, empty=True), daemon=True).start()
+            while not eng.owner.tasks:
+                time.sleep(0.001)
+    fake.on_step = on_step
+
+    def batch(i):
+        if i == 1:
+            registered.set()
+        out[i] = MT.generate(eng, [PROMPTS[i]], SP, seed=100 + 10 * i, check=lambda: eng.weight_version)
+    first = threading.Thread(target=batch, args=(0,))
+    first.start()
+    batch(1)
+    first.join(10)
+    assert seen == [0]                                      # the load ran with nothing in flight
+    for i in (0, 1):
+        for j, c in enumerate(out[i][0]):
+            n = len(PROMPTS[i][0])
+            assert c.versions[-1] == 1 and c.versions[0] == 0 and len(c.ids) == 6
+            k = c.versions.count(0)
+            assert c.ids[:k] == [_token(100 + 10 * i + j, n + t) for t in range(k)]  # its own seeds
+    assert fake.steps < 2 * 6 and eng.owner.holder is None and eng.owner.calls == []
