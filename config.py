@@ -204,6 +204,9 @@ class RolloutConfig:
     stale: str = one_of("wait", STALE)  # (it never waits; groups older than k are dropped and counted)
     # k >= 1, new weights between decode steps (docs/async.md): "recompute" (true) prefills again, "keep" not
     partial: bool | str = one_of(False, (False, True, "recompute", "keep"))
+    # with partial: batches generated at once, the next one starting while earlier ones decode
+    # (an engine that shares its decode steps among them: vllm; docs/async.md); <= max_staleness + 1
+    batches_in_flight: int = num(1, ">= 1")
     gpu_memory_utilization: float = num(0.85, "(0, 1]")  # vllm: fraction of device memory for the engine
     max_model_len: int = num(4096, ">= 1")   # vllm: prompt + response tokens
     enforce_eager: bool = True               # vllm: no graph capture (start here on NPU)

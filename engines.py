@@ -57,6 +57,12 @@ def check(cfg) -> None:
          f"between the trainers' and the engines' logprobs for the stale samples")
     need(not ro.partial or ro.max_staleness >= 1, "rollout.partial needs rollout.max_staleness >= 1 "
          "(synchronous engines never hold a batch across a weight update)")
+    need(ro.batches_in_flight == 1 or (ro.partial and ro.batches_in_flight <= ro.max_staleness + 1),
+         f"rollout.batches_in_flight={ro.batches_in_flight} needs rollout.partial and at most "
+         "rollout.max_staleness + 1 (more batches than the staleness bound lets start)")
+    need(ro.batches_in_flight == 1 or engine_class(ro.engine).STEPS_SHARED,
+         f"rollout.batches_in_flight={ro.batches_in_flight} needs an engine that shares its decode "
+         f"steps among batches (rollout.engine = 'vllm'); the {ro.engine} engine generates one at a time")
     need(not (ro.max_staleness and cfg.sync.verify and ro.engine == "hf"),
          "sync.verify needs rollout.max_staleness = 0: an engine running ahead loads new weights at "
          "its own check points, not at the sync")

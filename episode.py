@@ -90,6 +90,9 @@ class Engine(Protocol):
     OWN_CHANNEL: bool  # True: buckets go over channel.open_channel (`join_weight_channel`) and
     #                    the engine is an AheadEngine; False: over the torch sync group, plus
     #                    `load_weights` for a world of one and for pipeline.Producer's staging
+    STEPS_SHARED: bool  # True: `generate` calls from several threads at once decode together,
+    #                     each step advancing every call's samples (continuous batching across
+    #                     batches, `rollout.batches_in_flight`); False: one call at a time
 
     def generate(self, rows: list[Prompt], sp: Sampling, seed: int,
                  check: Check | None = None) -> list[list[Completion]]:

@@ -36,6 +36,7 @@ class HFEngine:
     """transformers generation on this rank's device, with its own copy of the weights (an
     episode.LocalEngine)."""
     OWN_CHANNEL = False
+    STEPS_SHARED = False  # one model.generate at a time (its KV cache is the call's)
 
     def __init__(self, path: str, dtype: torch.dtype, procs: I.Processors, device: torch.device,
                  keep: bool = False):

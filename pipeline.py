@@ -33,6 +33,7 @@ its next decode step (the check raises) and makes it again after, from its start
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -74,71 +75,87 @@ class Producer:
     for "drop". `limit`: no batch at or after it ("wait": run.steps; "drop": None)."""
 
     def __init__(self, engine: Engine, make: Callable[[int, int, Check | None], tuple[list, dict]], bound: Bound,
-                 position: tuple[int, int], limit: int | None, partial: bool = False):
+                 position: tuple[int, int], limit: int | None, partial: bool = False, lanes: int = 1):
         self.engine, self.make, self.bound, self.limit = engine, make, bound, limit
         self.loaded = bound.version0        # the version in the engine
         self.staged: tuple[int, dict] | None = None  # received, not yet loaded: (version, name -> tensor)
         self.queue: deque = deque()         # [batch index, groups left, stats, groups taken] in stream order
-        self.index, self.skip = position    # the next batch to generate; groups of it taken already
+        self.index, self.skip = position    # the next batch to start; groups of the first taken already
+        self.out = self.index               # the next batch to queue
+        self.lanes = lanes                  # batches generated at once (rollout.batches_in_flight)
+        self.flight: dict[int, tuple | None] = {}  # started batches not queued -> (groups, stats) once made
+        self.redo: list[int] = []           # batches a pause ended, made again from their start
+        self.most = 0                       # the most batches generating at once since the last take
         self.cv = threading.Condition()
         self.weights = threading.Lock()     # the receiver's buffers: written by receive, read by _load
         self.error: BaseException | None = None
         self.stopping = self.pause_asked = self.idle = False
-        self.batch: int | None = None       # the batch in flight
-        self._checks, self._held = 0, False  # check points of the batch in flight; GRPO_FAULT's hold
+        self._checks: dict[int, int] = {}   # check points of each batch in flight
+        self._held = False                  # GRPO_FAULT's hold happened
         self.holding = False
         self.idle_s, self._idle_since, self._last_take = 0.0, None, time.perf_counter()
         self.own, self.partial = engine.OWN_CHANNEL, partial
         if self.own and engine.weight_version != self.loaded:
             raise RuntimeError(f"the engine holds weight version {engine.weight_version}, the "
                                f"trainers {self.loaded}")
-        # what the engine is handed: with partial the check that loads weights mid-batch; an
-        # own-channel engine's a check that only stops (its weights load at a batch's start)
-        self.engine_check = self.check if partial or self.own else None
+        self.threads: list[threading.Thread] = []  # batch threads (lanes > 1)
         self.thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.thread.start()
 
-    # ------------------------------------------------------------------ the worker thread
+    # ------------------------------------------------------------------ the worker threads
+    def _next(self) -> int:
+        return min(self.redo) if self.redo else self.index
+
     def _may_start(self) -> bool:
-        if self.pause_asked or (self.limit is not None and self.index >= self.limit):
+        if (self.pause_asked or self.error is not None or len(self.flight) >= self.lanes
+                or (self.limit is not None and self._next() >= self.limit)):
             return False
+        if self.flight and self.partial and not self._held and fault_active("hold_for_weights"):
+            return False  # tests: one batch at a time until the hold, which holds every batch's steps
         if self.bound.stale == "drop":
-            return len(self.queue) <= self.bound.k
+            return len(self.queue) + len(self.flight) <= self.bound.k
         have = max(self.loaded, self.staged[0] if self.staged else self.loaded)
-        return have >= self.bound.version_at(self.index - self.bound.k)
+        return have >= self.bound.version_at(self._next() - self.bound.k)
 
     def _wait(self, ready: Callable[[], bool]) -> None:
-        """Under self.cv: wait (counted as engine idle time) until `ready()` or a stop."""
-        if not ready() and not self.stopping:
-            self.idle, self._idle_since = True, time.perf_counter()
-            self.cv.notify_all()
-            while not ready() and not self.stopping:
-                self.cv.wait()
-            self.idle_s += time.perf_counter() - self._idle_since
-            self.idle, self._idle_since = False, None
+        """Under self.cv: wait until `ready()` or a stop; the time no batch is in flight
+        meanwhile is engine idle time."""
+        while not ready() and not self.stopping:
+            self._idle(not self.flight)
+            self.cv.wait()
+        self._idle(False)
         if self.stopping:
             raise _Stopped
 
+    def _idle(self, idle: bool) -> None:
+        if idle and not self.idle:
+            self.idle, self._idle_since = True, time.perf_counter()
+            self.cv.notify_all()
+        elif not idle and self.idle:
+            self.idle_s += time.perf_counter() - self._idle_since
+            self.idle, self._idle_since = False, None
+
     def _run(self) -> None:
+        """Start each batch once the staleness rule lets it and a lane is free: made here with
+        one lane, else in a thread of its own (the engine shares its decode steps among them)."""
         try:
             while True:
                 with self.cv:
                     self._wait(self._may_start)
-                    index = self.batch = self.index
-                    self._checks = 0
-                self._load()
-                try:
-                    episodes, stats = self.make(index, self.loaded, self.engine_check)
-                except _Paused:  # made again, from its start, once the pause ends
+                    index = self._next()
+                    if index in self.redo:
+                        self.redo.remove(index)
+                    else:
+                        self.index += 1
+                    self.flight[index], self._checks[index] = None, 0
+                    self.most = max(self.most, sum(v is None for v in self.flight.values()))
+                if self.lanes == 1:
+                    self._make(index)
                     continue
-                groups: dict[int, list] = {}
-                for e in episodes:
-                    groups.setdefault(e.group, []).append(e)
-                with self.cv:
-                    skip, self.skip = (self.skip, 0)
-                    self.queue.append([index, list(groups.values())[skip:], stats, skip])
-                    self.index = index + 1
-                    self.cv.notify_all()
+                thread = threading.Thread(target=self._make, args=(index,), name=f"engine-batch-{index}",
+                                          daemon=True)
+                self.threads.append(thread)
+                thread.start()
         except _Stopped:
             return
         except BaseException as e:  # the main thread raises it at its next take
@@ -146,16 +163,48 @@ class Producer:
                 self.error = e
                 self.cv.notify_all()
 
-    def check(self) -> int:
-        """What the engine is handed (episode.Check): before a batch's first token and after each
-        decode step. Raises to stop. With partial rollouts it also raises to end the batch on a
-        pause, and loads the newest weights received (an own-channel engine loaded them itself)
-        and returns their version, so the engine's call ends once newer weights are in (or, with
-        `rollout.partial = "keep"`, decodes on under them over its KV as it is); without (an
-        own-channel engine's batch) the weights stay."""
-        self._checks += 1
-        if self.partial and self._checks == 2 and not self._held and fault_active("hold_for_weights"):
-            self._hold_for_weights()
+    def _make(self, index: int) -> None:
+        """Batch `index`, queued in stream order once it and every batch before it are made.
+        With one lane its weights load at its start (they change mid-batch only with partial,
+        at the checks); a pause ends it to be made again from its start."""
+        try:
+            if self.lanes == 1:
+                self._load()
+            check = functools.partial(self.check, index) if self.partial or self.own else None
+            episodes, stats = self.make(index, self.loaded, check)
+        except BaseException as e:
+            with self.cv:
+                del self.flight[index]
+                if isinstance(e, _Paused):
+                    self.redo.append(index)
+                elif not isinstance(e, _Stopped) and self.lanes > 1:
+                    self.error = e
+                self.cv.notify_all()
+            if self.lanes == 1 and not isinstance(e, _Paused):
+                raise
+            return
+        groups: dict[int, list] = {}
+        for e in episodes:
+            groups.setdefault(e.group, []).append(e)
+        with self.cv:
+            self.flight[index] = (list(groups.values()), stats)
+            while self.flight.get(self.out) is not None:
+                made, stats = self.flight.pop(self.out)
+                skip, self.skip = (self.skip, 0)
+                self.queue.append([self.out, made[skip:], stats, skip])
+                self.out += 1
+            self.cv.notify_all()
+
+    def check(self, index: int) -> int:
+        """What the engine is handed for batch `index` (episode.Check): before a batch's first
+        token and after each decode step. Raises to stop. With partial rollouts it also raises
+        to end the batch on a pause, and loads the newest weights received (an own-channel
+        engine loaded them itself) and returns their version, so the engine's call ends once
+        newer weights are in (or, with `rollout.partial = "keep"`, decodes on under them over
+        its KV as it is); without (an own-channel engine's batch) the weights stay."""
+        self._checks[index] += 1
+        if self.partial and self._checks[index] == 2 and not self._held and fault_active("hold_for_weights"):
+            self._hold_for_weights(index)
         if self.stopping:
             raise _Stopped
         if not self.partial:
@@ -169,14 +218,14 @@ class Producer:
             self._load()
         return self.loaded
 
-    def _hold_for_weights(self, timeout_s: float = 120.0) -> None:
+    def _hold_for_weights(self, index: int, timeout_s: float = 120.0) -> None:
         """Tests (`GRPO_FAULT=hold_for_weights`): the first batch generated ahead of the trainers
         waits after its first decode step until newer weights come, so its episodes span two
         versions on any machine, whichever side is faster. Only a batch the trainers do not need
         for their next sync (its index past the step of the weights the engine holds) waits."""
         with self.cv:
             trainers_at = self.bound.step0 + (self.loaded - self.bound.version0)
-            if not self.bound.syncs or self.batch is None or self.batch <= trainers_at:
+            if not self.bound.syncs or index <= trainers_at:
                 return
             self._held = self.holding = True
             self.cv.notify_all()
@@ -237,7 +286,8 @@ class Producer:
         """The oldest `n` groups whose version (their oldest token's) is at least `min_version`,
         renumbered `group_offset + j`; older ones are dropped. Waits while the queue is empty.
         Stats: the batches' summed timings, `dropped` (groups), `queue_groups` (left queued),
-        `engine_idle_frac` (since the last take), `position`."""
+        `engine_idle_frac` and `in_flight` (the most batches generating at once; both since the
+        last take), `position`."""
         out, dropped, stats = [], 0, {"generate_s": 0.0, "reward_s": 0.0, "prompts": 0,
                                        "refill_rounds": 0, "reprefill_tokens": 0}
         with self.cv:
@@ -260,10 +310,10 @@ class Producer:
             now = time.perf_counter()
             idle = self.idle_s + (now - self._idle_since if self._idle_since else 0.0)
             self.idle_s, self._idle_since = 0.0, (now if self.idle else None)
-            stats.update(dropped=dropped, queue_groups=sum(len(q[1]) for q in self.queue),
+            stats.update(dropped=dropped, queue_groups=sum(len(q[1]) for q in self.queue), in_flight=self.most,
                          engine_idle_frac=idle / max(1e-9, now - self._last_take),
                          position=self.position())
-            self._last_take = now
+            self._last_take, self.most = now, sum(v is None for v in self.flight.values())
         for j, group in enumerate(out):
             for e in group:
                 e.group = group_offset + j
@@ -282,7 +332,7 @@ class Producer:
         """[batch, groups of it already taken]: where a resumed run's stream starts."""
         if self.queue:
             return [self.queue[0][0], self.queue[0][3]]
-        return [self.index, self.skip]
+        return [self.out, self.skip]
 
     @contextmanager
     def paused(self):
@@ -307,7 +357,8 @@ class Producer:
         with self.cv:
             self.stopping = True
             self.cv.notify_all()
-        self.thread.join()
+        for thread in [self.thread, *self.threads]:
+            thread.join()
 
 
 def stages_received(ro) -> bool:
@@ -360,7 +411,7 @@ class Generation:
                     else (progress.step, 0))
         self.producer = Producer(engine, make, bound, position,
                                  limit=cfg.run.steps if ro.stale == "wait" else None,
-                                 partial=ro.partial)
+                                 partial=ro.partial, lanes=ro.batches_in_flight)
 
     def episodes(self, step: int, version: int) -> tuple[list, dict]:
         if self.producer is not None:

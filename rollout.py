@@ -140,7 +140,7 @@ def refill_metrics(stats: list[dict]) -> dict[str, float]:
     (all ranks, refills included) and `rollout/reprefill_tokens` (tokens prefilled again after
     a weight arrival, multiturn.generate; all ranks) from the generation ranks' stats; with engines running ahead
     (pipeline.Producer.take) `rollout/stale_dropped` and `rollout/queue_groups` (summed over the
-    ranks) and `time/engine_idle_frac` (their mean)."""
+    ranks), `time/engine_idle_frac` (their mean) and `rollout/batches_in_flight` (their most)."""
     out = {"rollout/refill_rounds": max((s["refill_rounds"] for s in stats), default=0),
            "rollout/prompts_drawn": sum(s["prompts"] for s in stats),
            "rollout/reprefill_tokens": sum(s.get("reprefill_tokens", 0) for s in stats)}
@@ -149,6 +149,7 @@ def refill_metrics(stats: list[dict]) -> dict[str, float]:
         out["rollout/stale_dropped"] = sum(s["dropped"] for s in ahead)
         out["rollout/queue_groups"] = sum(s["queue_groups"] for s in ahead)
         out["time/engine_idle_frac"] = sum(s["engine_idle_frac"] for s in ahead) / len(ahead)
+        out["rollout/batches_in_flight"] = max(s["in_flight"] for s in ahead)
     return out
 
 

@@ -50,6 +50,7 @@ class Owner:
         self.cv = threading.Condition()
         self.holder: int | None = None   # thread ident
         self.tasks: list[_Task] = []
+        self.calls: list[_Call] = []     # generate calls sharing the engine's steps (share_steps)
 
     def _give(self) -> None:
         with self.cv:
@@ -138,14 +139,35 @@ class Batch:
         self.seqs = [Completion([], [], True, [], kv_kept=kept) for _ in range(len(prompts) * self.per)]
         self.live: dict[str, int] = {}            # request id -> its first sample
         self.tag = f"grpo-{id(self):x}"
+        self.seed, self.has_images = 0, any(ims for _, ims in prompts)
 
-    def add(self, seed: int) -> None:
-        """Every row with its n samples, row r's seeded seed + r * n (+ j: vLLM's child index)."""
+    def add(self, seed: int, salt: bool = False) -> None:
+        """Every row with its n samples, row r's seeded seed + r * n (+ j: vLLM's child index).
+        `salt`: the prompts' prefix-cache blocks salted with the batch's version (vLLM's
+        `cache_salt`), so no block computed under other weights is reused for them."""
         inputs = self.render(self.prompts) if self.prompts else []
         for r, prompt in enumerate(inputs):
+            if salt:
+                prompt["cache_salt"] = f"grpo-v{self.version}"
             rid = f"{self.tag}-{r}"
             self.engine.add_request(rid, prompt, self.params(self.sp, seed + r * self.per))
             self.live[rid] = r * self.per
+
+    def start(self, eng) -> None:
+        """share_steps: the requests into the running engine (with "keep" salted by version:
+        other calls' requests may hold KV of older weights)."""
+        self.add(self.seed, salt=eng.keep)
+
+    @staticmethod
+    def step(eng, batches: list["Batch"]) -> None:
+        """share_steps: one step of vLLM's engine, its outputs to every batch."""
+        outputs = eng.llm.llm_engine.step()
+        for b in batches:
+            b.absorb(outputs)
+
+    @staticmethod
+    def load_kept(eng, batches: list["Batch"], lockstep: bool) -> None:
+        load_kept(eng, batches, lockstep)
 
     def absorb(self, outputs) -> None:
         """One engine step's streamed outputs (new tokens of each request, DELTA)."""
@@ -178,59 +200,174 @@ class Batch:
 
 def stepped(eng, prompts: list[Prompt], sp: Sampling, seed: int, check: Check) -> list[list[Completion]]:
     """`eng.generate(prompts, sp, seed, check)` (vllm_engine.VLLMEngine, or a stand-in with
-    `llm`, `owner`, `render`, `stream_params`, `weight_version`, and with `keep` a
-    `fresh_caches`), in the thread that drives it.
-
-    Calls posted before the batch run first; `check()` gives the call's version. After each
+    `llm`, `owner`, `render`, `stream_params`, `weight_version`, `keep`, `fresh_caches`), in the
+    thread that drives it: vLLM's `LLMEngine` stepped by hand, the call's requests among those of
+    every concurrent call (:func:`share_steps`). `check()` gives the call's version. After each
     decode step: posted calls that keep the weights run at once; one that loads weights
     (`empty`), or a check that returns another version, ends the call: requests aborted (their
     samples keep their tokens so far), posted calls run. With `eng.keep` (rollout.partial =
     "keep") posted calls run with the requests kept (:func:`load_kept`) and the call goes on,
     each token recording the version `check()` gave before its step. What `check` raises ends
     the call the same way."""
-    engine, keep = eng.llm.llm_engine, getattr(eng, "keep", False)
+    batch = Batch(eng.llm.llm_engine, eng.render, eng.stream_params, prompts, sp, 0, kept=eng.keep)
+    batch.seed = seed
+    share_steps(eng, batch, check)
+    return batch.completions()
+
+
+class _Call:
+    """One generate call among those sharing an engine's decode steps (:func:`share_steps`)."""
+    __slots__ = ("batch", "check", "thread", "version", "started", "ended", "error")
+
+    def __init__(self, batch, check: Check):
+        self.batch, self.check, self.thread = batch, check, threading.get_ident()
+        self.version, self.started, self.ended, self.error = None, False, False, None
+
+
+def share_steps(eng, batch, check: Check) -> None:
+    """Run `batch` to its end on `eng`, whose decode steps every concurrent call shares
+    (continuous batching across calls: episode.Engine.STEPS_SHARED; `rollout.batches_in_flight`).
+
+    One thread at a time steps (`eng.owner`'s holder): each step advances every started call's
+    requests, then hands each call its own check. A call made while another thread steps is
+    registered and waits: the stepper starts it (its check's version, `batch.start(eng)`) at its
+    next step, ends it, or, when its own call ends, hands the stepping over to it. The engine
+    (`eng`): `owner`, `keep`, `fresh_caches()`, `stale_caches`; a batch (:class:`Batch`, or
+    bench/engine_time.py's modelled one): `start(eng)`, `live`, `abort()`, `version` (of its
+    next tokens), `has_images`, and its class's `step(eng, batches)` (one decode step of all of
+    them) and `load_kept(eng, batches, lockstep)`. With one call at a time this is the plain
+    loop: start, step, check, until the batch ends or the check ends it."""
+    owner, me = eng.owner, _Call(batch, check)
+    with owner.cv:
+        if owner.holder == me.thread:
+            raise RuntimeError("vLLM engine: entered twice by one thread")
+        owner.calls.append(me)
+        while not me.ended and owner.holder not in (None, me.thread):
+            owner.cv.wait()
+        if me.ended:  # by the stepper (done, or its error): this thread never stepped
+            owner.calls.remove(me)
+        else:
+            owner.holder = me.thread
+    if not me.ended:
+        _step_calls(eng, me)
+    if me.error is not None:
+        raise me.error
+
+
+def _end(owner: Owner, call: _Call, error: BaseException | None = None) -> None:
+    call.batch.abort()
+    with owner.cv:
+        call.ended, call.error = True, error
+        owner.cv.notify_all()
+
+
+def _step_calls(eng, me: _Call) -> None:
+    """By the holder: step every started call until `me` ends, then hand the steps over (or,
+    with no call left, run the posted calls, reset stale caches and let go)."""
+    owner, keep, kind = eng.owner, eng.keep, type(me.batch)
     # tests (GRPO_FAULT=hold_for_weights, pipeline.Producer.check): a check may hold this thread
     # until weights come; vLLM's core, a process of its own, would decode on meanwhile, so with
     # keep every check runs with the core paused too (the schedule the hold pins, on any machine)
     lockstep = keep and fault_active("hold_for_weights")
-    with eng.owner.hold():
-        eng.owner.run_tasks()
-        version = check()
-        batch = Batch(engine, eng.render, eng.stream_params, prompts, sp, version, kept=keep)
-        try:
-            batch.add(seed)
-            while batch.live:
-                batch.absorb(engine.step())
-                if keep and batch.live:
-                    if eng.owner.tasks or lockstep:
-                        load_kept(eng, batch, check if lockstep else None)
-                    batch.version = check()
+    try:
+        while not me.ended:
+            live = [c for c in _calls(owner) if c.started and not c.ended]
+            if not live:  # the engine is empty: posted calls, then no stale cache is reused
+                owner.run_tasks()
+                if keep and eng.stale_caches:
+                    eng.fresh_caches()
+            _start_calls(eng, owner, live)
+            live = _running(owner)
+            if not live:
+                continue
+            kind.step(eng, [c.batch for c in live])
+            live = _running(owner)
+            if live and not keep and owner.needs_empty():  # a load ends every call
+                for c in live:
+                    _end(owner, c)
+                continue
+            if keep and live and (owner.tasks or lockstep):
+                kind.load_kept(eng, [c.batch for c in live], lockstep)
+                live = _running(owner)  # the steps taken in may have ended some
+            for c in live:
+                try:
+                    version = c.check()
+                except BaseException as e:  # noqa: BLE001 - raised in the call's own thread
+                    _end(owner, c, e)
                     continue
-                if not batch.live or eng.owner.needs_empty() or check() != version:
-                    break
-                if eng.owner.tasks:  # posted since the check: a weight load waits for it
-                    eng.owner.run_tasks(keep=True)
-        finally:
-            batch.abort()
-            eng.owner.run_tasks()
-            if keep:
-                eng.fresh_caches()  # a load mid-call: no new request reuses the old weights' KV
-    return batch.completions()
+                if keep:
+                    c.batch.version = version
+                elif version != c.version:
+                    _end(owner, c)
+            if not keep and owner.tasks and any(not c.ended for c in live):
+                owner.run_tasks(keep=True)  # posted since the checks: a weight load waits for them
+    except BaseException as e:
+        for c in [c for c in _calls(owner) if not c.ended]:
+            _end(owner, c, e if c is me else RuntimeError(f"the engine's stepping failed: {e!r}"))
+        raise
+    finally:
+        with owner.cv:
+            owner.calls.remove(me)
+            nxt = next((c for c in owner.calls if not c.ended), None)
+            if nxt is not None:  # its thread steps on (the engine stays held)
+                owner.holder = nxt.thread
+                owner.cv.notify_all()
+        if nxt is None:
+            try:
+                owner.run_tasks()
+                if keep:
+                    eng.fresh_caches()  # a load mid-call: no new request reuses the old weights' KV
+            finally:
+                owner._give()
 
 
-def load_kept(eng, batch: Batch, check: Check | None = None) -> None:
-    """The posted calls (weight loads) between two decode steps with `batch`'s requests kept:
+def _running(owner: Owner) -> list[_Call]:
+    """The started calls not ended, those whose requests are all done ended first."""
+    for c in [c for c in _calls(owner) if c.started and not c.ended and not c.batch.live]:
+        _end(owner, c)
+    return [c for c in _calls(owner) if c.started and not c.ended]
+
+
+def _calls(owner: Owner) -> list[_Call]:
+    """The registered calls now (other threads add and remove theirs)."""
+    with owner.cv:
+        return list(owner.calls)
+
+
+def _start_calls(eng, owner: Owner, live: list[_Call]) -> None:
+    """The calls registered since the last step: each its check's version, then its requests.
+    With "keep" after a load mid-call (caches stale) a batch with images waits for the engine
+    to empty: vLLM's encoder cache is keyed by the image alone (prompts are salted by version)."""
+    for c in [c for c in _calls(owner) if not c.started and not c.ended]:
+        if live and eng.stale_caches and c.batch.has_images:
+            continue
+        try:
+            c.version = c.batch.version = c.check()
+            c.batch.start(eng)
+            c.started = True
+        except BaseException as e:  # noqa: BLE001 - raised in the call's own thread
+            _end(owner, c, e)
+
+
+def load_kept(eng, batches: list, lockstep: bool = False) -> None:
+    """The posted calls (weight loads) between two decode steps with `batches`' requests kept:
     vLLM's scheduler paused with them held (`LLM.sleep(level=0, mode="keep")`), what its core
-    had stepped before the pause taken in under the batch's version (:func:`queued_steps`),
-    the calls run, scheduling resumed (`LLM.wake_up(tags=["scheduling"])`). `check`: called
-    first, paused (the tests' lockstep in :func:`stepped`)."""
+    had stepped before the pause taken in under each batch's version (:func:`queued_steps`),
+    the calls run, scheduling resumed (`LLM.wake_up(tags=["scheduling"])`). `lockstep`: the
+    owner's calls' checks called first, paused (the tests' lockstep in :func:`_step_calls`)."""
     engine = eng.llm.llm_engine
     eng.llm.sleep(level=0, mode="keep")
     try:
-        if check is not None:
-            check()
+        if lockstep:
+            for c in [c for c in _calls(eng.owner) if c.started and not c.ended]:
+                try:
+                    c.check()
+                except BaseException as e:  # noqa: BLE001 - raised in the call's own thread
+                    _end(eng.owner, c, e)
         for _ in range(queued_steps(engine)):
-            batch.absorb(engine.step())
+            outputs = engine.step()
+            for b in batches:
+                b.absorb(outputs)
         eng.owner.run_tasks()
     finally:
         eng.llm.wake_up(tags=["scheduling"])

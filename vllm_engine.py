@@ -257,6 +257,7 @@ class VLLMEngine:
     `weights_waiting` while pipeline.Producer drives it). This rank never touches the
     accelerator (vLLM's processes see only its devices)."""
     OWN_CHANNEL = True  # weight data goes to vLLM's worker over channel.open_channel
+    STEPS_SHARED = True  # concurrent stepped calls share its steps (vllm_ahead.share_steps)
 
     @classmethod
     def start_note(cls, rc, config) -> str:

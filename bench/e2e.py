@@ -31,14 +31,23 @@ FLOP a token at half the H100's bf16 peak); "8b-a100": 0.10 ms, 12.9 ms + 0.41 m
 Llama-3.1-8B, A100-40GB: 75 tokens/s at concurrency 1, 6.6x at 8). Sources and the response
 length model (log-normal, median max_new_tokens / 4, ~4% cut at max_new_tokens) in
 bench/engine_time.py. Speed: a synchronous calibration run at scale 1 measures the modelled
-generate seconds a step (`follow`); every run's engine then scales its time so that a step's
-generation takes the trainers' median train time over their last 4 steps (read from the run's
-metrics.jsonl), i.e. the two sides comparable, as with separate devices, whatever this
-machine's drift (`--engine-scale S`: a fixed scale instead). One JSON object: "modelled", one
+generate seconds a step; every run's engine then scales its time so that a synchronous step's
+generation (one batch at a time, waiting for its longest response) takes `--gen-ratio` (default
+2) times the trainers' median train time over their last 4 steps (read from the run's
+metrics.jsonl; `follow` is the calibration's generate seconds over the ratio), whatever this
+machine's drift (`--engine-scale S`: a fixed scale instead). The ratio is the workload's
+balance, the one free choice of the bench, and the same for every configuration (the same
+hardware): generation-bound, as RL steps are (APRIL, arXiv 2509.18521: rollout generation more
+than 90% of the runtime of synchronous RL frameworks); 2 is a generation share of 2/3 of a
+synchronous step, below that. At 1 (an engine sized for the synchronous step) every k >= 1
+is bound by the trainers and no scheduler can gain over k = 1. Runs with partial rollouts
+generate `rollout.batches_in_flight = k + 1` batches at once (the next one starts while the
+tails of earlier ones decode, their calls sharing the engine's decode steps as vLLM's do:
+vllm_ahead.share_steps); the real hf engine generates one at a time. One JSON object: "modelled", one
 entry per (k, partial) for k in `--staleness` (default 0,1,2,4) and partial off, "recompute" and
 "keep" (k >= 1), the fields of the staleness runs plus "generate_s", "train_s" (medians a step),
-"train_frac" (train time over wall time: tokens/s with the trainers' drifting speed divided out)
-and "reprefill_tokens" (a step's mean); "verdict", the issue's targets over them; "real", the
+"train_frac" (train time over wall time: tokens/s with the trainers' drifting speed divided out),
+"reprefill_tokens" (a step's mean) and "batches_in_flight" (the most generated at once); "verdict", the issue's targets over them; "real", the
 same sweep on the real hf engine (`--real-rounds`, default 1; 0: none).
 
 Runs `train.py --config configs/tiny.toml` under torchrun (GRPO_BENCH_LAUNCH: another
@@ -129,6 +138,7 @@ def ahead(rows: list[dict], k: int, partial, warmup: int, threshold: float) -> d
             "generate_s": med("time/generate_s"), "train_s": med("time/train_s"),
             "reprefill_tokens": statistics.mean(r.get("rollout/reprefill_tokens", 0) for r in rest),
             "train_frac": round(sum(r["time/train_s"] for r in rest) / sum(r["time/step_s"] for r in rest), 4),
+            "batches_in_flight": max(r.get("rollout/batches_in_flight", 1) for r in rows),
             "wall_s_to_reward": reached, "steps": len(rows)}
 
 
@@ -145,6 +155,8 @@ def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None =
                 extra += [f"--rollout.max_staleness={k}", "--loss.correction=token_mask"]
             if partial:
                 extra += [f"--rollout.partial={'true' if partial is True else partial}"]
+            if partial and timed:  # the modelled engine shares its steps as vLLM's: k + 1 batches at once
+                extra += [f"--rollout.batches_in_flight={k + 1}"]
             name = f"{'t' if timed else 'r'}k{k}{partial or ''}{i}"
             rows = run(Path(d) / name, a.nproc, a.steps, extra, timed)
             got[(k, partial)].append(ahead(rows, k, partial, a.warmup, a.reward_threshold))
@@ -155,6 +167,7 @@ def sweep(a, plan: list, d: str, timed: dict | None = None, rounds: int | None =
                     "generate_s", "train_s", "train_frac"):
             out[key] = round(statistics.median(r[key] for r in runs), 4)
         out["staleness_max"] = max(r["staleness_max"] for r in runs)
+        out["batches_in_flight"] = max(r["batches_in_flight"] for r in runs)
         reached = [r["wall_s_to_reward"] for r in runs if r["wall_s_to_reward"] is not None]
         out["wall_s_to_reward"] = round(statistics.median(reached), 2) if reached else None
         out["reprefill_tokens"] = round(statistics.median(r["reprefill_tokens"] for r in runs), 1)
@@ -183,8 +196,8 @@ def calibrate(a, d: str) -> dict:
                {"model": a.engine_time, "scale": 1.0})[a.warmup:]
     gen = statistics.median(r["time/generate_s"] for r in rows)
     train = statistics.median(r["time/train_s"] for r in rows)
-    return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4),
-            "scale": float(f"{train / gen:.3g}"), "follow": round(gen, 4)}
+    return {"generate_s_at_scale_1": round(gen, 4), "train_s": round(train, 4), "gen_ratio": a.gen_ratio,
+            "scale": float(f"{a.gen_ratio * train / gen:.3g}"), "follow": round(gen / a.gen_ratio, 4)}
 
 
 def verdict(rows: list[dict]) -> dict:
@@ -252,6 +265,9 @@ def main() -> None:
     ap.add_argument("--engine-scale", type=float, default=None,
                     help="with --engine-time: a fixed scale of the time model (default: it follows the "
                          "trainers' train time, bench/engine_time.py)")
+    ap.add_argument("--gen-ratio", type=float, default=2.0,
+                    help="with --engine-time: a synchronous step's generation time over its train time "
+                         "(the workload's balance; see the docstring)")
     ap.add_argument("--real-rounds", type=int, default=1,
                     help="with --engine-time: rounds of the same sweep on the real hf engine (0: none)")
     a = ap.parse_args()

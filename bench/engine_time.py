@@ -21,8 +21,9 @@ multiplied by `scale`. Weight loads are the tiny model's real copies, not modell
 
 The scale: generation and training take comparable time a step, as on real hardware where each
 has its own devices (an 8B engine on one H100 is faster than these 2 shared CPU cores train the
-tiny model, so the scale is below 1). bench/e2e.py first measures `follow`, the modelled
-generate seconds a step at scale 1 (a synchronous run), and hands it over; the engine then sets
+tiny model, so the scale is below 1). bench/e2e.py first measures the modelled generate seconds
+a step at scale 1 (a synchronous run) and hands over `follow`, that over its `--gen-ratio` (a
+synchronous step's generation time over its train time); the engine then sets
 `scale = median(last 4 steps' time/train_s) / follow` at each call (step 0 left out: its
 train time holds one-off costs, 10x a step's), from the run's own
 metrics.jsonl (rank 0 writes it; same machine). This machine's speed drifts up to 2x within
@@ -97,6 +98,56 @@ def draw_length(rng: random.Random, max_new_tokens: int) -> int:
     return max(1, round(math.exp(rng.gauss(math.log(max(1.0, max_new_tokens / 4)), 0.8))))
 
 
+class _Batch:
+    """One generate call's samples on the time model, in vllm_ahead.share_steps (its batch
+    protocol): drawn from the call's own seed, so interleaving with other calls changes no token."""
+
+    def __init__(self, eng, rows, sp, seed: int, checked: bool):
+        self.rng, self.version, self.aborted = random.Random(seed), None, False
+        self.room, self.per = sp.max_new_tokens, 1 if sp.greedy else sp.n
+        self.tokens, self.has_images = sum(len(ids) for ids, _ in rows), any(ims for _, ims in rows)
+        self.eos, self.answer, self.ordinary = eng.tokens.eos, eng.answer, eng.ordinary
+        self.samples = []
+        for ids, _ in rows:
+            cut = eng.pending.pop(tuple(ids), None)
+            for _ in range(self.per):
+                left, p = cut or (draw_length(self.rng, sp.max_new_tokens), self.rng.random() * 0.5)
+                self.samples.append(_Sample(list(ids), left, p))
+
+    def running(self) -> list[_Sample]:
+        return [] if self.aborted else [s for s in self.samples if not s.ended and len(s.ids) < self.room]
+
+    @property
+    def live(self) -> bool:
+        return bool(self.running())
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def start(self, eng) -> None:
+        """The prefill (a row's n samples share it, as vLLM's prefix cache makes them)."""
+        eng.prefilled += self.tokens
+        eng._spend(eng.timing.prefill_s(self.tokens))
+
+    @staticmethod
+    def step(eng, batches: list["_Batch"]) -> None:
+        """One decode step of every batch: its time that of all their running samples."""
+        running = [(b, b.running()) for b in batches]
+        eng._spend(eng.timing.decode_s(sum(len(r) for _, r in running)))
+        eng.decode_steps += 1
+        for b, samples in running:
+            for s in samples:
+                s.left -= 1
+                s.ended = s.left == 0
+                s.ids.append(b.eos if s.ended else
+                             b.answer if b.rng.random() < s.answer_p else b.rng.choice(b.ordinary))
+                s.versions.append(b.version)
+
+    @staticmethod
+    def load_kept(eng, batches: list["_Batch"], lockstep: bool) -> None:
+        eng.owner.run_tasks()  # nothing is posted to the modelled engine: its weights load at checks
+
+
 class _Sample:
     def __init__(self, row: list[int], left: int, answer_p: float):
         self.row, self.left, self.answer_p = row, left, answer_p
@@ -116,12 +167,14 @@ def __getattr__(name: str):
 @functools.cache
 def _engine_class() -> type:
     from hf_engine import HFEngine
-    return type("TimedEngine", (_Timed, HFEngine), {"__module__": __name__, "__doc__": _Timed.__doc__})
+    return type("TimedEngine", (_Timed, HFEngine), {"__module__": __name__, "__doc__": _Timed.__doc__,
+                                                    "STEPS_SHARED": True})
 
 
 class _Timed:
     """hf_engine.HFEngine whose `generate` is the time model (module docstring): the class
-    `TimedEngine` of this module is it over HFEngine. `sleep`: how modelled time passes (tests
+    `TimedEngine` of this module is it over HFEngine, sharing its decode steps among concurrent
+    calls as vLLM does (STEPS_SHARED; `rollout.batches_in_flight`). `sleep`: how modelled time passes (tests
     pass a recorder). Counters: `prefilled` (tokens), `decode_steps`, `modelled_s`."""
 
     def __init__(self, *args, timing: TimeModel, keep: bool = False, sleep=time.sleep,
@@ -140,6 +193,11 @@ class _Timed:
             raise ValueError("the modelled engine emits the tokenizer's `<answer>` token (the tiny "
                              f"model's); this tokenizer has none it may sample ({self.answer})")
         self.logprob = -math.log(len(self.ordinary))
+        from vllm_ahead import Owner
+        self.owner, self.stale_caches = Owner("the modelled engine", None), False  # share_steps's
+
+    def fresh_caches(self) -> None:
+        """share_steps's: the modelled engine has no caches to reset."""
 
     @classmethod
     def from_config(cls, cfg, path: str, procs, *, dev, device, seed: int, max_images: int = 1):
@@ -168,37 +226,14 @@ class _Timed:
     def generate(self, rows, sp, seed: int, check=None) -> list[list]:
         """episode.Engine.generate on the time model: one prefill of the rows, then decode steps
         until every sample ended or ran out of sp.max_new_tokens, or (without keep) until
-        `check` returns another version than the call's first."""
-        version = None if check is None else check()
+        `check` returns another version than the call's first. Calls from several threads at
+        once share the decode steps as vLLM's do (STEPS_SHARED: the project's own
+        vllm_ahead.share_steps drives them), a step's time that of all their running samples."""
+        from vllm_ahead import share_steps
         self._follow_trainers()
-        rng = random.Random(seed)
-        per = 1 if sp.greedy else sp.n
-        samples = []
-        for ids, _ in rows:
-            self.prefilled += len(ids)
-            cut = self.pending.pop(tuple(ids), None)
-            for _ in range(per):
-                left, p = cut or (draw_length(rng, sp.max_new_tokens), rng.random() * 0.5)
-                samples.append(_Sample(list(ids), left, p))
-        self._spend(self.timing.prefill_s(sum(len(ids) for ids, _ in rows)))
-        now = version
-        for _ in range(sp.max_new_tokens):
-            running = [s for s in samples if not s.ended and len(s.ids) < sp.max_new_tokens]
-            if not running:
-                break
-            self._spend(self.timing.decode_s(len(running)))
-            self.decode_steps += 1
-            for s in running:
-                s.left -= 1
-                s.ended = s.left == 0
-                s.ids.append(self.tokens.eos if s.ended else
-                             self.answer if rng.random() < s.answer_p else rng.choice(self.ordinary))
-                s.versions.append(now)
-            if check is not None:
-                now = check()
-                if not self.keep and now != version:
-                    break
-        return self._completions(samples, per, len(rows), check is not None, sp.max_new_tokens)
+        batch = _Batch(self, rows, sp, seed, checked=check is not None)
+        share_steps(self, batch, check or (lambda: None))
+        return self._completions(batch.samples, batch.per, len(rows), check is not None, sp.max_new_tokens)
 
     def _completions(self, samples: list[_Sample], per: int, n_rows: int, checked: bool, room: int):
         from episode import Completion

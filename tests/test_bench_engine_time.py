@@ -108,3 +108,39 @@ def test_follows_the_trainers_recent_train_time(tmp_path):
                        + '{"step": 6, "time/train_s": 5')
     e.generate(PROMPTS[:1], sp, seed=0)
     assert abs(e.timing.scale - 0.25 / 0.5) < 1e-12
+
+
+def test_concurrent_calls_share_the_decode_steps_and_keep_their_tokens():
+    """rollout.batches_in_flight: two generate calls from two threads at once decode together
+    (vllm_ahead.share_steps, the vLLM path's own loop): fewer decode steps than the two one after
+    the other, each step's time that of both calls' running samples, and every call's tokens
+    those it makes alone (each call draws from its own seed). The second call starts while the
+    first decodes, and the stepping is handed over when the first ends first."""
+    import threading
+    import time
+    sp = Sampling(n=4, max_new_tokens=48)
+    alone = [engine(True) for _ in range(2)]
+    solo = [[c.ids for cs in e.generate(PROMPTS[2 * i:2 * i + 2], sp, 10 + i, check=lambda: 0) for c in cs]
+            for i, e in enumerate(alone)]
+    spent: list[float] = []
+    e = Engine(timing=MODEL, keep=True, sleep=spent.append)
+    gate, out = threading.Event(), [None, None]
+
+    def call(i: int) -> None:
+        def check() -> int:
+            if i == 0 and e.decode_steps == 3 and not gate.is_set():  # the second call starts
+                gate.set()                                             # while this one decodes
+                while len(e.owner.calls) < 2:
+                    time.sleep(0.001)
+            return 0
+        out[i] = [c.ids for cs in e.generate(PROMPTS[2 * i:2 * i + 2], sp, 10 + i, check=check) for c in cs]
+    first = threading.Thread(target=call, args=(0,))
+    first.start()
+    gate.wait(10)
+    call(1)
+    first.join(10)
+    assert out == solo
+    assert e.decode_steps < sum(a.decode_steps for a in alone)
+    assert e.decode_steps >= max(a.decode_steps for a in alone)
+    assert sum(spent) < sum(a.modelled_s for a in alone)  # a shared step costs less than two
+    assert e.owner.holder is None and e.owner.calls == []

@@ -147,6 +147,7 @@ def test_e2e_engine_time():
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and 0 <= row["engine_idle_frac"] <= 1 and row["staleness_max"] <= 2
     assert rows["keep"]["reprefill_tokens"] == 0 and rows[False]["reprefill_tokens"] == 0
+    assert rows[False]["batches_in_flight"] == 1 and rows["keep"]["batches_in_flight"] >= 2  # k + 1 = 3 may
     assert set(r["verdict"]["keep_over_recompute"]) == {"2"}
 
 

@@ -129,6 +129,15 @@ def test_config_rules():
     cfg = load_config(None, ["--rollout.max_staleness=4", "--loss.correction=geometric_mask",
                              "--rollout.partial=true", "--rollout.stale=drop"])
     assert (cfg.rollout.max_staleness, cfg.loss.correction) == (4, "geometric_mask")
+    ahead = ["--rollout.max_staleness=2", "--loss.correction=token_mask"]
+    with pytest.raises(ConfigError, match=r"rollout.batches_in_flight=2 needs rollout.partial"):
+        load_config(None, [*ahead, "--rollout.engine=vllm", "--rollout.batches_in_flight=2"])
+    with pytest.raises(ConfigError, match=r"batches_in_flight=4 needs rollout.partial and at most"):
+        load_config(None, [*ahead, "--rollout.engine=vllm", "--rollout.partial=keep", "--rollout.batches_in_flight=4"])
+    with pytest.raises(ConfigError, match=r"the hf engine generates one at a time"):
+        load_config(None, [*ahead, "--rollout.partial=keep", "--rollout.batches_in_flight=3"])
+    cfg = load_config(None, [*ahead, "--rollout.engine=vllm", "--rollout.partial=keep", "--rollout.batches_in_flight=3"])
+    assert cfg.rollout.batches_in_flight == 3
 
 
 @pytest.mark.parametrize("overrides, msg", [

@@ -209,6 +209,49 @@ def test_hold_for_weights_and_settle_pin_the_schedule_on_any_machine(monkeypatch
         p.stop()
 
 
+def test_batches_in_flight_overlap_and_queue_in_stream_order():
+    """rollout.batches_in_flight = 3 at k = 2: three batches start at once (each in its own
+    thread, the engine sharing its steps among them); a later batch that ends first waits in
+    flight so the queue stays in stream order; a pause ends every batch in flight and makes each
+    again from its start; the engine is idle only with no batch in flight."""
+    started, release, made = [], {i: threading.Event() for i in range(8)}, []
+
+    def make(index, version, check):
+        started.append(index)
+        while not release[index].wait(0.01):
+            check()
+        made.append(index)
+        return batch(index, version)
+    p = P.Producer(Engine(), make, P.Bound(2, "wait", 0, 0, True), (0, 0), limit=8, partial=True, lanes=3)
+    try:
+        end = time.time() + 10
+        while sorted(started) != [0, 1, 2] and time.time() < end:
+            time.sleep(0.01)
+        assert sorted(started) == [0, 1, 2] and not p.idle   # three at once, none a fourth
+        release[2].set()
+        while made != [2] and time.time() < end:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert made == [2] and not p.queue                  # 2 waits for 0 and 1
+        with p.cv:
+            p.pause_asked = True                            # a pause: 0 and 1 end at their checks
+            while p.flight.keys() != {2} and time.time() < end:
+                p.cv.wait(0.05)
+            assert sorted(p.redo) == [0, 1]
+            p.pause_asked = False
+            p.cv.notify_all()
+        release[0].set()
+        release[1].set()
+        got = [p.take(PER, -2, 0) for _ in range(3)]
+        assert [{e.index for e in eps} for eps, _ in got] == [{0}, {1}, {2}]
+        assert got[0][1]["in_flight"] == 3                  # rollout/batches_in_flight
+        assert started.count(0) == started.count(1) == 2 and started.count(2) == 1
+    finally:
+        for e in release.values():
+            e.set()
+        p.stop()
+
+
 def test_hf_calls_end_at_a_new_version_and_each_token_keeps_its_own_logprob(tiny_dir):
     """Partial rollouts on the hf engine: the check handed to it returns a new version after its
     third decode step, which ends the call; multiturn.generate continues the samples under the

@@ -41,8 +41,11 @@ class FakeEngine:
         self.added: list[tuple[str, list, dict]] = []
         self.steps = 0
         self.on_step = None
+        self.salts: list[str | None] = []  # each request's cache_salt
 
     def add_request(self, rid, prompt, params):
+        self.salts.append(prompt.get("cache_salt"))
+        prompt = prompt["prompt_token_ids"]
         self.added.append((rid, list(prompt), dict(params)))
         self.reqs[rid] = {"prompt": list(prompt), "p": params,
                           "kids": [{"seed": params["seed"] + j, "out": [], "done": False}
@@ -79,10 +82,10 @@ class FakeEngine:
 def _eng(fake):
     """A VLLMEngine stand-in over `fake`: its `generate` with a check is vllm_ahead.stepped."""
     eng = SimpleNamespace(llm=SimpleNamespace(llm_engine=fake), owner=A.Owner("rank 2 (generation)", 5.0),
-                          render=lambda rows: [ids for ids, _ in rows],
+                          render=lambda rows: [{"prompt_token_ids": ids} for ids, _ in rows],
                           stream_params=lambda sp, seed: {"n": 1 if sp.greedy else sp.n, "seed": seed,
                                                           "max_tokens": sp.max_new_tokens},
-                          weight_version=0)
+                          weight_version=0, keep=False, stale_caches=False, fresh_caches=lambda: None)
     eng.generate = lambda rows, sp, seed, check: A.stepped(eng, rows, sp, seed, check)
     return eng
 
@@ -434,9 +437,12 @@ def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatc
     requests kept (vllm_ahead.load_kept): nothing prefilled again (rollout/reprefill_tokens 0);
     "recompute" aborts and prefills the continued rows again (> 0). Engine == trainer on the
     tokens of the trainers' own version (logprob_diff/max <= 1e-4, fp32; a kept episode counts
-    only when all its tokens have it: inputs.compared_versions)."""
+    only when all its tokens have it: inputs.compared_versions). "keep" runs with
+    `rollout.batches_in_flight = 5`: up to five batches share vLLM's steps
+    (vllm_ahead.share_steps), and more than one did (rollout/batches_in_flight)."""
     monkeypatch.setenv("GRPO_FAULT", "hold_for_weights,fill_queue@1")
-    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32",
+    lanes = ["--rollout.batches_in_flight=5"] if partial == "keep" else []
+    torchrun(3, [*TINY, *VLLM, *TOY, *K4, f"--rollout.partial={partial}", "--run.steps=32", *lanes,
                  f"--run.out_dir={tmp_path}"], timeout=1200)
     rows = metrics(tmp_path)
     again = [r["rollout/reprefill_tokens"] for r in rows]
@@ -447,6 +453,8 @@ def test_vllm_four_ahead_with_partial_rollouts_learns(tmp_path, shim, monkeypatc
     assert [r["step"] for r in rows] == list(range(32))
     assert rows[1]["rollout/partial_frac"] > 0                                 # batch 1 spans 0 and 1
     assert (again[1] > 0) if partial == "true" else not any(again), again
+    most = max(r["rollout/batches_in_flight"] for r in rows)
+    assert (2 <= most <= 5) if lanes else most == 1, most
     assert all(r["rollout/staleness_max"] <= 4 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) > 1                   # it ran ahead
     assert max(lpdiff(rows)) <= 1e-4, lpdiff(rows)
@@ -479,3 +487,46 @@ def test_vllm_drop_at_the_bound_and_a_clean_end_with_requests_in_flight(tmp_path
     assert "a staged weight sync holds" in p.stdout + p.stderr
     assert [r["step"] for r in rows if "eval/n" in r] == [2, 5]  # the worker paused between batches
 
+
+
+def test_concurrent_calls_share_steps_and_a_load_ends_every_one():
+    """rollout.batches_in_flight on vLLM's stepped path (vllm_ahead.share_steps): two batches'
+    calls from two threads are stepped together, one engine step advancing both; a load posted
+    mid-way (`empty`, "recompute") aborts every call's requests, runs with none in flight, and
+    each batch goes on under the new version in its own next call, its tokens those of its own
+    seeds whatever the other batch did."""
+    fake = FakeEngine()
+    eng = _eng(fake)
+    seen, out, registered = [], [None, None], threading.Event()
+
+    def load():
+        seen.append(len(fake.reqs))
+        fake.version = eng.weight_version = 1
+
+    def on_step(n):
+        if n == 1:  # the second batch is registered before the first one's second step
+            registered.wait(10)
+            while len(eng.owner.calls) < 2:
+                time.sleep(0.001)
+        if n == 3:
+            threading.Thread(target=lambda: eng.owner.call(load, empty=True), daemon=True).start()
+            while not eng.owner.tasks:
+                time.sleep(0.001)
+    fake.on_step = on_step
+
+    def batch(i):
+        if i == 1:
+            registered.set()
+        out[i] = MT.generate(eng, [PROMPTS[i]], SP, seed=100 + 10 * i, check=lambda: eng.weight_version)
+    first = threading.Thread(target=batch, args=(0,))
+    first.start()
+    batch(1)
+    first.join(10)
+    assert seen == [0]                                      # the load ran with nothing in flight
+    for i in (0, 1):
+        for j, c in enumerate(out[i][0]):
+            n = len(PROMPTS[i][0])
+            assert c.versions[-1] == 1 and c.versions[0] == 0 and len(c.ids) == 6
+            k = c.versions.count(0)
+            assert c.ids[:k] == [_token(100 + 10 * i + j, n + t) for t in range(k)]  # its own seeds
+    assert fake.steps < 2 * 6 and eng.owner.holder is None and eng.owner.calls == []
