@@ -14,11 +14,13 @@ import families as F
 def fsdp_units(model) -> list:
     """The modules FSDP2 shards one at a time, children before parents: every decoder layer (an
     instance of the model's `_no_split_modules`) and the vision tower whole (families.vision_tower:
-    one all-gather and one reduce-scatter for its blocks, not one per block)."""
+    one all-gather and one reduce-scatter for its blocks, not one per block). Found by class, its
+    bases included: the same modules once FSDP2 has wrapped them (it subclasses each unit)."""
     tower = F.vision_tower(model)
     names = set(getattr(model, "_no_split_modules", None) or ())
     inside = set(tower.modules()) if tower is not None else set()
-    layers = [m for m in model.modules() if type(m).__name__ in names and m not in inside]
+    layers = [m for m in model.modules() if m not in inside
+              and any(c.__name__ in names for c in type(m).__mro__)]
     return ([tower] if tower is not None else []) + layers
 
 
