@@ -61,8 +61,9 @@ def _recording_compile(monkeypatch) -> dict:
 
 
 def _run(tiny, world, batch, mode, compiled: bool, monkeypatch):
-    """(loss, gradients, the compiled layer's graphs) of the trainer's policy (trainer.build) with
-    model.activation_checkpointing = `mode`, each decoder layer compiled or not."""
+    """(loss, gradients, :func:`_shape` of the compiled layer's graphs) of the trainer's policy
+    (trainer.build) with model.activation_checkpointing = `mode`, each decoder layer compiled or
+    not; its no-grad forward in train mode gives the same logprobs."""
     path, procs = tiny
     torch._dynamo.reset()  # each build compiles afresh, into its own graphs
     graphs = _recording_compile(monkeypatch) if compiled else {}
@@ -77,7 +78,12 @@ def _run(tiny, world, batch, mode, compiled: bool, monkeypatch):
     lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
     loss = (lp * batch.response_mask).sum()
     loss.backward()
-    return loss.detach(), [p.grad.full_tensor() for p in tr.policy.parameters()], graphs
+    shape = _shape(graphs) if compiled else None
+    grads = [p.grad.full_tensor() for p in tr.policy.parameters()]
+    with torch.no_grad():  # in train mode without a gradient (LoRA's reference: the policy itself)
+        again, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
+    torch.testing.assert_close(again, lp.detach(), atol=1e-6, rtol=0)
+    return loss.detach(), grads, shape
 
 
 def _shape(graphs) -> tuple[int, int]:
@@ -96,16 +102,15 @@ def test_compiled_layers_checkpoint_inside_and_match_eager_checkpointing(tiny, o
     again, "selective" keeps the matmuls' outputs (no matmul recomputed) and recomputes the rest
     (fewer saved than without checkpointing, more than "full")."""
     batch = _batch(tiny[1])
-    saved, matmuls = _shape(_run(tiny, one_rank_world, batch, "off", True, monkeypatch)[2])
+    saved, matmuls = _run(tiny, one_rank_world, batch, "off", True, monkeypatch)[2]
     # eager "selective" equals eager "full" (tests/test_model.py): one eager run for both
     eager_loss, eager_grads, _ = _run(tiny, one_rank_world, batch, "full", False, monkeypatch)
     got = {}
     for mode in ("full", "selective"):
-        loss, grads, graphs = _run(tiny, one_rank_world, batch, mode, True, monkeypatch)
+        loss, grads, got[mode] = _run(tiny, one_rank_world, batch, mode, True, monkeypatch)
         torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=0)
         for a, b in zip(grads, eager_grads):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-        got[mode] = _shape(graphs)
     (saved_full, matmuls_full), (saved_sel, matmuls_sel) = got["full"], got["selective"]
     assert saved_full < saved_sel < saved and matmuls_full > matmuls == matmuls_sel
 
