@@ -24,21 +24,22 @@ def fsdp_units(model) -> list:
     return ([tower] if tower is not None else []) + layers
 
 
-# what "selective" checkpointing keeps from the forward: the matmuls' and attention kernels'
-# outputs (the compute); the elementwise ops between them (norms, rotary, activations) run again
-_SAVED = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
 def decoder_layers(model) -> list:
     """The decoder layers among :func:`fsdp_units` (every unit but the vision tower)."""
     tower = F.vision_tower(model)
     return [u for u in fsdp_units(model) if u is not tower]
 
 
+# what "selective" checkpointing keeps from the forward: the matmuls' and attention kernels'
+# outputs (the compute); the elementwise ops between them (norms, rotary, activations) run again
+_SAVED = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
 def _keep_compute(_ctx, op, *args, **kwargs):
     """Selective checkpointing's policy: keep the matmuls' and attention kernels' outputs (SDPA's
-    kernels, NPU's fusion attention), recompute the rest. A module-level function: torch.compile
-    takes a checkpoint's context_fn only as a function or a functools.partial of one."""
+    kernels, NPU's fusion attention), recompute the rest. At module level: one function object
+    wherever the options are built (torch.compile reads a checkpoint's context_fn, a partial of
+    it, as a constant and guards on it)."""
     from torch.utils.checkpoint import CheckpointPolicy
     name = op.name()
     keep = name in _SAVED or "attention" in name
@@ -66,8 +67,8 @@ def checkpointing_options(value: bool | str) -> dict | None:
 
 def _checkpointed(layer, forward, options: dict):
     """`layer`'s forward under torch.utils.checkpoint (non-reentrant, `options` from
-    :func:`checkpointing_options`) in train mode, as transformers' own checkpointing acts; plain
-    in eval mode (the reference's and the old logprobs' no-grad forwards)."""
+    :func:`checkpointing_options`) in train mode, plain in eval mode, as transformers' own
+    checkpointing acts."""
     from torch.utils.checkpoint import checkpoint
 
     def run(*args, **kwargs):
