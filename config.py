@@ -132,7 +132,8 @@ class ModelConfig:
     # every layer), "selective" (all but the matmuls' and attention's outputs, which stay saved),
     # "off" (= false); the vision tower is never recomputed (sharding.checkpointing_options)
     activation_checkpointing: bool | str = one_of(False, (False, True, "full", "selective", "off"))
-    # trainer: torch.compile each decoder layer (fewer launches per layer; the first step compiles)
+    # trainer: torch.compile each decoder layer (fewer launches per layer; the first step compiles);
+    # with checkpointing, each layer's checkpoint inside its compiled region (sharding.apply_fsdp)
     compile: bool = False
     # LoRA (the peft library): 0 = off, every parameter trains. > 0: the base model is frozen and
     # low-rank adapters of this rank train (optimizer state for them only); the reference for

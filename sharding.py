@@ -1,7 +1,10 @@
 """How the trainer ranks hold a model: FSDP2's units (each decoder layer, the vision tower whole),
-activation checkpointing's modes (model.activation_checkpointing: full | selective | off), and a
-model sharded from the one copy the first trainer rank loaded."""
+activation checkpointing's modes (model.activation_checkpointing: full | selective | off), each
+decoder layer compiled (model.compile), and a model sharded from the one copy the first trainer
+rank loaded."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -11,17 +14,36 @@ import families as F
 def fsdp_units(model) -> list:
     """The modules FSDP2 shards one at a time, children before parents: every decoder layer (an
     instance of the model's `_no_split_modules`) and the vision tower whole (families.vision_tower:
-    one all-gather and one reduce-scatter for its blocks, not one per block)."""
+    one all-gather and one reduce-scatter for its blocks, not one per block). Found by class, its
+    bases included: the same modules once FSDP2 has wrapped them (it subclasses each unit)."""
     tower = F.vision_tower(model)
     names = set(getattr(model, "_no_split_modules", None) or ())
     inside = set(tower.modules()) if tower is not None else set()
-    layers = [m for m in model.modules() if type(m).__name__ in names and m not in inside]
+    layers = [m for m in model.modules() if m not in inside
+              and any(c.__name__ in names for c in type(m).__mro__)]
     return ([tower] if tower is not None else []) + layers
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers among :func:`fsdp_units` (every unit but the vision tower)."""
+    tower = F.vision_tower(model)
+    return [u for u in fsdp_units(model) if u is not tower]
 
 
 # what "selective" checkpointing keeps from the forward: the matmuls' and attention kernels'
 # outputs (the compute); the elementwise ops between them (norms, rotary, activations) run again
 _SAVED = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _keep_compute(_ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: keep the matmuls' and attention kernels' outputs (SDPA's
+    kernels, NPU's fusion attention), recompute the rest. At module level: one function object
+    wherever the options are built (torch.compile reads a checkpoint's context_fn, a partial of
+    it, as a constant and guards on it)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    name = op.name()
+    keep = name in _SAVED or "attention" in name
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpointing_mode(value: bool | str) -> str:
@@ -38,26 +60,43 @@ def checkpointing_options(value: bool | str) -> dict | None:
         return None
     options = {"use_reentrant": False}
     if mode == "selective":
-        import functools
-
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-        def policy(_ctx, op, *args, **kwargs):
-            name = op.name()
-            keep = name in _SAVED or "attention" in name  # SDPA's kernels, NPU's fusion attention
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_compute)
     return options
 
 
-def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool | str = False):
+def _checkpointed(layer, forward, options: dict):
+    """`layer`'s forward under torch.utils.checkpoint (non-reentrant, `options` from
+    :func:`checkpointing_options`) in train mode, plain in eval mode, as transformers' own
+    checkpointing acts."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if not layer.training:
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, **options, **kwargs)
+    return run
+
+
+def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool | str = False,
+               compile: bool = False):
     """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh): :func:`fsdp_units` first,
     then the root (embeddings, norms, lm_head). `checkpointing`: model.activation_checkpointing
-    (:func:`checkpointing_options`: the decoder layers only; the tower recomputes nothing)."""
+    (:func:`checkpointing_options`: the decoder layers only; the tower recomputes nothing);
+    `compile`: model.compile, each decoder layer under torch.compile (the first forward of each
+    new shape compiles). In torchtitan's order: checkpoint, then compile, then FSDP2."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options = checkpointing_options(checkpointing)
-    if options is not None:  # acts only in train mode (transformers checks `self.training`)
+    if compile:
+        # the checkpoint goes inside each compiled layer, where torch.compile traces it (a
+        # selective policy included) and its backward recomputes compiled code; transformers'
+        # checkpointing calls the layer from outside, and the compiled layer then ran eagerly
+        for layer in decoder_layers(model):
+            if options is not None:
+                layer.forward = _checkpointed(layer, layer.forward, options)
+            layer.compile()
+    elif options is not None:  # acts only in train mode (transformers checks `self.training`)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         F.vision_checkpointing_off(model)
     kw = {"mesh": mesh}
@@ -72,7 +111,8 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
 
 @torch.no_grad()
 def shard_from_rank0(model, full, mesh, device: torch.device, group, *,
-                     mixed_precision: bool = False, checkpointing: bool | str = False):
+                     mixed_precision: bool = False, checkpointing: bool | str = False,
+                     compile: bool = False):
     """`model` sharded with FSDP2 over `mesh`, its weights those of `full` (the model loaded on
     the first trainer rank, None on the others). `model`: the architecture on the meta device
     (:func:`model_from_config`), with the same LoRA adapters as `full` if any; the first rank
@@ -81,7 +121,7 @@ def shard_from_rank0(model, full, mesh, device: torch.device, group, *,
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    apply_fsdp(model, mesh, mixed_precision=mixed_precision, checkpointing=checkpointing)
+    apply_fsdp(model, mesh, mixed_precision=mixed_precision, checkpointing=checkpointing, compile=compile)
     model.to_empty(device=device)
     src = dict(full.named_parameters()) if full is not None else {}
     for name, p in model.named_parameters():  # every parameter is a DTensor after fully_shard

@@ -24,7 +24,7 @@ import model as M
 import sharding
 import routing
 import sync as S
-from config import Config, ModelConfig, TrainConfig
+from config import Config, TrainConfig
 from errors import ConfigError, ModelError
 
 MASTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.master_dtype
@@ -68,7 +68,7 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     # flash_attention_2's varlen path ("varlen")
     attention = M.attention_for(layout.packed)
     policy = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
-                                                attention=attention), mc)  # skeleton
+                                                attention=attention))  # skeleton
     if mc.lora_rank:  # the same adapters on both; the first rank's are scattered like the rest
         policy = lora.add_lora(policy, mc, cfg.run.seed)
         full = lora.add_lora(full, mc, cfg.run.seed) if full is not None else None
@@ -79,13 +79,13 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     # train(): transformers builds in eval mode, where activation checkpointing never runs
     policy = sharding.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision or bf16,
-                                checkpointing=mc.activation_checkpointing).train()
+                                checkpointing=mc.activation_checkpointing, compile=mc.compile).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
         skeleton = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
-                                                      attention=attention), mc)
+                                                      attention=attention))
         ref = sharding.shard_from_rank0(params_to(skeleton, dtype), full, mesh, device, world.train_group,
-                                 mixed_precision=mc.mixed_precision or bf16).eval()
+                                 mixed_precision=mc.mixed_precision or bf16, compile=mc.compile).eval()
         ref.requires_grad_(False)
         routing.attach(ref, mc.moe_routing_replay)
     teacher, folder = None, teacher_folder(cfg, model_path)
@@ -93,9 +93,10 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
         if teacher_full is None and world.trainer_index == 0:
             teacher_full = M.load_model(folder, dtype=torch.float32)
         skeleton = fewer_launches(M.model_from_config(folder, meta=True, device_type=device.type,
-                                                      attention=attention), mc)
+                                                      attention=attention))
         teacher = sharding.shard_from_rank0(params_to(skeleton, dtype), teacher_full, mesh, device,
-                                     world.train_group, mixed_precision=mc.mixed_precision or bf16).eval()
+                                     world.train_group, mixed_precision=mc.mixed_precision or bf16,
+                                     compile=mc.compile).eval()
         teacher.requires_grad_(False)
     if not routing.attach(policy, mc.moe_routing_replay) and mc.moe_routing_replay:  # MoE: replay, or compare
         raise ModelError(f"model.moe_routing_replay: {model_path} has no MoE router (a dense model)")
@@ -113,17 +114,11 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
                    teacher=teacher, base_teacher=mc.teacher_path == "base")
 
 
-def fewer_launches(model, mc: ModelConfig):
+def fewer_launches(model):
     """`model` as the trainer runs it: its vision blocks' windows in one attention call each
-    (attention.one_call_vision) and, with `model.compile`, each decoder layer compiled by
-    torch.compile (before FSDP2 wraps it, as torchtitan orders them; the first forward of each
-    new shape compiles)."""
+    (attention.one_call_vision); `model.compile` compiles each decoder layer where it is
+    sharded (sharding.apply_fsdp)."""
     A.one_call_vision(model)
-    if mc.compile:
-        tower = families.vision_tower(model)
-        for layer in sharding.fsdp_units(model):
-            if layer is not tower:
-                layer.compile()
     return model
 
 
@@ -138,8 +133,8 @@ def params_to(model, dtype: torch.dtype):
 
 def check(cfg: Config) -> None:
     """The trainers' keys that need more than config.py knows, at load: model.teacher_path's
-    family (families.check_model_path), model.compile against the checkpointing mode,
-    train.master_dtype against the model keys; one ConfigError naming the keys."""
+    family (families.check_model_path), train.master_dtype against the model keys; one
+    ConfigError naming the keys."""
     tc, mc = cfg.train, cfg.model
     if mc.teacher_path not in ("", "base", mc.path):
         families.check_model_path(mc.teacher_path, "model.teacher_path")
@@ -147,11 +142,6 @@ def check(cfg: Config) -> None:
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
-    need(not (mc.compile and sharding.checkpointing_mode(mc.activation_checkpointing) != "off"),
-         "model.compile = true with model.activation_checkpointing = "
-         f"{mc.activation_checkpointing!r}: under transformers' checkpointing the compiled decoder "
-         "layers run eagerly (bench/step.py: the same operator count); set "
-         "--model.activation_checkpointing=off or --model.compile=false")
     need(tc.master_dtype in MASTER_DTYPES, f"train.master_dtype: unknown {tc.master_dtype!r} "
          f"(known: {', '.join(MASTER_DTYPES)})")
     if tc.master_dtype == "bfloat16":

@@ -39,6 +39,9 @@
 #             the matmuls' and attention's outputs kept, the rest recomputed).
 # grpo_compile the same without checkpointing, each decoder layer under torch.compile
 #             (model.compile; the first pass compiles: its warm-up step is not timed).
+# grpo_compile_ckpt the same compiled with checkpointing "full": each decoder layer's checkpoint
+#             inside its compiled region (sharding.apply_fsdp; checkpoint_calls_per_step null:
+#             the recomputation runs in the compiled backward, uncounted).
 # head        bench/step.py --head HEAD_TOKENS: the LM head's peak memory, forward + backward, at
 #             the 151,936-token vocabulary, chunked (head.py) against the full [N, V] computation.
 # colocate    bench/colocate.py: a colocated step in a world of one, the HF engine and a trainer
@@ -49,7 +52,8 @@
 # Variables: OUT (a new temp folder), PYTHON (python3), DEMO_STEPS (10), STEP_MODEL (3b; tiny on
 # CPU), STEP_SEQ (2048; 256 on CPU), PACK_LAYERS (36; 1 on CPU), GRPO_PROMPTS (8; 1 on CPU),
 # HEAD_TOKENS (8192; 64 on CPU), STEPS (the steps to run, in this order; default all:
-# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile head colocate"; e.g. STEPS=step to rerun one on
+# "pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile grpo_compile_ckpt head colocate";
+# e.g. STEPS=step to rerun one on
 # a short lease).
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -102,7 +106,7 @@ if [ "$GRPO_DEVICE" = cuda ] && ! grep -q '"cuda_available": true' "$OUT/version
   exit 3
 fi
 
-ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile head colocate"
+ALL_STEPS="pack_3b pack_tiny demo_packed demo step grpo grpo_ckpt grpo_sel grpo_compile grpo_compile_ckpt head colocate"
 STEPS=${STEPS:-$ALL_STEPS}
 for name in $STEPS; do
   case " $ALL_STEPS " in *" $name "*) ;;
@@ -140,6 +144,8 @@ stage grpo_sel 180 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$
   --checkpointing selective "${GRPO_SIZE[@]}"
 stage grpo_compile 300 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
   --compile "${GRPO_SIZE[@]}"
+stage grpo_compile_ckpt 300 "$PY" bench/step.py --grpo --model "$STEP_MODEL" --prompts "$GRPO_PROMPTS" --bf16 \
+  --compile --checkpointing full "${GRPO_SIZE[@]}"
 stage head 120 "$PY" bench/step.py --head "$HEAD_TOKENS"
 stage colocate 180 "$PY" bench/colocate.py --model "${STEP_MODEL%-depth}" "${COLOC_SIZE[@]}"
 
@@ -177,7 +183,8 @@ print(json.dumps({
     "step": step, "demo": d, "demo_packed": demo("demo_packed"),
     "pack_3b": last_json("pack_3b"), "pack_tiny": last_json("pack_tiny"),
     "grpo": last_json("grpo"), "grpo_ckpt": last_json("grpo_ckpt"),
-    "grpo_sel": last_json("grpo_sel"), "grpo_compile": last_json("grpo_compile"), "head": last_json("head"),
+    "grpo_sel": last_json("grpo_sel"), "grpo_compile": last_json("grpo_compile"),
+    "grpo_compile_ckpt": last_json("grpo_compile_ckpt"), "head": last_json("head"),
     "colocate": last_json("colocate"),
 }))
 EOF

@@ -21,9 +21,10 @@ MFU = FLOPs / step time / peak. Peak: `--peak-tflops`, else a table by device na
 bf16 dense 989 TFLOP/s, A100 312, Ascend 910B 313); null on CPU. Prints one JSON object, with
 `checkpoint_calls_per_step`: the layer forwards recomputed during the backward of one step
 (the decoder layers with `--checkpointing [full|selective]`; the vision tower is never
-recomputed; 0 means checkpointing is not active). `--compile`: each decoder layer under
-torch.compile (`model.compile`). Both as trainer.build applies them (trainer.fewer_launches,
-sharding.apply_fsdp).
+recomputed; 0 means checkpointing is not active; null with `--compile`, where the recomputation
+runs inside each layer's compiled backward, uncounted). `--compile`: each decoder layer under
+torch.compile (`model.compile`; with checkpointing, each layer's checkpoint inside its compiled
+region). Both as trainer.build applies them (trainer.fewer_launches, sharding.apply_fsdp).
 
 `--lora-rank R`: the step twice, side by side in one JSON object, each in a process of its own
 (so each peak is its own): every parameter training, and LoRA of rank R on every linear layer of
@@ -206,9 +207,9 @@ def run_one(a, lora_rank: int) -> None:
         import lora
         model = lora.add_lora(model, C.ModelConfig(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank))
     model.train()  # as trainer.build: transformers checkpoints layers only in train mode
-    trainer.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
+    trainer.fewer_launches(model)  # as trainer.build
     sharding.apply_fsdp(model, DeviceMesh.from_group(dist.group.WORLD, dev.kind),
-                 mixed_precision=a.bf16, checkpointing=a.checkpointing)
+                 mixed_precision=a.bf16, checkpointing=a.checkpointing, compile=a.compile)
     count = CheckpointCounter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-6)
@@ -268,7 +269,8 @@ def run_one(a, lora_rank: int) -> None:
         "lora_rank": lora_rank, "trainable_params": sum(p.numel() for p in trainable),
         "optimizer_state_mb": round(sum(v.numel() * v.element_size() for st in opt.state.values()
                                         for v in st.values() if torch.is_tensor(v)) / 2**20, 3),
-        "checkpointing": a.checkpointing, "checkpoint_calls_per_step": max(recomputed)}))
+        "checkpointing": a.checkpointing, "compile": a.compile,
+        "checkpoint_calls_per_step": _recomputed(a, max(recomputed))}))
     dist.destroy_process_group()
 
 
@@ -407,7 +409,6 @@ def run_grpo(a) -> dict:
 
     import device as D
     import microbatches as MB
-    import config as C
     import model as M
     import sharding
     import trainer as T
@@ -424,9 +425,9 @@ def run_grpo(a) -> dict:
     model = grpo_model(a.model, path, device)
     layout = MB.resolve_layout(cfg.train, procs, path, device)[0]  # as train.set_up decides it
     model.set_attn_implementation(M.attention_for(layout.packed))
-    T.fewer_launches(model, C.ModelConfig(compile=a.compile))  # as trainer.build
+    T.fewer_launches(model)  # as trainer.build
     policy = sharding.apply_fsdp(model.train(), DeviceMesh.from_group(dist.group.WORLD, dev.kind),
-                          mixed_precision=a.bf16, checkpointing=a.checkpointing)
+                          mixed_precision=a.bf16, checkpointing=a.checkpointing, compile=a.compile)
     count = CheckpointCounter(policy)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6,
                             **D.adamw_options(dev.kind))
@@ -448,7 +449,7 @@ def run_grpo(a) -> dict:
             step.append(t_opt)
             peaks = {"forward_backward": max(peaks["forward_backward"], m_fb),
                      "optimizer": max(peaks["optimizer"], m_opt)}
-    recomputed = count.recomputes
+    recomputed = _recomputed(a, count.recomputes)
     ops = count_ops(s, U) if a.profile else []
     fb_s, opt_s = statistics.median(fb), statistics.median(step)
     flops = grpo_flops(model, shapes)
@@ -476,6 +477,13 @@ def run_grpo(a) -> dict:
            "per_microbatch": [b | o for b, o in zip(shapes, ops)] if ops else shapes}
     dist.destroy_process_group()
     return out
+
+
+def _recomputed(a, counted: int) -> int | None:
+    """checkpoint_calls_per_step: tests.util.CheckpointCounter's count (transformers'
+    checkpointing), or None where each layer's checkpoint runs inside its compiled region
+    (`--compile` with checkpointing: its backward recomputes compiled code, no layer forward)."""
+    return None if a.compile and a.checkpointing != "off" else counted
 
 
 def phase(dev, fn, base: bool = False) -> tuple[float, float]:

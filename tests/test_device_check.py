@@ -41,8 +41,12 @@ def test_cpu_mode_prints_one_json_object(tmp_path):
     assert r["pack_3b"]["packed"]["padding_frac"] == 0.0
     assert r["demo_packed"]["steps"] == 4 and r["demo_packed"]["logprob_diff/max"] <= 1e-4
     # the GRPO step, checkpointing off, full and selective (tiny: 2 decoder layers recomputed per
-    # micro-batch), compiled, and the head's peak chunked against full
+    # micro-batch), compiled without and with checkpointing (its recomputation inside the
+    # compiled backward: not counted), and the head's peak chunked against full
     g, gc, gs, gk = r["grpo"], r["grpo_ckpt"], r["grpo_sel"], r["grpo_compile"]
+    gkc = r["grpo_compile_ckpt"]
+    assert gkc["compile"] and gkc["checkpointing"] == "full" and gkc["checkpoint_calls_per_step"] is None
+    assert gkc["aten_ops_per_microbatch"] > 0 and gkc["forward_backward_s"] > 0
     assert g["mode"] == gc["mode"] == "grpo" and g["dtype"] == "bf16-mixed"
     assert (g["checkpointing"], gc["checkpointing"], gs["checkpointing"]) == ("off", "full", "selective")
     assert g["checkpoint_calls_per_step"] == 0 and gc["checkpoint_calls_per_step"] == 2 * gc["micro_batches"]

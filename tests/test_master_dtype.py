@@ -54,9 +54,6 @@ def test_float32_masters_are_the_default(one_rank_world, tiny_step):
     (["--train.master_dtype=bfloat16"], "needs model.dtype = \"bfloat16\""),
     (BF16[:2] + ["--model.mixed_precision=true"], "with model.mixed_precision = true"),
     (BF16[:2] + ["--model.lora_rank=4"], "with LoRA"),
-    (["--model.compile=true", "--model.activation_checkpointing=selective"],
-     "model.compile = true with model.activation_checkpointing = 'selective'"),
-    (["--model.compile=true", "--model.activation_checkpointing=true"], "run eagerly"),
 ])
 def test_meaningless_combinations_are_refused_at_load(over, msg):
     with pytest.raises(ConfigError, match=msg.replace(".", r"\.")) as e:

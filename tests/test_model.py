@@ -287,19 +287,20 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
 
 
 @pytest.mark.slow  # inductor compiles two layers, forward and backward (~a minute on 2 cores)
-def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(tiny, one_rank_world):
-    """model.compile: each decoder layer under torch.compile (trainer.fewer_launches), sharded
-    as usual, checkpointing off (trainer.check refuses it with checkpointing); the logprobs and
-    gradients equal the eager policy's."""
+@pytest.mark.parametrize("checkpointing", ["off", "full", "selective"])
+def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(tiny, one_rank_world, checkpointing):
+    """model.compile: each decoder layer under torch.compile (inductor), with its checkpoint inside
+    (sharding.apply_fsdp), sharded as usual; the logprobs and gradients equal the eager policy's
+    with the same checkpointing (transformers')."""
     import config as C
     import trainer as T
     path, procs = tiny
     batch, runs = _batch(tiny), []
     for compiled in (True, False):
-        mc = C.ModelConfig(compile=compiled)  # checkpointing off: under it the layers run eagerly (trainer.check)
+        mc = C.ModelConfig(compile=compiled, activation_checkpointing=checkpointing)
         tr = T.build(path, one_rank_world, torch.device("cpu"), C.Config(model=mc), M.RowLayout())
-        layers = [u for u in sharding.fsdp_units(tr.policy) if u is not F.vision_tower(tr.policy)]
-        assert all((u._compiled_call_impl is not None) == compiled for u in layers)
+        layers = sharding.decoder_layers(tr.policy)
+        assert len(layers) == 2 and all((u._compiled_call_impl is not None) == compiled for u in layers)
         lp, _ = M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)
         (lp * batch.response_mask).sum().backward()
         runs.append((lp.detach(), [p.grad.full_tensor() for p in tr.policy.parameters()]))

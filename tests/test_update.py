@@ -290,11 +290,10 @@ def test_a_one_image_micro_batch_makes_one_host_sync_in_its_whole_forward_and_ba
     step's one read of its metrics (update.READ_SCOPE): 1, as bench/step.py counts them."""
     from torch.profiler import ProfilerActivity, profile
 
-    import config as C
     s = tiny_step
     total = sum(I.sequence_tokens(s.procs, [e], s.images[e.index]) for e in s.eps)
     cfg = step_config(["--train.packing=true", "--loss.kl_coef=0", f"--train.micro_batch_tokens={total // 8}"])
-    model = T.fewer_launches(M.load_model(s.path), C.ModelConfig())
+    model = T.fewer_launches(M.load_model(s.path))
     if not F.places_images(model):  # e.g. transformers 5.5.4 (the NPU stack): its own image path
         pytest.skip("this transformers' vision tower computes its grid tensors itself: the trainer "
                     "keeps the model's own forward and its host syncs (families.places_images)")
