@@ -4,7 +4,7 @@
     python bench/e2e.py --steps 20 --nproc 3  # the demo's 2 trainers + 1 engine
     python bench/e2e.py --staleness 0,1,2,4 --partial   # engines k versions ahead (one JSON per run)
     python bench/e2e.py --staleness 0,4 --partial --engine vllm --nproc 3   # the same on vLLM
-    python bench/e2e.py --engine-time 8b-h100 --steps 12 --rounds 2   # generation on its own hardware, modelled
+    python bench/e2e.py --engine-time 8b-h100 --steps 30 --warmup 10 --rounds 2   # generation on its own hardware, modelled
 
 `--staleness K,...`: one run per k (rollout.max_staleness; loss.correction token_mask for k >= 1;
 `--partial` adds a partial-rollout run of each k >= 1; `--engine vllm`: on the vLLM engine, with
@@ -43,7 +43,11 @@ synchronous step, below that. At 1 (an engine sized for the synchronous step) ev
 is bound by the trainers and no scheduler can gain over k = 1. Runs with partial rollouts
 generate `rollout.batches_in_flight = k + 1` batches at once (the next one starts while the
 tails of earlier ones decode, their calls sharing the engine's decode steps as vLLM's do:
-vllm_ahead.share_steps); the real hf engine generates one at a time. One JSON object: "modelled", one
+vllm_ahead.share_steps); the real hf engine generates one at a time. Measure past a long
+warm-up (`--steps 30 --warmup 10`): step 0's train time holds one-off costs (~10x a step), and
+an engine running k ahead fills its queue meanwhile, a head start the next steps train from
+whatever the engine's speed (at 12 steps and a warm-up of 2 the k = 4 runs without partial
+showed 0.78 train_frac where their steady state is 0.48, k = 1's). One JSON object: "modelled", one
 entry per (k, partial) for k in `--staleness` (default 0,1,2,4) and partial off, "recompute" and
 "keep" (k >= 1), the fields of the staleness runs plus "generate_s", "train_s" (medians a step),
 "train_frac" (train time over wall time: tokens/s with the trainers' drifting speed divided out),
