@@ -286,8 +286,8 @@ def test_a_text_only_micro_batch_runs_the_vision_tower_on_a_blank_image_and_chan
     assert I.collate([e], [problem.images], procs, CPU, layout, vision=True).blank_image is None
 
 
-@pytest.mark.slow  # inductor compiles two layers, forward and backward (~a minute on 2 cores)
-@pytest.mark.parametrize("checkpointing", ["off", "full", "selective"])
+@pytest.mark.slow  # inductor compiles two layers, forward and backward (~a minute on 2 cores);
+@pytest.mark.parametrize("checkpointing", ["off", "full"])  # selective: tests/test_sharding.py
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients(tiny, one_rank_world, checkpointing):
     """model.compile: each decoder layer under torch.compile (inductor), with its checkpoint inside
     (sharding.apply_fsdp), sharded as usual; the logprobs and gradients equal the eager policy's
