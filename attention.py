@@ -62,12 +62,25 @@ class Plan:
         _PLANS[number] = self
         object.__setattr__(self, "handle", torch.tensor(number))
 
+    def __reduce__(self):  # a copy (pickle, deepcopy) is a plan of its own, with its own handle
+        return Plan, (self.calls, self.where)
+
 
 # model.compile: a compiled decoder layer hands the op (_op) the plan's number (Plan.handle, a
 # tensor: torch.compile guards on a tensor's shape, never on its value); the op finds the plan
 # here, in its forward and its backward
 _NUMBERS = itertools.count()
 _PLANS: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+
+
+def _plan(handle: torch.Tensor) -> Plan:
+    """The plan numbered `handle` (the host's: no device sync); it lives as long as its
+    micro-batch (model.Packed.plan) holds it, which must outlive the micro-batch's backward."""
+    plan = _PLANS.get(int(handle))
+    if plan is None:
+        raise RuntimeError(f"attention: packed plan {int(handle)} was freed before its micro-batch's "
+                           "backward ran (keep the micro-batch until its backward)")
+    return plan
 
 
 def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -80,11 +93,15 @@ def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     op, :func:`_op`, given the plan's handle: the plan's Python lists (a different number and
     shape of calls every micro-batch) stay out of the traced code, so no micro-batch's plan
     recompiles the layer (tests/test_compile_plans.py); the op's backward runs the calls again
-    under autograd (the same operators as eager: the same gradients)."""
+    and differentiates them (the same operators as eager: the same gradients; the price, one
+    more attention forward per layer in the backward). So attention dropout must be 0 there."""
     if grpo_segments is None or not getattr(module, "is_causal", False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if torch.compiler.is_compiling():
+        if dropout:  # the backward's second run would draw other dropout masks
+            raise ValueError(f"model.compile in the packed segments layout needs attention dropout "
+                             f"0 (the model's is {dropout})")
         groups = getattr(module, "num_key_value_groups", 1)  # what sdpa_attention_forward reads
         return _op(query, key, value, grpo_segments.handle, groups, dropout, scaling), None
     return _segments(module, query, key, value, grpo_segments, dropout, scaling), None
@@ -114,9 +131,9 @@ class _Heads:
 @torch.library.custom_op("grpo::segments_attention", mutates_args=())
 def _op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: torch.Tensor,
         groups: int, dropout: float, scaling: float | None) -> torch.Tensor:
-    """:func:`_segments` of the plan numbered `handle` (the host's: no device sync), for an
-    attention module with `groups` query heads per key-value head."""
-    return _segments(_Heads(groups), query, key, value, _PLANS[int(handle)], dropout, scaling)
+    """:func:`_segments` of the plan numbered `handle` (:func:`_plan`), for an attention module
+    with `groups` query heads per key-value head."""
+    return _segments(_Heads(groups), query, key, value, _plan(handle), dropout, scaling)
 
 
 @_op.register_fake
@@ -130,7 +147,7 @@ def _op_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
                  scaling: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`_op` for query, key and value: its calls again, differentiated
     (torch.func.vjp: a custom op's body runs below autograd, where autograd.grad records nothing)."""
-    plan, heads = _PLANS[int(handle)], _Heads(groups)
+    plan, heads = _plan(handle), _Heads(groups)
     _, vjp = torch.func.vjp(lambda q, k, v: _segments(heads, q, k, v, plan, dropout, scaling),
                             query, key, value)
     return tuple(g.contiguous() for g in vjp(grad))
@@ -138,7 +155,7 @@ def _op_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, val
 
 @_op_backward.register_fake
 def _(grad, query, key, value, handle, groups, dropout, scaling):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))  # contiguous, as the op's
 
 
 def _setup(ctx, inputs, output):
