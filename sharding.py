@@ -111,8 +111,10 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
     """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh): :func:`fsdp_units` first,
     then the root (embeddings, norms, lm_head). `checkpointing`: model.activation_checkpointing
     (:func:`checkpointing_options`: the decoder layers only; the tower recomputes nothing);
-    `compile`: model.compile, each decoder layer under torch.compile (the first forward of each
-    new shape compiles). In torchtitan's order: checkpoint, then compile, then FSDP2."""
+    `compile`: model.compile, each decoder layer under torch.compile (its first forward compiles,
+    a new shape once more, dynamic; packed "segments" plans recompile nothing: attention._op); a
+    layer past dynamo's recompile limit says so (:class:`RecompileLimitWarning`). In torchtitan's
+    order: checkpoint, then compile, then FSDP2."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options = checkpointing_options(checkpointing)
