@@ -20,7 +20,9 @@ without the keyword) is plain SDPA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -52,16 +54,61 @@ class Plan:
     for a column outside every sequence."""
     calls: list[list[Call]]
     where: list[torch.Tensor]
+    # [] int64 on the host: the plan's number in _PLANS, what a compiled layer passes (_op)
+    handle: torch.Tensor = field(default=None, compare=False)
+
+    def __post_init__(self):
+        number = next(_NUMBERS)
+        _PLANS[number] = self
+        object.__setattr__(self, "handle", torch.tensor(number))
+
+    def __reduce__(self):  # a copy (pickle, deepcopy) is a plan of its own, with its own handle
+        return Plan, (self.calls, self.where)
+
+
+# model.compile: a compiled decoder layer hands the op (_op) the plan's number (Plan.handle, a
+# tensor: torch.compile guards on a tensor's shape, never on its value); the op finds the plan
+# here, in its forward and its backward
+_NUMBERS = itertools.count()
+_PLANS: "weakref.WeakValueDictionary[int, Plan]" = weakref.WeakValueDictionary()
+
+
+def _plan(handle: torch.Tensor) -> Plan:
+    """The plan numbered `handle` (the host's: no device sync); it lives as long as its
+    micro-batch (model.Packed.plan) holds it, which must outlive the micro-batch's backward."""
+    plan = _PLANS.get(int(handle))
+    if plan is None:
+        raise RuntimeError(f"attention: packed plan {int(handle)} was freed before its micro-batch's "
+                           "backward ran (keep the micro-batch until its backward)")
+    return plan
 
 
 def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask, dropout: float = 0.0, scaling: float | None = None,
                        grpo_segments: Plan | None = None, **kwargs):
     """transformers' attention interface: query [rows, H, W, D], key/value [rows, Hkv, W, D] ->
-    ([rows, W, H, D], None). Columns outside every sequence (a row's unused tail) get zeros."""
+    ([rows, W, H, D], None). Columns outside every sequence (a row's unused tail) get zeros.
+
+    Under torch.compile (model.compile: each decoder layer) the calls run as one opaque custom
+    op, :func:`_op`, given the plan's handle: the plan's Python lists (a different number and
+    shape of calls every micro-batch) stay out of the traced code, so no micro-batch's plan
+    recompiles the layer (tests/test_compile_plans.py); the op's backward runs the calls again
+    and differentiates them (the same operators as eager: the same gradients; the price, one
+    more attention forward per layer in the backward). So attention dropout must be 0 there."""
     if grpo_segments is None or not getattr(module, "is_causal", False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
+    if torch.compiler.is_compiling():
+        if dropout:  # the backward's second run would draw other dropout masks
+            raise ValueError(f"model.compile in the packed segments layout needs attention dropout "
+                             f"0 (the model's is {dropout})")
+        groups = getattr(module, "num_key_value_groups", 1)  # what sdpa_attention_forward reads
+        return _op(query, key, value, grpo_segments.handle, groups, dropout, scaling), None
+    return _segments(module, query, key, value, grpo_segments, dropout, scaling), None
+
+
+def _segments(module, query, key, value, grpo_segments: Plan, dropout: float, scaling: float | None):
+    """:func:`segments_attention`'s calls, row by row: [rows, W, H, D]."""
     rows = []
     for r, calls in enumerate(grpo_segments.calls):
         q, k, v = query[r], key[r], value[r]                                    # [H(kv), W, D]
@@ -71,7 +118,57 @@ def segments_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                 for c in calls]                                                 # [b * m, H, D]
         outs.append(q.new_zeros(1, q.shape[0], q.shape[2]))
         rows.append(torch.cat(outs)[grpo_segments.where[r]])
-    return torch.stack(rows), None
+    return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """What sdpa_attention_forward reads of an attention module (transformers 5.5.4 to 5.24)."""
+    num_key_value_groups: int
+    is_causal: bool = True
+
+
+@torch.library.custom_op("grpo::segments_attention", mutates_args=())
+def _op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: torch.Tensor,
+        groups: int, dropout: float, scaling: float | None) -> torch.Tensor:
+    """:func:`_segments` of the plan numbered `handle` (:func:`_plan`), for an attention module
+    with `groups` query heads per key-value head."""
+    return _segments(_Heads(groups), query, key, value, _plan(handle), dropout, scaling)
+
+
+@_op.register_fake
+def _(query, key, value, handle, groups, dropout, scaling):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("grpo::segments_attention_backward", mutates_args=())
+def _op_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 handle: torch.Tensor, groups: int, dropout: float,
+                 scaling: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`_op` for query, key and value: its calls again, differentiated
+    (torch.func.vjp: a custom op's body runs below autograd, where autograd.grad records nothing)."""
+    plan, heads = _plan(handle), _Heads(groups)
+    _, vjp = torch.func.vjp(lambda q, k, v: _segments(heads, q, k, v, plan, dropout, scaling),
+                            query, key, value)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@_op_backward.register_fake
+def _(grad, query, key, value, handle, groups, dropout, scaling):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))  # contiguous, as the op's
+
+
+def _setup(ctx, inputs, output):
+    query, key, value, handle, groups, dropout, scaling = inputs
+    ctx.save_for_backward(query, key, value, handle)
+    ctx.rest = groups, dropout, scaling
+
+
+def _backward(ctx, grad):
+    return (*_op_backward(grad, *ctx.saved_tensors, *ctx.rest), None, None, None, None)
+
+
+_op.register_autograd(_backward, setup_context=_setup)
 
 
 def plan(layout: Layout, width: int, device: torch.device, ratio: float | None = None) -> Plan:

@@ -5,6 +5,7 @@ rank loaded."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -78,13 +79,42 @@ def _checkpointed(layer, forward, options: dict):
     return run
 
 
+class RecompileLimitWarning(logging.Filter):
+    """model.compile's one line when torch.compile gives up on a decoder layer: past dynamo's
+    recompile limit (torch._dynamo.config.recompile_limit, 8) a frame runs eagerly, for the rest
+    of the run, for every input its compiled versions do not fit. Left at 8 on purpose: a layer
+    compiled over and over is a bug to fix (what recompiles it: dynamo's own warning, printed
+    just before, names the last guard that failed), not a limit to raise; the packed "segments"
+    layout compiles each layer at most twice whatever its plans (attention._op). The filter
+    keeps dynamo's warning and adds the line, once per process."""
+
+    LOGGER = "torch._dynamo.convert_frame"  # where dynamo warns (torch 2.10 to 2.13)
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not RecompileLimitWarning.said and str(record.msg).startswith("torch._dynamo hit config."):
+            RecompileLimitWarning.said = True
+            print("warning: model.compile: torch.compile hit its recompile limit in a decoder layer "
+                  "(dynamo's warning above says why); that layer now runs uncompiled for inputs "
+                  "unlike those it compiled for", flush=True)
+        return True
+
+    @classmethod
+    def install(cls) -> None:
+        log = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in log.filters):
+            log.addFilter(cls())
+
+
 def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: bool | str = False,
                compile: bool = False):
     """Shard the policy with FSDP2 over `mesh` (the trainer-only mesh): :func:`fsdp_units` first,
     then the root (embeddings, norms, lm_head). `checkpointing`: model.activation_checkpointing
     (:func:`checkpointing_options`: the decoder layers only; the tower recomputes nothing);
-    `compile`: model.compile, each decoder layer under torch.compile (the first forward of each
-    new shape compiles). In torchtitan's order: checkpoint, then compile, then FSDP2."""
+    `compile`: model.compile, each decoder layer under torch.compile (its first forward compiles,
+    a new shape once more, dynamic; packed "segments" plans recompile nothing: attention._op); a
+    layer past dynamo's recompile limit says so (:class:`RecompileLimitWarning`). In torchtitan's
+    order: checkpoint, then compile, then FSDP2."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options = checkpointing_options(checkpointing)
@@ -92,6 +122,7 @@ def apply_fsdp(model, mesh, *, mixed_precision: bool = False, checkpointing: boo
         # the checkpoint goes inside each compiled layer, where torch.compile traces it (a
         # selective policy included) and its backward recomputes compiled code; transformers'
         # checkpointing calls the layer from outside, and the compiled layer then ran eagerly
+        RecompileLimitWarning.install()
         for layer in decoder_layers(model):
             if options is not None:
                 layer.forward = _checkpointed(layer, layer.forward, options)
