@@ -58,6 +58,8 @@ class Plan:
     handle: torch.Tensor = field(default=None, compare=False)
 
     def __post_init__(self):
+        if self.handle is not None:  # dataclasses.replace (FSDP2's cast of a forward's inputs
+            return                   # rebuilds them): the same plan, found through the original
         number = next(_NUMBERS)
         _PLANS[number] = self
         object.__setattr__(self, "handle", torch.tensor(number))

@@ -116,3 +116,20 @@ def test_a_layer_past_the_recompile_limit_says_so(monkeypatch, capsys):
         assert f(torch.ones(2), n).tolist() == [n, n]
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "model.compile" in ln]
     assert len(lines) == 1 and "recompile limit" in lines[0]
+
+
+def test_a_plan_rebuilt_as_fsdp_casts_inputs_is_the_same_plan(tiny):
+    """FSDP2's mixed precision casts a forward's inputs by rebuilding dataclasses
+    (dataclasses.replace): the rebuilt plan keeps the original's handle and registers nothing,
+    so a checkpointed layer's recompute in the backward still finds the plan the micro-batch
+    holds (bench/device_check.sh's compiled bf16 step once failed with 'plan freed')."""
+    import dataclasses
+    import gc
+
+    import attention as A
+    plan = _packed(tiny[1], 1).packed.plan
+    copy = dataclasses.replace(plan, calls=list(plan.calls))
+    assert copy is not plan and int(copy.handle) == int(plan.handle)
+    del copy
+    gc.collect()
+    assert A._plan(plan.handle) is plan
