@@ -130,8 +130,11 @@ class ModelConfig:
     mixed_precision: bool = False            # trainer: FSDP2 bf16 compute with fp32 master weights
     # trainer: recompute the decoder layers' activations in backward: "full" (= true: every op of
     # every layer), "selective" (all but the matmuls' and attention's outputs, which stay saved),
-    # "off" (= false); the vision tower is never recomputed (sharding.checkpointing_options)
-    activation_checkpointing: bool | str = one_of(False, (False, True, "full", "selective", "off"))
+    # "off" (= false); "auto": the first of off, selective, full whose train phase fits the memory
+    # plan's cluster.device_memory_gib ("full" when that or the model's shape is not known; decided
+    # once at start, said on the console: memplan.checkpointing, docs/memory.md); the vision tower
+    # is never recomputed (sharding.checkpointing_options)
+    activation_checkpointing: bool | str = one_of(False, (False, True, "full", "selective", "off", "auto"))
     # trainer: torch.compile each decoder layer (fewer launches per layer; the first step compiles);
     # with checkpointing, each layer's checkpoint inside its compiled region (sharding.apply_fsdp)
     compile: bool = False

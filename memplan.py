@@ -3,7 +3,8 @@
 Every figure is a formula of the model's shape and the config (docs/memory.md writes them out);
 the shape is the local config.json's, or for the configs' hub ids families.REFERENCE_SHAPES.
 The device's memory is `cluster.device_memory_gib` (0: the plan is printed, not judged). A plan
-whose peak does not fit is one ConfigError naming the knob to change.
+whose peak does not fit is one ConfigError naming the knob to change. The plan also decides
+model.activation_checkpointing = "auto" (:func:`checkpointing`), once at start.
 """
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ def shape_of(path: str, config=None) -> Shape | None:
                  F.qkv_bias(t), vision)
 
 
-def terms(cfg, shape: Shape, trainers: int) -> dict[str, float]:
-    """Every term of the plan in bytes, per device (docs/memory.md, "The terms")."""
+def terms(cfg, shape: Shape, trainers: int, mode: str) -> dict[str, float]:
+    """Every term of the plan in bytes, per device (docs/memory.md, "The terms"); `mode`: the
+    activation checkpointing the trainer runs (:func:`checkpointing`: "auto" resolved)."""
     mc, tc, ro = cfg.model, cfg.train, cfg.rollout
     master = 4 if mc.mixed_precision or tc.master_dtype == "float32" else 2
     compute = 2 if mc.mixed_precision or tc.master_dtype == "bfloat16" else 4
@@ -80,7 +82,6 @@ def terms(cfg, shape: Shape, trainers: int) -> dict[str, float]:
     # too (q, k, v, attention, o, gate, up, down); every activation of every layer ("off"); one
     # layer's during its recompute
     saved = {"full": h, "selective": 5 * h + 2 * kv + 2 * shape.intermediate}
-    mode = checkpointing_mode(mc.activation_checkpointing)
     act = (shape.layers * compute * tokens * saved[mode] + layer_act if mode != "off"
            else shape.layers * layer_act)
     engine_weights = shape.params * BYTES[mc.dtype]
@@ -106,11 +107,11 @@ def len_gens(cfg, trainers: int) -> int:
     return trainers if cfg.cluster.colocate else cfg.cluster.gen_ranks
 
 
-def phases(cfg, shape: Shape, trainers: int, memory: float) -> dict[str, dict[str, float]]:
+def phases(cfg, shape: Shape, trainers: int, memory: float, mode: str) -> dict[str, dict[str, float]]:
     """Each phase's terms (bytes) on the device that holds most: a colocated rank's, else a
     trainer's and an engine's. vLLM's engine is rollout.gpu_memory_utilization x `memory`
     (its weights inside); asleep (level 1) it holds nothing on the device."""
-    t = terms(cfg, shape, trainers)
+    t = terms(cfg, shape, trainers, mode)
     vllm = cfg.rollout.engine == "vllm"
     if vllm and memory:  # weights and KV cache inside vLLM's share of the device
         engine = {"engine (gpu_memory_utilization)": cfg.rollout.gpu_memory_utilization * memory}
@@ -126,7 +127,7 @@ def phases(cfg, shape: Shape, trainers: int, memory: float) -> dict[str, dict[st
             "sync": {**resident, "engine weights": t["engine weights"], "sync buffers": t["sync buffers"]}}
 
 
-def knob(phase: str, parts: dict[str, float], cfg, room: float) -> str:
+def knob(phase: str, parts: dict[str, float], cfg, room: float, mode: str) -> str:
     """The key to change when `phase` does not fit: vLLM's share if lowering it could make room
     (`room`: what the trainer's terms leave of the device for the engine), else the largest term's."""
     share = parts.get("engine (gpu_memory_utilization)")
@@ -135,19 +136,48 @@ def knob(phase: str, parts: dict[str, float], cfg, room: float) -> str:
     big = max((k for k in parts if not k.startswith("engine (")), key=parts.get)
     if big == "activations":
         return ("lower train.micro_batch_tokens (or set model.activation_checkpointing = \"full\")"
-                if checkpointing_mode(cfg.model.activation_checkpointing) != "full"
+                if mode != "full"
                 else "lower train.micro_batch_tokens")
     if big in ("kv cache (hf)", "logits (hf)"):
         return "lower rollout.prompts_per_step or rollout.max_new_tokens (or use rollout.engine = 'vllm')"
     return "set model.lora_rank > 0 (LoRA), or launch more ranks"
 
 
+def checkpointing(cfg, trainers: int, config=None) -> tuple[str, str]:
+    """model.activation_checkpointing as the trainer runs it ("full" | "selective" | "off") and,
+    for "auto", the line that says why ("" otherwise). "auto" is the first of off, selective,
+    full (the least recomputation first) whose train phase fits `cluster.device_memory_gib`;
+    "full", the safe choice, where the device's memory or the model's shape is not known or
+    where none fits (the dry run's plan then names the knob)."""
+    value = cfg.model.activation_checkpointing
+    if value != "auto":
+        return checkpointing_mode(value), ""
+    say = 'activation checkpointing: model.activation_checkpointing = "auto" -> '
+    shape, memory = shape_of(cfg.model.path, config), cfg.cluster.device_memory_gib * GIB
+    if shape is None:
+        return "full", say + f'"full" (the shape of {cfg.model.path} is not known: the safe choice)'
+    if not memory:
+        return "full", say + '"full" (cluster.device_memory_gib not given: the safe choice)'
+    tried = []
+    for mode in ("off", "selective", "full"):
+        plan = phases(cfg, shape, trainers, memory, mode)
+        need = sum((plan.get("train") or plan["train (trainer device)"]).values()) / GIB
+        if need <= memory / GIB:
+            return mode, say + (f'"{mode}": its train phase needs {need:.1f} of {memory / GIB:g} GiB '
+                                f"(cluster.device_memory_gib){''.join(tried)}")
+        tried.append(f'; "{mode}" would need {need:.1f}')
+    return "full", say + (f'"full": no mode\'s train phase fits {memory / GIB:g} GiB '
+                          f"(cluster.device_memory_gib){''.join(tried)}")
+
+
 def plan_lines(cfg, trainers: int, config=None) -> list[str]:
-    """The plan's lines for the dry run; ConfigError when a phase cannot fit."""
+    """The plan's lines for the dry run (with model.activation_checkpointing = "auto", the mode
+    it resolves to: :func:`checkpointing`); ConfigError when a phase cannot fit."""
     shape = shape_of(cfg.model.path, config)
+    mode, why = checkpointing(cfg, trainers, config)
     if shape is None:
         return [f"memory plan: the shape of {cfg.model.path} is not known before it is downloaded "
-                "(no local config.json, not in families.REFERENCE_SHAPES)"]
+                "(no local config.json, not in families.REFERENCE_SHAPES)", *([why] if why else [])]
     memory = cfg.cluster.device_memory_gib * GIB
     layout = ("colocated: each device a trainer and its engine" if cfg.cluster.colocate
               else "static split: trainer devices and engine devices apart")
@@ -155,7 +185,7 @@ def plan_lines(cfg, trainers: int, config=None) -> list[str]:
              f"{trainers} trainer rank(s), {layout}; device "
              + (f"{cfg.cluster.device_memory_gib:g} GiB (cluster.device_memory_gib)" if memory else
                 "memory not given (cluster.device_memory_gib = 0: not judged)")]
-    plan = phases(cfg, shape, trainers, memory)
+    plan = phases(cfg, shape, trainers, memory, mode)
     for phase, parts in plan.items():
         lines.append(f"   {phase}: {sum(parts.values()) / GIB:.1f} = " +
                      " + ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items()))
@@ -165,5 +195,5 @@ def plan_lines(cfg, trainers: int, config=None) -> list[str]:
             weights = shape.params * BYTES[cfg.model.dtype]
             raise ConfigError(f"memory plan: the {phase} phase needs {sum(parts.values()) / GIB:.1f} GiB "
                               f"of a {memory / GIB:g} GiB device; "
-                              f"{knob(phase, parts, cfg, room if room > 1.1 * weights else 0)}")
-    return lines
+                              f"{knob(phase, parts, cfg, room if room > 1.1 * weights else 0, mode)}")
+    return lines + ([f"   {why}"] if why else [])

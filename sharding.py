@@ -48,7 +48,11 @@ def _keep_compute(_ctx, op, *args, **kwargs):
 
 
 def checkpointing_mode(value: bool | str) -> str:
-    """model.activation_checkpointing as a mode: true = "full", false = "off"."""
+    """model.activation_checkpointing as a mode: true = "full", false = "off"; "auto" is the
+    memory plan's to decide (memplan.checkpointing) before anything reaches here."""
+    if value == "auto":
+        raise ValueError('model.activation_checkpointing = "auto" reached the sharding unresolved: '
+                         "pass the mode memplan.checkpointing chose (trainer.build does)")
     return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 

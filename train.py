@@ -223,7 +223,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
     full, teacher = trainer.load_checked(world, model_path, cfg)  # rank 0: every weight there, or nothing
     # the trainer's row layout (train.packing's "auto" decided); refused: ConfigError
     layout, notes = microbatches.resolve_layout(cfg.train, procs, model_path, device, ro.env)
-    notes.append(pipeline.staging_memory_line(cfg, world, dev, device, model_path))  # refused: ConfigError
+    checkpointing, line = trainer.resolve_checkpointing(cfg, world, model_path)  # "auto": the memory plan's
+    notes += [pipeline.staging_memory_line(cfg, world, dev, device, model_path), line]  # refused: ConfigError
     engine, turns, warmed = engines.start(cfg, world, dev, device, live, model_path, procs,
                                           problems + (eval_set or []), rollout.sampling(ro))
     channel = None
@@ -232,7 +233,8 @@ def set_up(cfg: config.Config, world: World, dev: Device, live: failures.Livenes
         channel = open_engine_channel(world, dev.comm, engine, ro.tensor_parallel_size, device,
                                          port=cfg.sync.channel_port, timeout_s=cfg.cluster.timeout_s,
                                          verbose=cfg.run.verbose)
-    tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher) if world.is_trainer else None
+    tr = trainer.build(model_path, world, device, cfg, layout, channel, full, teacher,
+                       checkpointing) if world.is_trainer else None
     del full, teacher  # the trainers hold their shards now
     receiver = sync.Receiver(world.sync_group, 0, device) if world.is_gen and world.sync_group is not None else None
     scorer, eval_scorer = reward_models.runners(cfg, world, dev, live, (cfg.reward.functions, cfg.eval.functions), tr)

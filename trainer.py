@@ -20,6 +20,7 @@ import families
 import device as D
 import inputs as I
 import lora
+import memplan
 import model as M
 import sharding
 import routing
@@ -47,18 +48,22 @@ class Trainer:
     teacher: Any = None      # on-policy distillation's teacher (model.teacher_path), frozen, sharded like ref
     base_teacher: bool = False  # model.teacher_path = "base" (LoRA): the policy with its adapters off
     rewards: Any = None      # role = "trainer" reward models (reward_models.TrainerScorer), set at start
+    checkpointing: str = "off"  # model.activation_checkpointing as the policy runs it ("auto": resolve_checkpointing)
 
 
 def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.RowLayout,
-          channel: S.CommChannel | None = None, full=None, teacher_full=None) -> Trainer:
+          channel: S.CommChannel | None = None, full=None, teacher_full=None,
+          checkpointing: str | None = None) -> Trainer:
     """The :class:`Trainer` from the run's config; `full` (`teacher_full`): the model (the
     distillation teacher) as trainer rank 0 loaded it (CPU, fp32; None elsewhere), scattered to
-    every trainer's shards; `layout`: its micro-batches' rows (microbatches.resolve_layout).
+    every trainer's shards; `layout`: its micro-batches' rows (microbatches.resolve_layout);
+    `checkpointing`: the mode :func:`resolve_checkpointing` decided at start (None: decided here).
     With LoRA: adapters from `run.seed` on the skeleton and `full` before FSDP, and no
     reference copy."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mc, tc, lc, total_steps = cfg.model, cfg.train, cfg.loss, cfg.run.steps
+    checkpointing = checkpointing or resolve_checkpointing(cfg, world, model_path)[0]
     if full is None and world.trainer_index == 0:  # scripts and tests: load it here
         full = M.load_model(model_path, dtype=torch.float32)
     # Never DeviceMesh(ranks) over a subset: that calls new_group on the whole world.
@@ -79,7 +84,7 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
     # train(): transformers builds in eval mode, where activation checkpointing never runs
     policy = sharding.shard_from_rank0(params_to(policy, dtype), full, mesh, device, world.train_group,
                                 mixed_precision=mc.mixed_precision or bf16,
-                                checkpointing=mc.activation_checkpointing, compile=mc.compile).train()
+                                checkpointing=checkpointing, compile=mc.compile).train()
     ref = None
     if lc.kl_coef > 0 and not mc.lora_rank:  # reference, sharded like the policy (mix_reference)
         skeleton = fewer_launches(M.model_from_config(model_path, meta=True, device_type=device.type,
@@ -111,7 +116,15 @@ def build(model_path: str, world, device: torch.device, cfg: Config, layout: M.R
                       is_root=world.is_root or world.colocated, device=device, channel=channel)
     return Trainer(policy, ref, opt, sched, sender, device, layout,
                    base_ref=bool(mc.lora_rank) and lc.kl_coef > 0, replay_ref=mc.moe_routing_replay_ref,
-                   teacher=teacher, base_teacher=mc.teacher_path == "base")
+                   teacher=teacher, base_teacher=mc.teacher_path == "base", checkpointing=checkpointing)
+
+
+def resolve_checkpointing(cfg: Config, world, model_path: str) -> tuple[str, str]:
+    """model.activation_checkpointing as the run's trainers run it ("full" | "selective" |
+    "off") and the start-up line that says why ("" unless "auto"): memplan.checkpointing over
+    the model's own config. Decided once at start (train.set_up), held by the :class:`Trainer`."""
+    config = M.load_config(model_path) if cfg.model.activation_checkpointing == "auto" else None
+    return memplan.checkpointing(cfg, len(world.trainers), config)
 
 
 def fewer_launches(model):

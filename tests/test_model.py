@@ -188,6 +188,28 @@ def test_trainer_policy_recomputes_layers_in_backward(tiny, one_rank_world, chec
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("memory, mode", [(64, "off"), (0, "full")])
+def test_trainer_runs_the_mode_auto_resolved_to(tiny, one_rank_world, memory, mode):
+    """model.activation_checkpointing = "auto": trainer.build runs (and holds) the mode the memory
+    plan chose for the tiny model: none on a 64 GiB device, "full" where the device's memory is
+    not given (every decoder layer recomputed in backward); under model.compile too, each
+    compiled layer's checkpoint inside it or none (the layers compile at their first forward)."""
+    import config as C
+    import trainer as T
+    path, procs = tiny
+    cfg = C.load(None, ["--model.activation_checkpointing=auto", f"--cluster.device_memory_gib={memory}"])
+    tr = T.build(path, one_rank_world, torch.device("cpu"), cfg, M.RowLayout())
+    assert tr.checkpointing == mode == T.resolve_checkpointing(cfg, one_rank_world, path)[0]
+    count, batch = CheckpointCounter(tr.policy), _batch(tiny)
+    (M.sequence_logprobs(tr.policy, batch, procs.tokens, 1.0)[0] * batch.response_mask).sum().backward()
+    layers = 2 if mode == "full" else 0
+    assert (count.calls, count.recomputes) == (layers, layers)
+    cfg.model.compile = True
+    compiled = T.build(path, one_rank_world, torch.device("cpu"), cfg, M.RowLayout()).policy
+    wrapped = [layer.forward.__qualname__.startswith("_checkpointed") for layer in sharding.decoder_layers(compiled)]
+    assert wrapped == [mode == "full"] * 2
+
+
 def test_attention_dropout_is_refused_at_load(tmp_path):
     import json
     path = F.build_tiny(tmp_path / "tiny", seed=0)
